@@ -1,0 +1,51 @@
+"""The `ats` command line: a thin Typer shell over the library.
+
+Each sub-command lives in its own module and only parses arguments, calls the
+library and prints; nothing of the method is implemented here.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from ats_cli import __version__
+
+app = typer.Typer(
+    name="ats",
+    help="Classify megapixel and whole-slide images with attention sampling.",
+    rich_markup_mode="rich",
+    no_args_is_help=True,
+    add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"ats {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    """Classify megapixel and whole-slide images with attention sampling."""
+
+
+from ats_cli.cli import selfcheck as _selfcheck  # noqa: E402  (registers `ats selfcheck`)
+
+try:  # `ats make-dataset` (issue 3) registers itself when present
+    from ats_cli.cli.make_dataset import make_dataset_app  # noqa: E402
+
+    app.add_typer(make_dataset_app, name="make-dataset")
+except ImportError:  # pragma: no cover - only while the module does not exist yet
+    pass
+
+_ = _selfcheck
+
+
+def main() -> None:
+    app()

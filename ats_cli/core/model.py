@@ -1,0 +1,121 @@
+"""The attention-sampling model, readable top to bottom.
+
+    low-res view --attention net--> scores --softmax--> a (distribution over positions)
+    a --sample n positions--> indices --geometry--> full-res patch offsets
+    patch source --read only those patches--> feature net --L2 normalise--> f
+    (f, a at the samples) --unbiased estimator--> pooled feature --classifier--> logits
+
+The full-resolution image is only ever touched through a patch source (see
+:mod:`ats_cli.core.source`), so its size never enters the cost of a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ats_cli.core.geometry import positions_to_offsets
+from ats_cli.core.sampling import attention_distribution, entropy, expectation, sample
+from ats_cli.core.source import Sources, gather_patches, source_sizes
+
+__all__ = ["ATSModel", "ATSOutput"]
+
+
+@dataclass
+class ATSOutput:
+    """What one forward pass produced; everything a loss or a heatmap needs."""
+
+    logits: torch.Tensor  # [B, classes]
+    attention: torch.Tensor  # [B, att_h, att_w], sums to 1 per image
+    indices: torch.Tensor  # [B, n] flat attention positions, in draw order
+    offsets: torch.Tensor  # [B, n, 2] top-left (row, col) of each patch at full resolution
+    sampled_probs: torch.Tensor  # [B, n] attention at the sampled positions
+    entropy: torch.Tensor  # [B] entropy of the attention distribution (nats)
+    patches: torch.Tensor | None = None  # [B, n, C, ph, pw] when asked for (visualisation)
+
+
+def _to_float(patches: torch.Tensor) -> torch.Tensor:
+    """8-bit pixels to [0, 1]; other dtypes are taken as already scaled."""
+    return patches.float() / 255.0 if patches.dtype == torch.uint8 else patches.float()
+
+
+class ATSModel(nn.Module):
+    """Attention net + feature net + linear classifier, joined by attention sampling.
+
+    ``n_patches`` of ``patch_size`` are sampled per image (``replace`` chooses with or
+    without replacement); ``scale`` is the low-res view's scale, kept here so that
+    prediction makes the same view as training; ``entropy_weight`` is lambda in
+    ``loss = CE - lambda * H(a)``; ``smoothing`` mixes uniform mass into the attention.
+    """
+
+    def __init__(
+        self,
+        attention_net: nn.Module,
+        feature_net: nn.Module,
+        n_classes: int,
+        *,
+        n_patches: int = 10,
+        patch_size: tuple[int, int] = (50, 50),
+        scale: float = 0.12,
+        replace: bool = False,
+        entropy_weight: float = 0.01,
+        smoothing: float = 0.0,
+    ):
+        super().__init__()
+        self.attention_net = attention_net
+        self.feature_net = feature_net
+        self.classifier = nn.Linear(feature_net.out_features, n_classes)
+        self.n_patches = int(n_patches)
+        self.patch_size = (int(patch_size[0]), int(patch_size[1]))
+        self.scale = float(scale)
+        self.replace = bool(replace)
+        self.entropy_weight = float(entropy_weight)
+        self.smoothing = float(smoothing)
+
+    def forward(
+        self,
+        low: torch.Tensor,
+        sources: Sources,
+        *,
+        n_patches: int | None = None,
+        generator: torch.Generator | None = None,
+        return_patches: bool = False,
+    ) -> ATSOutput:
+        """``low``: low-res views [B, C, h, w] (float, [0, 1]); ``sources``: the
+        full-resolution images, as a tensor [B, C, H, W] or a sequence of patch sources.
+        ``n_patches`` overrides the training value (more patches, less variance)."""
+        n = self.n_patches if n_patches is None else int(n_patches)
+        scores = self.attention_net(low)
+        att_shape = tuple(scores.shape[-2:])
+        probs = attention_distribution(scores, self.smoothing)
+        indices, sampled_probs = sample(probs, n, replace=self.replace, generator=generator)
+
+        offsets = positions_to_offsets(
+            indices,
+            att_shape,
+            source_sizes(sources).to(indices.device),
+            self.patch_size,
+            low_size=tuple(low.shape[-2:]),
+            margin=getattr(self.attention_net, "margin", 0),
+        )
+        patches = _to_float(gather_patches(sources, offsets, self.patch_size).to(low.device))
+        B = low.shape[0]
+        feats = self.feature_net(patches.flatten(0, 1)).view(B, n, -1)
+        feats = F.normalize(feats, dim=-1)  # equal norms make sampling from a optimal (thesis 3.3.4)
+        pooled = expectation(feats, sampled_probs, replace=self.replace)
+        return ATSOutput(
+            logits=self.classifier(pooled),
+            attention=probs.view(B, *att_shape),
+            indices=indices,
+            offsets=offsets,
+            sampled_probs=sampled_probs,
+            entropy=entropy(probs),
+            patches=patches if return_patches else None,
+        )
+
+    def loss(self, out: ATSOutput, target: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy minus the entropy bonus (thesis eq. 3.21), averaged over the batch."""
+        return F.cross_entropy(out.logits, target) - self.entropy_weight * out.entropy.mean()

@@ -1,0 +1,64 @@
+"""The paper's Megapixel MNIST networks (thesis B.8.1; anchors.md, training defaults)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ats_cli.nets.registry import register
+
+
+class ConvAttention(nn.Module):
+    """A small all-convolutional attention network with 'same' padding (margin 0):
+    ``depth`` conv layers of ``width`` channels, then a 1-channel score map.
+
+    The last layer starts at zero so the initial attention is exactly uniform: the
+    network then explores every position before it learns where to look (thesis Fig.
+    3.3 starts uniform too), instead of starting from a random, peaked preference.
+    """
+
+    margin = 0
+
+    def __init__(self, in_channels: int = 1, width: int = 8, depth: int = 2, activation: str = "tanh"):
+        super().__init__()
+        act = {"tanh": nn.Tanh, "relu": nn.ReLU}[activation]
+        layers: list[nn.Module] = []
+        c = in_channels
+        for _ in range(depth):
+            layers += [nn.Conv2d(c, width, 3, padding=1), act()]
+            c = width
+        self.body = nn.Sequential(*layers)
+        self.score = nn.Conv2d(c, 1, 3, padding=1)
+        nn.init.zeros_(self.score.weight)
+        nn.init.zeros_(self.score.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.score(self.body(x))
+
+
+class LeNetFeatures(nn.Module):
+    """LeNet-1-inspired feature network: Conv(w,7) then 3x Conv(w,3), ReLU, 'valid',
+    global max pool -> [N, w]. (The model applies the final L2 normalisation.)"""
+
+    def __init__(self, in_channels: int = 1, width: int = 32):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(in_channels, width, 7), nn.ReLU(),
+            nn.Conv2d(width, width, 3), nn.ReLU(),
+            nn.Conv2d(width, width, 3), nn.ReLU(),
+            nn.Conv2d(width, width, 3), nn.ReLU(),
+        )
+        self.out_features = width
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.amax(self.body(x), dim=(2, 3))
+
+
+@register("mnist-attention", kind="attention")
+def mnist_attention(in_channels: int = 1, width: int = 8) -> nn.Module:
+    return ConvAttention(in_channels, width=width, depth=2, activation="tanh")
+
+
+@register("mnist-features", kind="features")
+def mnist_features(in_channels: int = 1, width: int = 32) -> nn.Module:
+    return LeNetFeatures(in_channels, width=width)
