@@ -13,7 +13,7 @@ runner = CliRunner()
 def test_help_lists_the_commands():
     result = runner.invoke(app, ["--help"])
     assert result.exit_code == 0, result.output
-    for command in ("selfcheck",):
+    for command in ("selfcheck", "make-dataset"):
         assert command in result.output
 
 

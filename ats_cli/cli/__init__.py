@@ -35,16 +35,13 @@ def _root(
     """Classify megapixel and whole-slide images with attention sampling."""
 
 
-from ats_cli.cli import selfcheck as _selfcheck  # noqa: E402  (registers `ats selfcheck`)
+# Each module registers its command(s) on `app` when imported.
+from ats_cli.cli import selfcheck as _selfcheck  # noqa: E402
+from ats_cli.cli.make_dataset import make_dataset_app  # noqa: E402
 
-try:  # `ats make-dataset` (issue 3) registers itself when present
-    from ats_cli.cli.make_dataset import make_dataset_app  # noqa: E402
+app.add_typer(make_dataset_app, name="make-dataset")
 
-    app.add_typer(make_dataset_app, name="make-dataset")
-except ImportError:  # pragma: no cover - only while the module does not exist yet
-    pass
-
-_ = _selfcheck
+_ = (_selfcheck,)
 
 
 def main() -> None:

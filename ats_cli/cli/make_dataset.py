@@ -1,0 +1,141 @@
+"""`ats make-dataset`: write datasets in the ats format (a thin shell over :mod:`ats_cli.data`)."""
+
+from __future__ import annotations
+
+import os
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from ats_cli.data.dataset import DatasetError
+from ats_cli.data.folder import dataset_from_folder
+from ats_cli.data.megapixel_mnist import PlacementError, check_output, generate_megapixel_mnist, make_config
+from ats_cli.data.mnist import DigitSourceError, resolve_digits
+
+make_dataset_app = typer.Typer(
+    help="Create a dataset in the ats format (train.csv / test.csv / dataset.json).",
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+class Preset(StrEnum):
+    paper = "paper"
+    small = "small"
+
+
+class Mode(StrEnum):
+    reference = "reference"
+    copy = "copy"
+    link = "link"
+
+
+def _fail(err: Exception) -> typer.Exit:
+    err_console.print(f"[bold red]error:[/] {err}", highlight=False, markup=True, soft_wrap=True)
+    return typer.Exit(code=1)
+
+
+@make_dataset_app.command("megapixel-mnist")
+def megapixel_mnist(
+    out: Annotated[Path, typer.Argument(help="Output directory (created; rerun the same command to resume).")],
+    preset: Annotated[Preset, typer.Option(help="paper: 1500x1500, 5000/1000 images, 50 noise patches; small: "
+                                           "500x500, 1000/200 images, 10 noise patches. Flags below override it.")]
+    = Preset.paper,
+    n_train: Annotated[int | None, typer.Option("--n-train", help="Training images (paper: 5000).")] = None,
+    n_test: Annotated[int | None, typer.Option("--n-test", help="Test images (paper: 1000).")] = None,
+    width: Annotated[int | None, typer.Option(help="Canvas width in pixels (paper: 1500).")] = None,
+    height: Annotated[int | None, typer.Option(help="Canvas height in pixels (paper: 1500).")] = None,
+    n_digits: Annotated[int | None, typer.Option("--n-digits", help="Digits per image (5).")] = None,
+    n_target: Annotated[int | None, typer.Option("--n-target", help="Digits of the target (majority) class (3).")]
+    = None,
+    n_noise: Annotated[int | None, typer.Option("--n-noise", help="Noise patches per image (paper: 50).")] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed; train images use seed+1, test images seed (0).")] = None,
+    mnist: Annotated[Path | None, typer.Option("--mnist", help="MNIST IDX directory (.gz or not) or .npz with "
+                                               "x_train/y_train/x_test/y_test. Default: cached/downloaded MNIST, "
+                                               "else the bundled sample digits.")] = None,
+    workers: Annotated[int | None, typer.Option(help="Worker processes (default: CPU count); the output does not "
+                                                "depend on it.")] = None,
+    offline: Annotated[bool, typer.Option("--offline", help="Do not try to download MNIST (also: ATS_OFFLINE=1).")]
+    = False,
+) -> None:
+    """Generate Megapixel MNIST (thesis §3.4.2): label = the majority digit among 5, hidden in noise."""
+    try:
+        config = make_config(
+            preset.value, n_train=n_train, n_test=n_test, width=width, height=height,
+            n_digits=n_digits, n_target=n_target, n_noise=n_noise, seed=seed,
+        )
+        digits = resolve_digits(
+            mnist,
+            offline=True if offline else None,
+            on_notice=lambda msg: err_console.print(f"[yellow]note:[/] {msg}", highlight=False),
+        )
+    except (ValueError, DigitSourceError, OSError) as err:
+        raise _fail(err) from None
+    workers = workers or os.cpu_count() or 1
+    console.print(
+        f"Megapixel MNIST -> [bold]{out}[/]: {config.n_train} train + {config.n_test} test images, "
+        f"{config.width}x{config.height}, {config.n_digits} digits ({config.n_target} target), "
+        f"{config.n_noise} noise, seed {config.seed}, {workers} worker(s)",
+        highlight=False,
+    )
+    console.print(f"digits: {digits.description}", highlight=False)
+    try:
+        check_output(out, config, digits)  # before the progress bar: a refusal should not draw one
+    except DatasetError as err:
+        raise _fail(err) from None
+
+    columns = (TextColumn("{task.description:>5}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=False) as bar:
+        tasks = {s: bar.add_task(s, total=t) for s, t in (("train", config.n_train), ("test", config.n_test))}
+        try:
+            report = generate_megapixel_mnist(
+                out, config, digits, workers=workers,
+                progress=lambda split, done, total: bar.update(tasks[split], completed=done),
+            )
+        except (DatasetError, PlacementError, OSError) as err:
+            raise _fail(err) from None
+        except KeyboardInterrupt:
+            err_console.print("[yellow]interrupted[/]: finished images are kept; rerun the same command to resume")
+            raise typer.Exit(code=130) from None
+
+    rate = f"{report.images_per_s:.1f} images/s" if report.written else "nothing to render"
+    console.print(
+        f"wrote {report.written} images, skipped {report.skipped} already complete, in {report.seconds:.1f} s "
+        f"({rate}, {report.workers} worker(s)); dataset: {report.dataset_json}",
+        highlight=False,
+    )
+
+
+@make_dataset_app.command("from-folder")
+def from_folder(
+    src: Annotated[Path, typer.Argument(help="Folder with one sub-folder per class (SRC/<class>/<image>).")],
+    out: Annotated[Path, typer.Argument(help="Output directory for train.csv, test.csv, (val.csv), dataset.json.")],
+    test: Annotated[float, typer.Option("--test", help="Fraction of each class for the test split.")] = 0.2,
+    val: Annotated[float, typer.Option("--val", help="Fraction of each class for a validation split (0: none).")]
+    = 0.0,
+    seed: Annotated[int, typer.Option(help="Seed of the stratified split.")] = 0,
+    mode: Annotated[Mode, typer.Option(help="reference: CSVs point at the source files by absolute path; "
+                                       "copy / link: copy or symlink them under OUT/images/.")] = Mode.reference,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing dataset.json in OUT.")] = False,
+) -> None:
+    """Turn an ImageFolder-style tree into the ats format (seeded, stratified split; no copying by default)."""
+    try:
+        dataset = dataset_from_folder(src, out, test_fraction=test, val_fraction=val, seed=seed,
+                                      mode=mode.value, overwrite=force)
+    except (ValueError, OSError) as err:  # DatasetError is a ValueError
+        raise _fail(err) from None
+    counts = ", ".join(f"{name} {len(rows)}" for name, rows in dataset.splits.items())
+    names = ", ".join(dataset.classes[:10]) + (", ..." if len(dataset.classes) > 10 else "")
+    console.print(
+        f"{len(dataset.classes)} classes ({names}); {counts}; written to {dataset.root / 'dataset.json'}",
+        highlight=False,
+    )

@@ -1,0 +1,330 @@
+"""The one on-disk dataset format, for generated and user data alike.
+
+A dataset is a directory holding
+
+* ``train.csv`` and ``test.csv`` (optionally ``val.csv``): columns ``path,label``,
+  where ``path`` is relative to the directory (or absolute) and ``label`` is a class
+  *name*; any further columns are kept verbatim as "extra" columns;
+* ``dataset.json``: ``{"classes": [...]}`` (class names in label-index order), optional
+  ``hints`` (``channels``, ``scale``, ``patch_size``, ...), optional ``splits`` (the split
+  names to read; defaults to whichever of train/val/test CSVs exist) and, for generated
+  data, a ``generator`` block with the generator's parameters and seed.
+
+Why CSV + JSON: users can produce it with a spreadsheet or three lines of pandas, it
+diffs well, and a dataset can reference images anywhere (absolute paths) without
+copying gigabytes. Why validate everything up front: a typo in row 40,000 should fail in
+one second at load time with the row named, not an hour into training.
+
+Everything is written atomically (temporary file in the same directory, then
+``os.replace``), so a crash never leaves a half-written CSV or JSON behind.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "DATASET_JSON",
+    "KNOWN_SPLITS",
+    "Dataset",
+    "DatasetError",
+    "Problem",
+    "Record",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "load_dataset",
+    "write_dataset",
+]
+
+DATASET_JSON = "dataset.json"
+KNOWN_SPLITS = ("train", "val", "test")
+REQUIRED_SPLITS = ("train", "test")
+FORMAT_NAME = "ats-dataset"
+FORMAT_VERSION = 1
+MAX_SHOWN = 10  # problems spelled out in an error message; the rest are counted
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a dataset: where (file and line; 0 = the file as a whole) and what."""
+
+    file: str
+    line: int
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.file}:{self.line}" if self.line else self.file
+        return f"{where}: {self.message}"
+
+
+class DatasetError(ValueError):
+    """A dataset directory that cannot be used, with every problem found.
+
+    Raised once per load with all problems collected (``.problems``), so a user fixes a
+    CSV in one pass instead of one error per run. The message lists the first few as
+    ``file:line: problem`` (line numbers count the header as line 1, as editors do).
+    """
+
+    def __init__(self, root: str | os.PathLike[str], problems: Sequence[Problem]):
+        self.root = Path(root)
+        self.problems = list(problems)
+        shown = "\n".join(f"  {p}" for p in self.problems[:MAX_SHOWN])
+        more = len(self.problems) - MAX_SHOWN
+        tail = f"\n  ... and {more} more" if more > 0 else ""
+        noun = "problem" if len(self.problems) == 1 else "problems"
+        super().__init__(f"dataset {self.root}: {len(self.problems)} {noun}:\n{shown}{tail}")
+
+
+@dataclass(frozen=True)
+class Record:
+    """One image of a split.
+
+    ``path`` is absolute; ``label`` is the index into ``Dataset.classes``; ``extra`` holds
+    the CSV's other columns as strings (e.g. the generator's ``digits`` boxes); ``line`` is
+    the CSV line, kept so later errors (an unreadable image) can point back to the row.
+    """
+
+    path: Path
+    label: int
+    label_name: str
+    extra: Mapping[str, str] = field(default_factory=dict)
+    line: int = 0
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A validated dataset: class names, records per split, hints and the raw ``dataset.json``."""
+
+    root: Path
+    classes: list[str]
+    splits: dict[str, list[Record]]
+    hints: dict[str, Any]
+    meta: dict[str, Any]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    def __getitem__(self, split: str) -> list[Record]:
+        try:
+            return self.splits[split]
+        except KeyError:
+            raise KeyError(f"dataset {self.root} has no split {split!r} (it has {sorted(self.splits)})") from None
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, fsync: bool = True) -> None:
+    """Write ``data`` to ``path`` so that readers see either the old file or the new one.
+
+    The temporary file lives in the destination directory (``os.replace`` is only atomic
+    within one file system) and is named ``.<name>.<pid>.tmp`` so an interrupted run's
+    leftovers are recognisable and can be swept. ``fsync`` makes the content durable
+    before the rename (power loss); callers that verify their files on reuse anyway,
+    like the image generator, may skip it for speed.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            if fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """UTF-8 text variant of :func:`atomic_write_bytes`."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def _csv_text(rows: Sequence[Mapping[str, Any]], split: str) -> str:
+    columns = ["path", "label"]
+    for row in rows:
+        for key in row:
+            if key not in columns:
+                columns.append(key)
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n", extrasaction="raise")
+    writer.writeheader()
+    for i, row in enumerate(rows):
+        if "path" not in row or "label" not in row:
+            raise ValueError(f"{split}.csv row {i + 1}: every row needs 'path' and 'label', got {sorted(row)}")
+        writer.writerow({k: "" if v is None else v for k, v in row.items()})
+    return buffer.getvalue()
+
+
+def write_dataset(
+    root: str | os.PathLike[str],
+    classes: Sequence[str],
+    splits: Mapping[str, Sequence[Mapping[str, Any]]],
+    *,
+    hints: Mapping[str, Any] | None = None,
+    generator: Mapping[str, Any] | None = None,
+    description: str | None = None,
+) -> Path:
+    """Write the CSVs and ``dataset.json`` of a dataset into ``root``; return the JSON's path.
+
+    ``splits`` maps a split name (train/val/test) to its rows; each row is a mapping with
+    ``path`` (relative to ``root`` or absolute) and ``label`` (a class name), plus any
+    extra columns (written in first-seen order). The CSVs are written first and
+    ``dataset.json`` last, so its presence means the dataset is complete. Split CSVs from
+    an earlier write that this one does not name are left alone but no longer listed.
+    """
+    root = Path(root)
+    unknown = [s for s in splits if s not in KNOWN_SPLITS]
+    if unknown:
+        raise ValueError(f"unknown split name(s) {unknown}; use {list(KNOWN_SPLITS)}")
+    if len(set(classes)) != len(classes):
+        raise ValueError(f"class names must be unique, got {list(classes)}")
+    root.mkdir(parents=True, exist_ok=True)
+    ordered = [s for s in KNOWN_SPLITS if s in splits]
+    for split in ordered:
+        atomic_write_text(root / f"{split}.csv", _csv_text(splits[split], split))
+    meta: dict[str, Any] = {"format": FORMAT_NAME, "version": FORMAT_VERSION}
+    if description:
+        meta["description"] = description
+    meta["classes"] = [str(c) for c in classes]
+    meta["splits"] = ordered
+    meta["hints"] = dict(hints or {})
+    if generator is not None:
+        meta["generator"] = dict(generator)
+    path = root / DATASET_JSON
+    atomic_write_text(path, json.dumps(meta, indent=2) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def _read_meta(root: Path, problems: list[Problem]) -> dict[str, Any] | None:
+    path = root / DATASET_JSON
+    if not path.is_file():
+        problems.append(Problem(DATASET_JSON, 0, "missing (it must list the class names: {\"classes\": [...]})"))
+        return None
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        line = getattr(err, "lineno", 0)
+        problems.append(Problem(DATASET_JSON, line, f"not valid JSON ({err})"))
+        return None
+    if not isinstance(meta, dict):
+        problems.append(Problem(DATASET_JSON, 0, "must hold a JSON object"))
+        return None
+    classes = meta.get("classes")
+    if not isinstance(classes, list) or not classes or not all(isinstance(c, (str, int)) for c in classes):
+        problems.append(Problem(DATASET_JSON, 0, "'classes' must be a non-empty list of class names"))
+        return None
+    names = [str(c) for c in classes]
+    dupes = sorted({c for c in names if names.count(c) > 1})
+    if dupes:
+        problems.append(Problem(DATASET_JSON, 0, f"duplicate class names {dupes}"))
+    hints = meta.get("hints", {})
+    if not isinstance(hints, dict):
+        problems.append(Problem(DATASET_JSON, 0, "'hints' must be a JSON object"))
+    meta["classes"] = names
+    return meta
+
+
+def _split_names(root: Path, meta: Mapping[str, Any], problems: list[Problem]) -> list[str]:
+    listed = meta.get("splits")
+    if listed is None:
+        names = [s for s in KNOWN_SPLITS if (root / f"{s}.csv").is_file()]
+        names += [s for s in REQUIRED_SPLITS if s not in names]
+        return [s for s in KNOWN_SPLITS if s in names]
+    if not isinstance(listed, list) or any(s not in KNOWN_SPLITS for s in listed):
+        problems.append(Problem(DATASET_JSON, 0, f"'splits' must be a list drawn from {list(KNOWN_SPLITS)}"))
+        return []
+    missing = [s for s in REQUIRED_SPLITS if s not in listed]
+    if missing:
+        problems.append(Problem(DATASET_JSON, 0, f"'splits' must include {missing}"))
+    return list(listed)
+
+
+def load_dataset(root: str | os.PathLike[str], *, check_files: bool = True) -> Dataset:
+    """Read and validate the dataset in ``root``.
+
+    Checks, across all splits at once: ``dataset.json`` is present and names the classes;
+    each split CSV exists, has ``path`` and ``label`` columns and at least one row; every
+    row's file exists (unless ``check_files`` is false), its label is a known class name
+    and its path appears only once in the whole dataset (a file in both train and test
+    would leak). Raises one :class:`DatasetError` listing every problem found.
+    """
+    root = Path(root).expanduser().resolve()
+    problems: list[Problem] = []
+    if not root.is_dir():
+        raise DatasetError(root, [Problem(str(root), 0, "not a directory")])
+    meta = _read_meta(root, problems)
+    if meta is None:
+        raise DatasetError(root, problems)
+    classes: list[str] = meta["classes"]
+    index = {name: i for i, name in enumerate(classes)}
+    seen: dict[Path, str] = {}
+    splits: dict[str, list[Record]] = {}
+    for split in _split_names(root, meta, problems):
+        name = f"{split}.csv"
+        path = root / name
+        if not path.is_file():
+            problems.append(Problem(name, 0, "missing"))
+            continue
+        with open(path, newline="", encoding="utf-8") as fh:
+            reader = csv.DictReader(fh)
+            header = reader.fieldnames or []
+            absent = [c for c in ("path", "label") if c not in header]
+            if absent:
+                problems.append(Problem(name, 1, f"header {header} lacks column(s) {absent}"))
+                continue
+            records: list[Record] = []
+            n_rows = 0
+            for row in reader:
+                n_rows += 1
+                line = reader.line_num
+                raw_path = (row.get("path") or "").strip()
+                label_name = (row.get("label") or "").strip()
+                if None in row:  # more fields than the header has
+                    n_fields = len(header) + len(row[None])
+                    problems.append(Problem(name, line, f"{n_fields} fields, the header has {len(header)}"))
+                    continue
+                if not raw_path:
+                    problems.append(Problem(name, line, "empty path"))
+                    continue
+                file = Path(raw_path).expanduser()
+                file = file if file.is_absolute() else root / file
+                file = Path(os.path.normpath(file))
+                if file in seen:
+                    problems.append(Problem(name, line, f"duplicate path {raw_path!r} (first at {seen[file]})"))
+                else:
+                    seen[file] = f"{name}:{line}"
+                if label_name not in index:
+                    problems.append(Problem(name, line, f"unknown label {label_name!r} (classes: {_short(classes)})"))
+                    continue
+                if check_files and not file.is_file():
+                    problems.append(Problem(name, line, f"missing file {raw_path!r}"))
+                    continue
+                extra = {k: v for k, v in row.items() if k not in ("path", "label") and k is not None}
+                records.append(Record(file, index[label_name], label_name, extra, line))
+            if n_rows == 0:
+                problems.append(Problem(name, 0, "empty split: no rows after the header"))
+        splits[split] = records
+    if problems:
+        raise DatasetError(root, problems)
+    hints = dict(meta.get("hints") or {})
+    return Dataset(root=root, classes=classes, splits=splits, hints=hints, meta=meta)
+
+
+def _short(items: Sequence[str], limit: int = 12) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f", ... ({len(items)} in all)" if len(items) > limit else "")
+

@@ -1,0 +1,169 @@
+"""Build the dataset format from an ImageFolder-style tree (one sub-folder per class).
+
+Why reference by absolute path by default: whole-slide and megapixel images are large,
+and copying a 500 GB slide collection to get three CSV files would be absurd. ``copy``
+and ``link`` (symlink) modes exist for when the dataset directory must be
+self-contained or portable. Splits are stratified (each class is split separately, so
+rare classes appear in every split) and seeded; each class's shuffle depends only on the
+seed and the class *name*, so adding a class does not reshuffle the others.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from ats_cli.data.dataset import DATASET_JSON, Dataset, DatasetError, Problem, load_dataset, write_dataset
+
+__all__ = ["IMAGE_EXTENSIONS", "MODES", "dataset_from_folder", "stratified_split"]
+
+IMAGE_EXTENSIONS = (
+    ".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm",
+    # whole-slide formats OpenSlide reads
+    ".svs", ".ndpi", ".mrxs", ".scn", ".vms", ".vmu", ".bif", ".svslide", ".dcm",
+)
+MODES = ("reference", "copy", "link")
+_PIL_CHANNELS = {"1": 1, "L": 1, "I": 1, "F": 1, "I;16": 1, "P": 3, "RGB": 3, "RGBA": 4, "LA": 2, "CMYK": 4}
+
+
+def stratified_split(n: int, fractions: dict[str, float], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Split ``range(n)`` into the named parts; ``train`` takes what the others leave.
+
+    A part with a positive fraction gets ``round(n * fraction)`` items but at least one
+    as long as ``train`` keeps at least one, so small classes still reach every split.
+    """
+    order = rng.permutation(n)
+    sizes: dict[str, int] = {}
+    left = n
+    for name, fraction in fractions.items():
+        k = int(round(n * fraction))
+        if fraction > 0 and k == 0:
+            k = 1
+        k = min(k, left - 1) if left > 0 else 0
+        sizes[name] = max(k, 0)
+        left -= sizes[name]
+    parts: dict[str, np.ndarray] = {}
+    start = 0
+    for name, k in sizes.items():
+        parts[name] = order[start : start + k]
+        start += k
+    parts["train"] = order[start:]
+    return parts
+
+
+def _files(folder: Path, extensions: Iterable[str]) -> list[Path]:
+    exts = {e.lower() if e.startswith(".") else "." + e.lower() for e in extensions}
+    found = []
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(filenames):
+            if not name.startswith(".") and Path(name).suffix.lower() in exts:
+                found.append(Path(dirpath) / name)
+    return found
+
+
+def _channels(path: Path) -> int | None:
+    try:
+        with Image.open(path) as im:
+            return _PIL_CHANNELS.get(im.mode)
+    except (UnidentifiedImageError, OSError, ValueError):
+        return None  # e.g. a whole-slide file: no hint rather than a wrong one
+
+
+def dataset_from_folder(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    test_fraction: float = 0.2,
+    val_fraction: float = 0.0,
+    seed: int = 0,
+    mode: str = "reference",
+    extensions: Iterable[str] = IMAGE_EXTENSIONS,
+    overwrite: bool = False,
+) -> Dataset:
+    """Write ``train.csv``/``test.csv`` (and ``val.csv`` if ``val_fraction`` > 0) for ``src`` into ``out``.
+
+    ``src`` has one sub-folder per class (sorted names = class order), images anywhere
+    below it. ``mode``: ``reference`` (CSV paths are absolute paths into ``src``),
+    ``copy`` or ``link`` (files copied or symlinked to ``out/images/<class>/...``, CSV paths
+    relative). Refuses an ``out`` that already holds a dataset unless ``overwrite``.
+    Returns the written dataset, loaded and validated.
+    """
+    src = Path(src).expanduser().resolve()
+    out = Path(out).expanduser().resolve()
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not (0 <= test_fraction < 1 and 0 <= val_fraction < 1 and test_fraction + val_fraction < 1):
+        raise ValueError(f"need 0 <= test ({test_fraction}), val ({val_fraction}) and test + val < 1")
+    if test_fraction == 0:
+        raise ValueError("test_fraction must be > 0: the format requires a test split")
+    if not src.is_dir():
+        raise DatasetError(src, [Problem(str(src), 0, "not a directory")])
+    if out == src or src in out.parents:
+        raise DatasetError(src, [Problem(str(out), 0, "the output directory must not be inside the source tree "
+                                         "(it would be read as a class folder)")])
+    if (out / DATASET_JSON).exists() and not overwrite:
+        raise DatasetError(out, [Problem(DATASET_JSON, 0, "already exists; pass overwrite (--force) to replace it")])
+
+    classes = sorted(d.name for d in src.iterdir() if d.is_dir() and not d.name.startswith("."))
+    if not classes:
+        raise DatasetError(src, [Problem(str(src), 0, "no class sub-folders (expected SRC/<class>/<image>)")])
+    per_class = {c: _files(src / c, extensions) for c in classes}
+    empty = [c for c, files in per_class.items() if not files]
+    if empty:
+        raise DatasetError(src, [Problem(f"{c}/", 0, "class folder holds no images with extensions "
+                                         f"{' '.join(sorted(set(extensions)))}") for c in empty])
+
+    fractions = {"test": test_fraction}
+    if val_fraction > 0:
+        fractions["val"] = val_fraction
+    splits: dict[str, list[dict[str, str]]] = {"train": [], **{k: [] for k in fractions}}
+    for c in classes:
+        files = per_class[c]
+        rng = np.random.default_rng(np.random.SeedSequence(entropy=seed, spawn_key=(zlib.crc32(c.encode("utf-8")),)))
+        for split, picks in stratified_split(len(files), fractions, rng).items():
+            for i in sorted(picks.tolist()):
+                splits[split].append({"path": _place_file(files[i], src, out, c, mode), "label": c})
+
+    empty_splits = [s for s, rows in splits.items() if not rows]
+    if empty_splits:
+        raise DatasetError(src, [Problem(str(src), 0, f"too few images for a {s} split: every class keeps at least "
+                                         "one training image; add images or raise the fraction")
+                                 for s in empty_splits])
+    first = per_class[classes[0]][0]
+    hints = {"channels": ch} if (ch := _channels(first)) else {}
+    write_dataset(
+        out,
+        classes,
+        splits,
+        hints=hints,
+        description=f"built by `ats make-dataset from-folder` from {src} ({mode}, test {test_fraction:g}, "
+        f"val {val_fraction:g}, seed {seed})",
+    )
+    return load_dataset(out)
+
+
+def _place_file(file: Path, src: Path, out: Path, label: str, mode: str) -> str:
+    if mode == "reference":
+        return str(file)
+    rel = Path("images") / label / file.relative_to(src / label)
+    dest = out / rel
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    try:
+        if mode == "copy":
+            shutil.copy2(file, tmp)
+        else:
+            tmp.unlink(missing_ok=True)
+            os.symlink(file, tmp)
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return rel.as_posix()

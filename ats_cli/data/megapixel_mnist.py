@@ -1,0 +1,585 @@
+"""Megapixel MNIST: the synthetic benchmark of attention sampling (thesis §3.4.2).
+
+Each image is a black ``height x width`` canvas with ``n_digits`` MNIST digits
+(``n_target`` of the target class, the rest of other classes) and ``n_noise`` noise
+patches of digit size, all at random, pairwise non-overlapping positions. The label is
+the majority digit. At the recommended low-resolution scale (0.12) a digit covers about
+3x3 pixels: the attention network can see *where* something is but has to fetch the
+full-resolution patch to read it, which is the point of the benchmark.
+
+Design choices, and why:
+
+* **Per-image seeding.** Image ``i`` of a split draws everything from
+  ``numpy.random.SeedSequence(entropy=split_seed, spawn_key=(i,))`` with
+  ``split_seed = seed + 1`` for train and ``seed`` for test (the reference's convention).
+  An image therefore does not depend on which worker made it or in what order, so any
+  number of workers gives byte-identical files, and a resumed run can recompute the
+  metadata of images it skips without re-rendering them.
+* **Disjoint digit pools.** Train images use only the source's train digits, test images
+  only its test digits, so no test digit was ever seen in training.
+* **Noise never hides a digit.** Digits are placed first, then the noise patches
+  ("two-line scribbles": two random thick line segments in a digit-sized box, intensity
+  multiplied by U(0.8, 1)), and no two boxes overlap. Every pixel outside the boxes is 0.
+* **Atomic, resumable output.** Each PNG is written to a temporary file and renamed; a
+  rerun skips PNGs that are already complete, refuses to mix in a run with different
+  parameters (``.ats-generate.json`` records them while the run is in progress), and
+  writes the CSVs and ``dataset.json`` last.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from ats_cli.data.dataset import (
+    DATASET_JSON,
+    DatasetError,
+    Problem,
+    atomic_write_bytes,
+    atomic_write_text,
+    write_dataset,
+)
+from ats_cli.data.mnist import DigitSet
+
+__all__ = [
+    "GENERATOR_NAME",
+    "PRESETS",
+    "GenerationReport",
+    "Layout",
+    "MegapixelMNISTConfig",
+    "check_output",
+    "generate_megapixel_mnist",
+    "image_layout",
+    "make_config",
+    "recommended_hints",
+    "render_image",
+]
+
+GENERATOR_NAME = "megapixel-mnist"
+# Bump whenever the same parameters would produce different pixels or CSV rows, so a
+# resumed run never mixes images from two versions of the generator.
+GENERATOR_VERSION = 1
+LOCK_NAME = ".ats-generate.json"
+SPLITS = ("train", "test")
+PNG_COMPRESS_LEVEL = 6  # fixed: the PNG bytes must not depend on Pillow's defaults
+NOISE_GAIN = (0.8, 1.0)  # scribble intensity is multiplied by U(0.8, 1)
+NOISE_MIN_LENGTH = 10.0  # shorter segments look like dots, not strokes
+STROKE_HALF_WIDTH = 1.0  # full intensity within 1 px of the segment, fading to 0 at 2 px
+MAX_PLACEMENT_TRIES = 10_000  # per object; beyond that the canvas is too crowded
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_PNG_IEND = b"\x00\x00\x00\x00IEND\xaeB`\x82"
+
+
+class PlacementError(ValueError):
+    """The canvas is too crowded to place all objects without overlap."""
+
+
+@dataclass(frozen=True)
+class MegapixelMNISTConfig:
+    """Everything that determines the generated files (the worker count does not)."""
+
+    n_train: int = 5000
+    n_test: int = 1000
+    width: int = 1500
+    height: int = 1500
+    n_digits: int = 5
+    n_target: int = 3
+    n_noise: int = 50
+    seed: int = 0
+
+    def validate(self, digit_shape: tuple[int, int] = (28, 28)) -> None:
+        """Raise ``ValueError`` naming the first impossible parameter."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{f.name} must be an integer, got {value!r}")
+        if self.n_train < 1 or self.n_test < 1:
+            raise ValueError("n_train and n_test must be at least 1 (both splits are required)")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        h, w = digit_shape
+        if self.height < h or self.width < w:
+            raise ValueError(f"the canvas {self.width}x{self.height} is smaller than a digit ({w}x{h})")
+        if not 1 <= self.n_target <= self.n_digits:
+            raise ValueError(f"n_target must be in 1..n_digits ({self.n_digits}), got {self.n_target}")
+        others = self.n_digits - self.n_target
+        # Every other class may appear at most n_target - 1 times, so the target stays the
+        # strict majority; with 9 other classes that caps the number of other digits.
+        if others > 9 * (self.n_target - 1):
+            raise ValueError(
+                f"{others} non-target digits cannot all stay below the {self.n_target} target digits "
+                f"(at most {9 * (self.n_target - 1)} fit); raise n_target or lower n_digits"
+            )
+        if self.n_noise < 0:
+            raise ValueError(f"n_noise must be >= 0, got {self.n_noise}")
+        objects = self.n_digits + self.n_noise
+        if objects * h * w > 0.5 * self.height * self.width:
+            raise ValueError(
+                f"{objects} objects of {w}x{h} would cover over half of a {self.width}x{self.height} canvas; "
+                "random non-overlapping placement needs more room (enlarge the canvas or lower n_noise)"
+            )
+
+    def params(self) -> dict[str, int]:
+        return asdict(self)
+
+
+PRESETS: dict[str, MegapixelMNISTConfig] = {
+    # Thesis §3.4.2 / the reference generator.
+    "paper": MegapixelMNISTConfig(),
+    # Demo and CI: a quarter megapixel and 1,200 images, same digit size and the same
+    # low-resolution scale, so a digit is still ~3x3 low-res pixels (unreadable there).
+    "small": MegapixelMNISTConfig(n_train=1000, n_test=200, width=500, height=500, n_noise=10),
+}
+
+
+def make_config(preset: str = "paper", **overrides: int | None) -> MegapixelMNISTConfig:
+    """The preset's parameters with every non-``None`` override applied, validated."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    known = {f.name for f in fields(MegapixelMNISTConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"unknown parameter(s) {unknown}")
+    config = replace(PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None})
+    config.validate()
+    return config
+
+
+def recommended_hints(config: MegapixelMNISTConfig) -> dict[str, Any]:
+    """Training hints for ``dataset.json``: the paper's low-res scale 0.12 and 10 patches of 50x50."""
+    return {
+        "channels": 1,
+        "image_size": [config.height, config.width],
+        "scale": 0.12,
+        "patch_size": [50, 50],
+        "n_patches": 10,
+    }
+
+
+# ---------------------------------------------------------------------------- one image
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Every random choice for one image; rendering it is deterministic.
+
+    ``digit_boxes``/``noise_boxes`` hold top-left corners (row, col); all boxes have the
+    digit's size ``box``. ``digit_index`` indexes the split's digit pool. ``noise_lines``
+    holds, per patch, two segments (r0, c0, r1, c1) in patch coordinates.
+    """
+
+    target: int
+    digit_classes: np.ndarray  # [n_digits] int
+    digit_index: np.ndarray  # [n_digits] int, into the split's images
+    digit_boxes: np.ndarray  # [n_digits, 2] int (row, col)
+    noise_boxes: np.ndarray  # [n_noise, 2] int (row, col)
+    noise_lines: np.ndarray  # [n_noise, 2, 4] float
+    noise_gain: np.ndarray  # [n_noise] float
+    box: tuple[int, int]  # (h, w)
+
+    def digits_json(self) -> str:
+        """``[[class, row, col, h, w], ...]`` sorted top to bottom, left to right."""
+        h, w = self.box
+        order = np.lexsort((self.digit_boxes[:, 1], self.digit_boxes[:, 0]))
+        items = [[int(self.digit_classes[i]), int(self.digit_boxes[i, 0]), int(self.digit_boxes[i, 1]), h, w]
+                 for i in order]
+        return json.dumps(items, separators=(",", ":"))
+
+    def row(self, path: str) -> dict[str, str]:
+        """The CSV row: majority label plus the boxes and the IPS labels (max, top-most, presence)."""
+        top = int(np.lexsort((self.digit_boxes[:, 1], self.digit_boxes[:, 0]))[0])
+        return {
+            "path": path,
+            "label": str(self.target),
+            "digits": self.digits_json(),
+            "max": str(int(self.digit_classes.max())),
+            "top": str(int(self.digit_classes[top])),
+            "present": ";".join(str(c) for c in sorted(set(self.digit_classes.tolist()))),
+        }
+
+
+def _split_seed(seed: int, split: str) -> int:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    return seed + 1 if split == "train" else seed
+
+
+def _image_rng(seed: int, split: str, index: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence(entropy=_split_seed(seed, split), spawn_key=(index,)))
+
+
+def _place(rng: np.random.Generator, n: int, placed: list[tuple[int, int]], config: MegapixelMNISTConfig,
+           box: tuple[int, int]) -> list[tuple[int, int]]:
+    """Rejection-sample ``n`` top-left corners whose boxes overlap neither each other nor ``placed``."""
+    h, w = box
+    taken = np.array(placed, dtype=np.int64).reshape(-1, 2)
+    new: list[tuple[int, int]] = []
+    for k in range(n):
+        for _ in range(MAX_PLACEMENT_TRIES):
+            r = int(rng.integers(0, config.height - h + 1))
+            c = int(rng.integers(0, config.width - w + 1))
+            if not np.any((np.abs(taken[:, 0] - r) < h) & (np.abs(taken[:, 1] - c) < w)):
+                break
+        else:
+            raise PlacementError(
+                f"could not place object {len(placed) + k + 1} of {config.n_digits + config.n_noise} without "
+                f"overlap on a {config.width}x{config.height} canvas; enlarge it or lower n_noise"
+            )
+        new.append((r, c))
+        taken = np.vstack([taken, [[r, c]]])
+    return new
+
+
+def _sample_layout(rng: np.random.Generator, pools: Sequence[np.ndarray], config: MegapixelMNISTConfig,
+                   box: tuple[int, int]) -> Layout:
+    target = int(rng.integers(10))
+    classes = [target] * config.n_target
+    counts = dict.fromkeys(range(10), 0)
+    for _ in range(config.n_digits - config.n_target):
+        # Other classes differ from the target and stay below n_target copies each, so
+        # the target is the strict majority (with the paper's 3+2 this is "any two others").
+        allowed = [c for c in range(10) if c != target and counts[c] < config.n_target - 1]
+        other = allowed[int(rng.integers(len(allowed)))]
+        counts[other] += 1
+        classes.append(other)
+    digit_classes = np.array(classes, dtype=np.int64)
+    digit_index = np.empty(len(classes), dtype=np.int64)
+    for c in sorted(set(classes)):
+        slots = np.flatnonzero(digit_classes == c)
+        pool = pools[c]
+        picks = rng.choice(len(pool), size=len(slots), replace=len(pool) < len(slots))
+        digit_index[slots] = pool[picks]
+    digit_boxes = _place(rng, config.n_digits, [], config, box)
+    noise_boxes = _place(rng, config.n_noise, digit_boxes, config, box)
+    h, w = box
+    lines = np.empty((config.n_noise, 2, 4), dtype=np.float64)
+    for i in range(config.n_noise):
+        for j in range(2):
+            while True:
+                r0, r1 = rng.uniform(1.0, h - 2.0, size=2)
+                c0, c1 = rng.uniform(1.0, w - 2.0, size=2)
+                if np.hypot(r1 - r0, c1 - c0) >= min(NOISE_MIN_LENGTH, 0.5 * min(h, w)):
+                    break
+            lines[i, j] = (r0, c0, r1, c1)
+    gain = rng.uniform(*NOISE_GAIN, size=config.n_noise)
+    return Layout(
+        target=target,
+        digit_classes=digit_classes,
+        digit_index=digit_index,
+        digit_boxes=np.array(digit_boxes, dtype=np.int64).reshape(-1, 2),
+        noise_boxes=np.array(noise_boxes, dtype=np.int64).reshape(-1, 2),
+        noise_lines=lines,
+        noise_gain=gain,
+        box=box,
+    )
+
+
+def _scribble(lines: np.ndarray, gain: float, box: tuple[int, int]) -> np.ndarray:
+    """Rasterise two thick segments (anti-aliased by distance) into a uint8 patch."""
+    h, w = box
+    rr, cc = np.mgrid[0:h, 0:w].astype(np.float64)
+    out = np.zeros((h, w), dtype=np.float64)
+    for r0, c0, r1, c1 in lines:
+        dr, dc = r1 - r0, c1 - c0
+        t = np.clip(((rr - r0) * dr + (cc - c0) * dc) / (dr * dr + dc * dc), 0.0, 1.0)
+        dist = np.hypot(rr - (r0 + t * dr), cc - (c0 + t * dc))
+        out = np.maximum(out, np.clip(2.0 * STROKE_HALF_WIDTH - dist, 0.0, 1.0))
+    return np.rint(out * (255.0 * gain)).astype(np.uint8)
+
+
+def _render(layout: Layout, images: np.ndarray, config: MegapixelMNISTConfig) -> np.ndarray:
+    canvas = np.zeros((config.height, config.width), dtype=np.uint8)
+    h, w = layout.box
+    for (r, c), idx in zip(layout.digit_boxes, layout.digit_index, strict=True):
+        canvas[r : r + h, c : c + w] = images[idx]
+    for (r, c), lines, gain in zip(layout.noise_boxes, layout.noise_lines, layout.noise_gain, strict=True):
+        canvas[r : r + h, c : c + w] = _scribble(lines, float(gain), layout.box)
+    return canvas
+
+
+def _pools(labels: np.ndarray) -> list[np.ndarray]:
+    return [np.flatnonzero(labels == c) for c in range(10)]
+
+
+def _split_arrays(digits: DigitSet, split: str) -> tuple[np.ndarray, np.ndarray]:
+    return (digits.x_train, digits.y_train) if split == "train" else (digits.x_test, digits.y_test)
+
+
+def image_layout(config: MegapixelMNISTConfig, digits: DigitSet, split: str, index: int) -> Layout:
+    """The layout of image ``index`` of ``split`` (what :func:`generate_megapixel_mnist` writes)."""
+    images, labels = _split_arrays(digits, split)
+    return _sample_layout(_image_rng(config.seed, split, index), _pools(labels), config, images.shape[1:3])
+
+
+def render_image(config: MegapixelMNISTConfig, digits: DigitSet, split: str, index: int) -> tuple[np.ndarray, Layout]:
+    """Image ``index`` of ``split`` as a uint8 array [height, width], with its layout."""
+    layout = image_layout(config, digits, split, index)
+    return _render(layout, _split_arrays(digits, split)[0], config), layout
+
+
+def encode_png(image: np.ndarray) -> bytes:
+    """8-bit grayscale PNG with fixed settings, so identical pixels give identical bytes."""
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
+    return buffer.getvalue()
+
+
+def _is_complete_png(path: Path) -> bool:
+    """A file that starts with the PNG signature and ends with the IEND chunk (cheap: 20 bytes read)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            fh.seek(0, os.SEEK_END)
+            if fh.tell() < len(_PNG_SIGNATURE) + len(_PNG_IEND):
+                return False
+            fh.seek(-len(_PNG_IEND), os.SEEK_END)
+            return head == _PNG_SIGNATURE and fh.read() == _PNG_IEND
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+@dataclass
+class _Job:
+    """What a worker needs: parameters, output folder and the digit pools (sent once per worker)."""
+
+    config: MegapixelMNISTConfig
+    out: Path
+    arrays: dict[str, tuple[np.ndarray, list[np.ndarray]]]  # split -> (images, per-class pools)
+    name_width: int
+
+    def name(self, index: int) -> str:
+        return f"{index:0{self.name_width}d}.png"
+
+    def run_chunk(self, split: str, indices: Sequence[int]) -> list[tuple[int, dict[str, str], bool]]:
+        images, pools = self.arrays[split]
+        box = images.shape[1:3]
+        results = []
+        for index in indices:
+            layout = _sample_layout(_image_rng(self.config.seed, split, index), pools, self.config, box)
+            rel = f"{split}/{self.name(index)}"
+            path = self.out / rel
+            wrote = False
+            if not _is_complete_png(path):
+                # No fsync: a file cut short by a power loss fails _is_complete_png on the
+                # next run and is rewritten, so durability is checked rather than forced.
+                atomic_write_bytes(path, encode_png(_render(layout, images, self.config)), fsync=False)
+                wrote = True
+            results.append((index, layout.row(rel), wrote))
+        return results
+
+
+_WORKER_JOB: _Job | None = None
+
+
+def _init_worker(job: _Job) -> None:
+    global _WORKER_JOB
+    _WORKER_JOB = job
+    # Ctrl-C goes to the whole process group; the parent alone handles it (cancels the
+    # queue, lets running chunks finish their atomic writes) so workers ignore it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _worker_chunk(split: str, indices: Sequence[int]) -> list[tuple[int, dict[str, str], bool]]:
+    assert _WORKER_JOB is not None, "worker not initialised"
+    return _WORKER_JOB.run_chunk(split, indices)
+
+
+@dataclass(frozen=True)
+class GenerationReport:
+    """What a run did: images written and skipped (already complete), time, digit source."""
+
+    out: Path
+    dataset_json: Path
+    written: int
+    skipped: int
+    seconds: float
+    workers: int
+    digits: str
+
+    @property
+    def images_per_s(self) -> float:
+        """Throughput over the images actually rendered (skipped ones cost almost nothing)."""
+        return self.written / self.seconds if self.seconds > 0 else float("inf")
+
+
+def fingerprint(config: MegapixelMNISTConfig, digits: DigitSet) -> dict[str, Any]:
+    """The generator block of ``dataset.json``; its parameters decide whether a rerun may resume."""
+    return {
+        "name": GENERATOR_NAME,
+        "version": GENERATOR_VERSION,
+        "params": config.params(),
+        "seeding": "image i of a split: numpy SeedSequence(entropy=seed+1 for train / seed for test, spawn_key=(i,))",
+        "noise": {
+            "kind": "two-line scribbles",
+            "gain": list(NOISE_GAIN),
+            "min_length": NOISE_MIN_LENGTH,
+            "stroke_half_width": STROKE_HALF_WIDTH,
+        },
+        "png_compress_level": PNG_COMPRESS_LEVEL,
+        "digits": digits.summary(),
+    }
+
+
+def _differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    diffs = []
+    if old.get("name") != new["name"]:
+        return [f"generator {old.get('name')!r} != {new['name']!r}"]
+    if old.get("version") != new["version"]:
+        diffs.append(f"generator version {old.get('version')} != {new['version']}")
+    old_params = old.get("params", {})
+    for key, value in new["params"].items():
+        if old_params.get(key) != value:
+            diffs.append(f"{key}: {old_params.get(key)} -> {value}")
+    old_sha = (old.get("digits") or {}).get("sha256")
+    if old_sha != new["digits"]["sha256"]:
+        diffs.append(f"digit source: {(old.get('digits') or {}).get('description')} -> {new['digits']['description']}")
+    return diffs
+
+
+def check_output(out: str | os.PathLike[str], config: MegapixelMNISTConfig, digits: DigitSet) -> None:
+    """Raise :class:`DatasetError` unless ``out`` is new, empty, or holds a run with the same parameters.
+
+    Called by :func:`generate_megapixel_mnist`; public so a caller can refuse early.
+    """
+    _check_output(Path(out).expanduser(), fingerprint(config, digits))
+
+
+def _read_json(out: Path, name: str) -> Any:
+    try:
+        return json.loads((out / name).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        problem = Problem(name, 0, f"not valid JSON ({err}); delete it or use a new directory")
+        raise DatasetError(out, [problem]) from None
+
+
+def _check_output(out: Path, block: Mapping[str, Any]) -> None:
+    previous: Mapping[str, Any] | None = None
+    where = ""
+    if (out / LOCK_NAME).is_file():
+        previous, where = _read_json(out, LOCK_NAME), LOCK_NAME
+    elif (out / DATASET_JSON).is_file():
+        previous, where = _read_json(out, DATASET_JSON).get("generator"), DATASET_JSON
+        if previous is None:
+            raise DatasetError(out, [Problem(DATASET_JSON, 0, "this directory holds a dataset that was not "
+                                             "generated by megapixel-mnist; choose another output directory")])
+    elif out.is_dir() and any(out.iterdir()):
+        raise DatasetError(out, [Problem(str(out), 0, "output directory is not empty and holds no megapixel-mnist "
+                                         "run to resume; choose an empty or new directory")])
+    if previous is not None:
+        diffs = _differences(previous, block)
+        if diffs:
+            raise DatasetError(out, [Problem(where, 0, "was generated with different parameters (" + "; ".join(diffs)
+                                             + "); use a new output directory, or the same parameters to resume")])
+
+
+def _sweep_temporaries(folder: Path) -> None:
+    """Delete temporary files an interrupted run left behind (``.<name>.<pid>.tmp``)."""
+    for stray in folder.glob(".*.tmp"):
+        stray.unlink(missing_ok=True)
+
+
+def generate_megapixel_mnist(
+    out: str | os.PathLike[str],
+    config: MegapixelMNISTConfig,
+    digits: DigitSet,
+    *,
+    workers: int | None = None,
+    chunk_size: int | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> GenerationReport:
+    """Generate (or finish generating) a Megapixel MNIST dataset in ``out``.
+
+    ``workers`` defaults to the CPU count; 1 runs in this process. ``progress(split, done,
+    total)`` is called in this process as images finish (skipped ones included); an
+    exception raised from it stops the run cleanly, which is how tests simulate an
+    interruption. Returns a :class:`GenerationReport`; the dataset is in the common format
+    (see :mod:`ats_cli.data.dataset`), with extra columns ``digits``, ``max``, ``top``,
+    ``present``.
+    """
+    out = Path(out).expanduser()
+    digit_shape = digits.x_train.shape[1:3]
+    if digits.x_test.shape[1:3] != digit_shape:
+        raise ValueError(f"train digits are {digit_shape}, test digits {digits.x_test.shape[1:3]}")
+    config.validate(digit_shape)
+    workers = max(1, int(workers or os.cpu_count() or 1))
+    block = fingerprint(config, digits)
+    _check_output(out, block)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / LOCK_NAME, json.dumps(block, indent=2) + "\n")
+
+    totals = {"train": config.n_train, "test": config.n_test}
+    job = _Job(
+        config=config,
+        out=out,
+        arrays={s: (_split_arrays(digits, s)[0], _pools(_split_arrays(digits, s)[1])) for s in SPLITS},
+        name_width=max(5, len(str(max(totals.values()) - 1))),
+    )
+    for split in SPLITS:
+        (out / split).mkdir(exist_ok=True)
+        _sweep_temporaries(out / split)
+
+    size = chunk_size or max(1, min(16, sum(totals.values()) // (4 * workers)))
+    chunks = [(s, list(range(i, min(i + size, totals[s])))) for s in SPLITS for i in range(0, totals[s], size)]
+    rows: dict[str, dict[int, dict[str, str]]] = {s: {} for s in SPLITS}
+    written = 0
+    start = time.perf_counter()
+
+    def collect(split: str, results: list[tuple[int, dict[str, str], bool]]) -> None:
+        nonlocal written
+        for index, row, wrote in results:
+            rows[split][index] = row
+            written += wrote
+        if progress is not None:
+            progress(split, len(rows[split]), totals[split])
+
+    if workers == 1:
+        for split, indices in chunks:
+            collect(split, job.run_chunk(split, indices))
+    else:
+        executor = ProcessPoolExecutor(max_workers=workers, initializer=_init_worker, initargs=(job,))
+        try:
+            pending: dict[Future, str] = {executor.submit(_worker_chunk, s, idx): s for s, idx in chunks}
+            while pending:
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in done:
+                    collect(pending.pop(future), future.result())
+        finally:
+            # On an error or Ctrl-C: drop queued chunks, let running ones finish their
+            # atomic writes, and leave the rest for a rerun.
+            executor.shutdown(wait=True, cancel_futures=True)
+    seconds = time.perf_counter() - start
+
+    splits = {s: [rows[s][i] for i in range(totals[s])] for s in SPLITS}
+    path = write_dataset(
+        out,
+        classes=[str(d) for d in range(10)],
+        splits=splits,
+        hints=recommended_hints(config),
+        generator=block,
+        description=f"Megapixel MNIST ({config.width}x{config.height}, {config.n_digits} digits of which "
+        f"{config.n_target} of the target class, {config.n_noise} noise patches); label = majority digit",
+    )
+    (out / LOCK_NAME).unlink(missing_ok=True)
+    return GenerationReport(
+        out=out,
+        dataset_json=path,
+        written=written,
+        skipped=sum(totals.values()) - written,
+        seconds=seconds,
+        workers=workers,
+        digits=digits.description,
+    )
