@@ -40,8 +40,9 @@ from ats_cli.cli import selfcheck as _selfcheck  # noqa: E402
 from ats_cli.cli.make_dataset import make_dataset_app  # noqa: E402
 
 app.add_typer(make_dataset_app, name="make-dataset")
+from ats_cli.cli import train as _train  # noqa: E402
 
-_ = (_selfcheck,)
+_ = (_selfcheck, _train)
 
 
 def main() -> None:

@@ -49,6 +49,14 @@ class ATSModel(nn.Module):
     without replacement); ``scale`` is the low-res view's scale, kept here so that
     prediction makes the same view as training; ``entropy_weight`` is lambda in
     ``loss = CE - lambda * H(a)``; ``smoothing`` mixes uniform mass into the attention.
+
+    ``min_brightness`` > 0 removes dark background from the attention's support: a
+    position whose low-res cell has no pixel brighter than it (max over channels) is
+    never sampled. On a black canvas such as Megapixel MNIST this shrinks the search
+    space from every cell to the few hundred that hold something, which is what lets
+    training leave the initial plateau quickly; images with a white background (slides)
+    use a tissue mask instead. Rows with fewer supported cells than patches fall back to
+    the full map.
     """
 
     def __init__(
@@ -63,6 +71,7 @@ class ATSModel(nn.Module):
         replace: bool = False,
         entropy_weight: float = 0.01,
         smoothing: float = 0.0,
+        min_brightness: float = 0.0,
     ):
         super().__init__()
         self.attention_net = attention_net
@@ -74,6 +83,19 @@ class ATSModel(nn.Module):
         self.replace = bool(replace)
         self.entropy_weight = float(entropy_weight)
         self.smoothing = float(smoothing)
+        self.min_brightness = float(min_brightness)
+
+    def support(self, low: torch.Tensor, att_shape: tuple[int, int], n: int) -> torch.Tensor | None:
+        """Bool [B, att_h, att_w] of the positions that may be sampled (None = all)."""
+        if self.min_brightness <= 0:
+            return None
+        m = getattr(self.attention_net, "margin", 0)
+        bright = low.amax(1, keepdim=True)
+        if m:
+            bright = bright[..., m:bright.shape[-2] - m, m:bright.shape[-1] - m]
+        keep = F.adaptive_max_pool2d(bright, att_shape)[:, 0] > self.min_brightness
+        too_few = keep.flatten(1).sum(1) < (1 if self.replace else n)
+        return keep | too_few[:, None, None]
 
     def forward(
         self,
@@ -90,7 +112,7 @@ class ATSModel(nn.Module):
         n = self.n_patches if n_patches is None else int(n_patches)
         scores = self.attention_net(low)
         att_shape = tuple(scores.shape[-2:])
-        probs = attention_distribution(scores, self.smoothing)
+        probs = attention_distribution(scores, self.smoothing, self.support(low, att_shape, n))
         indices, sampled_probs = sample(probs, n, replace=self.replace, generator=generator)
 
         offsets = positions_to_offsets(

@@ -125,20 +125,31 @@ def expectation(
     return torch.einsum("bn,bnd->bd", coeff, features)
 
 
-def attention_distribution(scores: torch.Tensor, smoothing: float = 0.0) -> torch.Tensor:
+def attention_distribution(
+    scores: torch.Tensor, smoothing: float = 0.0, support: torch.Tensor | None = None
+) -> torch.Tensor:
     """Softmax over ALL positions of an attention map [B, ...] -> probabilities [B, K].
 
-    ``smoothing`` s mixes in the uniform distribution, ``a (1 - s) + s / K``, so that no
-    position has probability exactly 0 (every position stays reachable, and the
-    importance weights 1/a stay bounded); the reference used s=1e-5 on Megapixel MNIST.
-    The softmax runs in float32 even under autocast, since the estimator divides by it.
+    ``support`` (bool, same shape as ``scores``) restricts the distribution to some
+    positions (e.g. not the empty background); the others get probability exactly 0 and
+    are never sampled. ``smoothing`` s mixes in the uniform distribution over the
+    support, ``a (1 - s) + s / |support|``, so that no supported position has
+    probability 0 (every position stays reachable and the importance weights 1/a stay
+    bounded); the reference used s=1e-5 on Megapixel MNIST. The softmax runs in float32
+    even under autocast, since the estimator divides by it.
     """
     flat = scores.flatten(1).float()
+    if support is not None:
+        keep = support.flatten(1).to(flat.device)
+        if not keep.any(1).all():
+            raise ValueError("support mask is empty for some image")
+        flat = flat.masked_fill(~keep, float("-inf"))
     probs = torch.softmax(flat, dim=1)
     if smoothing:
         if not 0.0 <= smoothing < 1.0:
             raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
-        probs = probs * (1.0 - smoothing) + smoothing / flat.shape[1]
+        uniform = torch.full_like(probs, 1.0 / flat.shape[1]) if support is None else keep / keep.sum(1, True)
+        probs = probs * (1.0 - smoothing) + smoothing * uniform
     return probs
 
 

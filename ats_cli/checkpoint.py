@@ -1,0 +1,102 @@
+"""Saving and loading models and training state, safely.
+
+A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts, loaded with
+``torch.load(weights_only=True)``: loading a file never runs code from it. The model is
+rebuilt from its *spec* (network names from the registry plus plain settings), never
+unpickled. Writes are atomic (temporary file + rename): a crash or Ctrl-C during a save
+leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ats_cli import nets
+from ats_cli.core.model import ATSModel
+from ats_cli.data.dataset import atomic_write_bytes
+
+__all__ = ["CheckpointError", "build_model", "save_checkpoint", "load_checkpoint", "load_model", "model_spec"]
+
+FORMAT = "ats-checkpoint"
+VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A file that is not a usable ats checkpoint; the message names the file."""
+
+
+def model_spec(cfg: Any, *, n_classes: int, channels: int) -> dict[str, Any]:
+    """The plain-values description from which :func:`build_model` rebuilds a model."""
+    return {
+        "attention_net": cfg.attention_net,
+        "attention_kwargs": {"in_channels": channels, "width": cfg.attention_width},
+        "feature_net": cfg.feature_net,
+        "feature_kwargs": {"in_channels": channels, "width": cfg.feature_width},
+        "n_classes": n_classes,
+        "channels": channels,
+        "n_patches": cfg.n_patches,
+        "patch_size": [cfg.patch_size, cfg.patch_size],
+        "scale": cfg.scale,
+        "replace": cfg.replace,
+        "entropy_weight": cfg.entropy,
+        "smoothing": cfg.smoothing,
+        "min_brightness": cfg.min_brightness,
+    }
+
+
+def build_model(spec: dict[str, Any]) -> ATSModel:
+    return ATSModel(
+        nets.create(spec["attention_net"], kind="attention", **spec["attention_kwargs"]),
+        nets.create(spec["feature_net"], kind="features", **spec["feature_kwargs"]),
+        spec["n_classes"],
+        n_patches=spec["n_patches"],
+        patch_size=tuple(spec["patch_size"]),
+        scale=spec["scale"],
+        replace=spec["replace"],
+        entropy_weight=spec["entropy_weight"],
+        smoothing=spec["smoothing"],
+        min_brightness=spec.get("min_brightness", 0.0),
+    )
+
+
+def save_checkpoint(path: str | os.PathLike[str], *, spec: dict, classes: list[str], model: torch.nn.Module,
+                    **state: Any) -> None:
+    """Write ``spec``, ``classes``, the model weights and any extra ``state`` (optimizer
+    state dict, epoch, RNG states, config, metrics) atomically to ``path``."""
+    payload = {"format": FORMAT, "version": VERSION, "spec": spec, "classes": list(classes),
+               "model": model.state_dict(), **state}
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: model file not found")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # torch raises many types for foreign or corrupt files
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: not an ats checkpoint (cannot be read safely: {first})") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not an ats checkpoint (no '{FORMAT}' marker)")
+    if ckpt.get("version", 0) > VERSION:
+        raise CheckpointError(f"{path}: checkpoint version {ckpt['version']} is newer than this ats ({VERSION})")
+    return ckpt
+
+
+def load_model(path: str | os.PathLike[str], device: str | torch.device = "cpu") -> tuple[ATSModel, dict[str, Any]]:
+    """The model of a checkpoint, in eval mode on ``device``, and the checkpoint dict."""
+    ckpt = load_checkpoint(path)
+    try:
+        model = build_model(ckpt["spec"])
+        model.load_state_dict(ckpt["model"])
+    except (KeyError, RuntimeError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: checkpoint does not match its model spec ({e})") from None
+    return model.to(device).eval(), ckpt

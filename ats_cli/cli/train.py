@@ -1,0 +1,107 @@
+"""`ats train`: parse flags, resolve the configuration, run the library's training loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ats_cli.cli import app
+
+_NET = "Networks"
+_METHOD = "Attention sampling"
+_OPT = "Optimisation"
+_RUN = "Running"
+
+
+@app.command()
+def train(
+    data: Path = typer.Argument(None, help="Dataset directory (train.csv, test.csv, dataset.json).",
+                                show_default=False),
+    out: Path = typer.Option(None, "--out", "-o", help="Run directory for checkpoints, metrics and plots."),
+    config: Path = typer.Option(None, "--config", help="TOML file of the same keys as the flags; flags override it."),
+    resume: Path = typer.Option(None, "--resume", help="Continue the run in this directory where it stopped."),
+    n_patches: int = typer.Option(None, help="Patches sampled per image \\[default: 10].", rich_help_panel=_METHOD),
+    patch_size: int = typer.Option(None, help="Patch side, full-res pixels \\[default: 50].", rich_help_panel=_METHOD),
+    scale: float = typer.Option(None, help="Scale of the low-res view \\[default: 0.12].", rich_help_panel=_METHOD),
+    replace: bool = typer.Option(None, "--replace/--no-replace", help="Sample with replacement \\[default: no].",
+                                 rich_help_panel=_METHOD),
+    entropy: float = typer.Option(None, help="Entropy regulariser weight lambda \\[default: 0.01].",
+                                  rich_help_panel=_METHOD),
+    smoothing: float = typer.Option(None, help="Uniform mass mixed into the attention \\[default: 0].",
+                                    rich_help_panel=_METHOD),
+    min_brightness: float = typer.Option(None, help="Never sample low-res cells darker than this; for black "
+                                         "backgrounds \\[default: 0 = off].", rich_help_panel=_METHOD),
+    eval_n_patches: int = typer.Option(None, help="Patches at test time \\[default: same as training].",
+                                       rich_help_panel=_METHOD),
+    attention_net: str = typer.Option(None, help="Attention network name \\[default: mnist-attention].",
+                                      rich_help_panel=_NET),
+    feature_net: str = typer.Option(None, help="Feature network name \\[default: mnist-features].",
+                                    rich_help_panel=_NET),
+    attention_width: int = typer.Option(None, help="Attention net channels \\[default: 8].", rich_help_panel=_NET),
+    feature_width: int = typer.Option(None, help="Feature net channels \\[default: 32].", rich_help_panel=_NET),
+    optimizer: str = typer.Option(None, help="adam | adamw | sgd \\[default: adam].", rich_help_panel=_OPT),
+    lr: float = typer.Option(None, help="Learning rate \\[default: 1e-3].", rich_help_panel=_OPT),
+    weight_decay: float = typer.Option(None, help="Weight decay \\[default: 0].", rich_help_panel=_OPT),
+    schedule: str = typer.Option(None, help="constant | cosine \\[default: constant].", rich_help_panel=_OPT),
+    warmup_epochs: int = typer.Option(None, help="Linear warm-up epochs \\[default: 0].", rich_help_panel=_OPT),
+    clip_norm: float = typer.Option(None, help="Gradient norm clip, 0 = off \\[default: 1].", rich_help_panel=_OPT),
+    batch_size: int = typer.Option(None, help="Images per step \\[default: 32].", rich_help_panel=_OPT),
+    epochs: int = typer.Option(None, help="Epochs \\[default: 20].", rich_help_panel=_OPT),
+    seed: int = typer.Option(None, help="Random seed \\[default: 0].", rich_help_panel=_RUN),
+    device: str = typer.Option(None, help="auto | cpu | cuda | cuda:N \\[default: auto].", rich_help_panel=_RUN),
+    workers: int = typer.Option(None, help="DataLoader worker processes \\[default: 2].", rich_help_panel=_RUN),
+    amp: str = typer.Option(None, help="none | bf16 | fp16, CUDA only \\[default: none].", rich_help_panel=_RUN),
+) -> None:
+    """Train an attention-sampling model on a dataset directory.
+
+    Every flag can also be set in a TOML --config file; the resolved configuration is
+    saved as RUN_DIR/config.json. Ctrl-C saves the state; --resume RUN_DIR continues.
+    """
+    overrides = dict(locals())  # every flag; None = not given
+    for key in ("data", "out", "config", "resume"):
+        overrides.pop(key)
+    from ats_cli.config import ConfigError, resolve_config
+    from ats_cli.data.dataset import DatasetError
+    from ats_cli.train import TrainingInterrupted
+    from ats_cli.train import train as run_training
+
+    console = Console()
+    if resume is not None:
+        config = config or resume / "config.json"
+        overrides["out"] = str(resume)
+        if data is not None:
+            overrides["data"] = str(data)
+    else:
+        if data is None or out is None:
+            console.print("[red]error:[/] give DATA_DIR and --out RUN_DIR (or --resume RUN_DIR)")
+            raise typer.Exit(2)
+        overrides.update(data=str(data), out=str(out))
+    try:
+        cfg = resolve_config(config, **overrides)
+    except ConfigError as e:
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from None
+
+    with Progress(TextColumn("[bold]epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("loss {task.fields[loss]:.3f} acc {task.fields[acc]:.3f}"), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task("train", total=None, epoch=0, loss=0.0, acc=0.0)
+
+        def progress(phase: str, step: int, total: int, info: dict) -> None:
+            bar.update(task, completed=step, total=total, **info)
+
+        try:
+            history = run_training(cfg, resume=resume is not None, progress=progress, log=bar.console.print)
+        except TrainingInterrupted as e:
+            console.print(f"[yellow]{e}")
+            raise typer.Exit(130) from None
+        except (DatasetError, ValueError, FileNotFoundError) as e:
+            console.print(f"[red]error:[/] {e}")
+            raise typer.Exit(1) from None
+    if history:
+        best = max(history, key=lambda h: h["test_acc"])
+        console.print(f"[green]done:[/] best test accuracy {best['test_acc']:.3f} at epoch {best['epoch']}; "
+                      f"run directory {cfg.out}")

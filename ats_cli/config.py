@@ -1,0 +1,106 @@
+"""Training configuration: plain values, overridable from a TOML file and the command line.
+
+Precedence: defaults < ``--config FILE`` < flags. The resolved values are written to
+``RUN_DIR/config.json`` so every run records exactly what it did.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TrainConfig", "ConfigError", "load_config_file", "resolve_config"]
+
+
+class ConfigError(ValueError):
+    """A configuration file or value that cannot be used."""
+
+
+@dataclass
+class TrainConfig:
+    data: str = ""
+    out: str = ""
+    # the method
+    n_patches: int = 10
+    patch_size: int = 50
+    scale: float = 0.12
+    replace: bool = False
+    entropy: float = 0.01
+    smoothing: float = 0.0
+    min_brightness: float = 0.0  # > 0: never sample low-res cells darker than this (black backgrounds)
+    eval_n_patches: int = 0  # 0 = same as n_patches
+    # networks (names from ats_cli.nets)
+    attention_net: str = "mnist-attention"
+    feature_net: str = "mnist-features"
+    attention_width: int = 8
+    feature_width: int = 32
+    # optimisation
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    schedule: str = "constant"  # constant | cosine
+    warmup_epochs: int = 0
+    clip_norm: float = 1.0  # 0 = no clipping
+    batch_size: int = 32
+    epochs: int = 20
+    # running
+    seed: int = 0
+    device: str = "auto"
+    workers: int = 2
+    amp: str = "none"  # none | bf16 | fp16 (CUDA only)
+
+    def validate(self) -> TrainConfig:
+        problems = []
+        positive = ("n_patches", "patch_size", "batch_size", "epochs", "lr", "scale")
+        problems += [f"{k} must be > 0 (got {getattr(self, k)})" for k in positive if not getattr(self, k) > 0]
+        problems += [f"{k} must be >= 0" for k in ("entropy", "weight_decay", "clip_norm", "workers", "min_brightness",
+                                                   "warmup_epochs", "eval_n_patches") if getattr(self, k) < 0]
+        if self.scale > 1:
+            problems.append(f"scale is the low-res view's scale and must be <= 1 (got {self.scale})")
+        if not 0 <= self.smoothing < 1:
+            problems.append(f"smoothing must be in [0, 1) (got {self.smoothing})")
+        for key, allowed in (("optimizer", ("adam", "adamw", "sgd")), ("schedule", ("constant", "cosine")),
+                             ("amp", ("none", "bf16", "fp16"))):
+            if getattr(self, key) not in allowed:
+                problems.append(f"{key} must be one of {', '.join(allowed)} (got {getattr(self, key)!r})")
+        if problems:
+            raise ConfigError("invalid configuration: " + "; ".join(problems))
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a TOML (or JSON, e.g. a previous run's config.json) file of TrainConfig keys."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+        values = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not a valid config file ({e})") from None
+    values = values.get("train", values)  # allow a [train] table
+    known = {f.name for f in fields(TrainConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(sorted(known))}")
+    return values
+
+
+def resolve_config(file: str | Path | None = None, **overrides: Any) -> TrainConfig:
+    """Defaults, then the file, then the overrides that are not None."""
+    values: dict[str, Any] = load_config_file(file) if file else {}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    types = {f.name: type(f.default) for f in fields(TrainConfig)}
+    for k, v in values.items():
+        want = types[k]
+        if want is float and isinstance(v, int) and not isinstance(v, bool):
+            values[k] = float(v)
+        elif not isinstance(v, want) or (want is int and isinstance(v, bool)):
+            raise ConfigError(f"config key {k!r} must be {want.__name__}, got {v!r}")
+    return TrainConfig(**values).validate()

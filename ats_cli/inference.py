@@ -1,0 +1,33 @@
+"""Prediction with a trained model: class probabilities averaged over K samplings."""
+
+from __future__ import annotations
+
+import torch
+
+from ats_cli.core.model import ATSModel, ATSOutput
+from ats_cli.core.source import Sources
+
+__all__ = ["predict_probs"]
+
+
+@torch.no_grad()
+def predict_probs(
+    model: ATSModel,
+    low: torch.Tensor,
+    sources: Sources,
+    *,
+    n_patches: int | None = None,
+    samples: int = 1,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, ATSOutput]:
+    """Mean softmax [B, classes] over ``samples`` independent samplings of ``n_patches``
+    each (more samplings or more patches: lower variance), and the last sampling's output
+    (for heatmaps). The attention map is computed once per sampling; it is cheap."""
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    total = None
+    for _ in range(samples):
+        out = model(low, sources, n_patches=n_patches, generator=generator)
+        p = torch.softmax(out.logits.float(), dim=1)
+        total = p if total is None else total + p
+    return total / samples, out

@@ -1,0 +1,144 @@
+"""`ats train`: learning, metrics and checkpoints, exact resumption, safe loading, config."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from typer.testing import CliRunner
+
+from ats_cli.checkpoint import CheckpointError, load_checkpoint, load_model
+from ats_cli.cli import app
+from ats_cli.config import ConfigError, resolve_config
+from ats_cli.data.dataset import write_dataset
+from ats_cli.train import TrainingInterrupted, train
+
+
+def _write_squares_dataset(root, n_train=48, n_test=16, size=64, box=16, seed=0):
+    """A bright square at a random place whose stripe direction (class) is invisible at
+    low resolution: the model must find it with the attention and read it in a patch."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[:box, :box]
+    patterns = [(yy % 2 == 0), (xx % 2 == 0)]
+    rows = {}
+    for split, n in (("train", n_train), ("test", n_test)):
+        (root / split).mkdir(parents=True)
+        rows[split] = []
+        for i in range(n):
+            label = int(rng.integers(2))
+            img = np.zeros((size, size), np.uint8)
+            r, c = rng.integers(0, size - box, 2)
+            img[r:r + box, c:c + box] = 80 + 175 * patterns[label]
+            Image.fromarray(img).save(root / split / f"{i}.png")
+            rows[split].append({"path": f"{split}/{i}.png", "label": ["horizontal", "vertical"][label]})
+    write_dataset(root, ["horizontal", "vertical"], rows, hints={"channels": 1})
+    return root
+
+
+@pytest.fixture(scope="module")
+def squares(tmp_path_factory):
+    return _write_squares_dataset(tmp_path_factory.mktemp("squares"))
+
+
+def _cfg(data, out, **kw):
+    base = dict(data=str(data), out=str(out), n_patches=2, patch_size=16, scale=0.125, feature_width=8,
+                batch_size=8, epochs=2, workers=0, lr=3e-3, entropy=0.0, seed=0)
+    base.update(kw)
+    return resolve_config(None, **base)
+
+
+def _weights(run):
+    return load_checkpoint(run / "last.pt")["model"]
+
+
+def test_two_epochs_lower_the_loss_and_write_the_run_directory(squares, tmp_path):
+    history = train(_cfg(squares, tmp_path / "run", epochs=3), log=lambda s: None)
+    assert [h["epoch"] for h in history] == [1, 2, 3]
+    assert history[-1]["train_loss"] < history[0]["train_loss"]
+    run = tmp_path / "run"
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 3
+    for key in ("train_loss", "train_acc", "test_loss", "test_acc", "entropy", "samples_per_s", "ms_per_sample",
+                "peak_mem_mb"):
+        assert key in lines[0]
+    for name in ("last.pt", "best.pt", "config.json", "curves.png", "epochs/epoch_001.pt", "epochs/epoch_003.pt"):
+        assert (run / name).is_file(), name
+    assert json.loads((run / "config.json").read_text())["n_patches"] == 2
+    model, ckpt = load_model(run / "best.pt")
+    assert ckpt["classes"] == ["horizontal", "vertical"] and not model.training
+
+
+def test_resume_equals_an_uninterrupted_run(squares, tmp_path):
+    train(_cfg(squares, tmp_path / "straight"), log=lambda s: None)
+    # stop after epoch 1, then extend to 2 epochs
+    train(_cfg(squares, tmp_path / "resumed", epochs=1), log=lambda s: None)
+    train(_cfg(squares, tmp_path / "resumed"), resume=True, log=lambda s: None)
+    a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "resumed")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_ctrl_c_mid_epoch_saves_and_resume_is_exact(squares, tmp_path):
+    train(_cfg(squares, tmp_path / "straight"), log=lambda s: None)
+
+    def interrupt(phase, step, total, info):
+        if info["epoch"] == 2 and step == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(TrainingInterrupted, match="--resume"):
+        train(_cfg(squares, tmp_path / "cut"), progress=interrupt, log=lambda s: None)
+    ckpt = load_checkpoint(tmp_path / "cut" / "last.pt")
+    assert (ckpt["epoch"], ckpt["step"]) == (1, 3)
+    history = train(_cfg(squares, tmp_path / "cut"), resume=True, log=lambda s: None)
+    assert [h["epoch"] for h in history] == [1, 2]
+    a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "cut")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+class _Evil:
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+def test_checkpoints_never_unpickle_arbitrary_objects(tmp_path):
+    evil = tmp_path / "evil.pt"
+    torch.save({"format": "ats-checkpoint", "payload": _Evil()}, evil)
+    with pytest.raises(CheckpointError, match="evil.pt"):
+        load_checkpoint(evil)
+    raw = tmp_path / "raw.pt"
+    raw.write_bytes(pickle.dumps({"a": 1}) + b"garbage")
+    with pytest.raises(CheckpointError, match="raw.pt"):
+        load_checkpoint(raw)
+    plain = tmp_path / "plain.pt"
+    torch.save({"weights": torch.zeros(2)}, plain)
+    with pytest.raises(CheckpointError, match="not an ats checkpoint"):
+        load_checkpoint(plain)
+    with pytest.raises(CheckpointError, match="not found"):
+        load_checkpoint(tmp_path / "missing.pt")
+
+
+def test_config_file_then_flags(tmp_path):
+    cfg_file = tmp_path / "c.toml"
+    cfg_file.write_text("n_patches = 7\nlr = 0.01\nepochs = 3\n")
+    cfg = resolve_config(cfg_file, epochs=5, data="d", out="o")
+    assert (cfg.n_patches, cfg.lr, cfg.epochs) == (7, 0.01, 5)
+    cfg_file.write_text("n_pathces = 7\n")
+    with pytest.raises(ConfigError, match="n_pathces"):
+        resolve_config(cfg_file)
+    with pytest.raises(ConfigError, match="optimizer"):
+        resolve_config(None, optimizer="lbfgs")
+
+
+def test_cli_train_runs_and_reports(squares, tmp_path):
+    result = CliRunner().invoke(app, ["train", str(squares), "--out", str(tmp_path / "run"), "--epochs", "1",
+                                      "--n-patches", "2", "--patch-size", "16", "--scale", "0.125",
+                                      "--feature-width", "8", "--batch-size", "8", "--workers", "0"])
+    assert result.exit_code == 0, result.output
+    assert "best test accuracy" in result.output
+    bad = CliRunner().invoke(app, ["train", str(tmp_path / "nope"), "--out", str(tmp_path / "r2")])
+    assert bad.exit_code == 1 and "nope" in bad.output
