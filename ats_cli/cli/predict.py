@@ -1,0 +1,158 @@
+"""`ats predict`: parse flags, call :mod:`ats_cli.predict`, print a table and write the CSV."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ats_cli.cli import app
+
+MAX_ROWS_SHOWN = 20  # rows of the terminal table; the CSV has them all
+MAX_CONFUSION_CLASSES = 20  # wider confusion matrices do not fit a terminal
+
+
+@app.command()
+def predict(
+    inputs: Annotated[list[str], typer.Argument(
+        metavar="PATH", show_default=False,
+        help="Image files, directories, glob patterns (quoted or not), dataset CSVs (path[,label] columns) or "
+             "dataset directories (their test.csv).")],
+    model: Annotated[str, typer.Option("--model", "-m", show_default=False,
+                                       help="Model checkpoint (.pt), or a run directory (its best.pt).")],
+    out: Annotated[str | None, typer.Option(
+        "--out", "-o", show_default=False,
+        help="Write the predictions CSV here ('-' = stdout); without it only the table is shown.")] = None,
+    n_patches: Annotated[int | None, typer.Option(
+        "--n-patches", min=1, show_default=False,
+        help="Patches sampled per image \\[default: the model's training value].")] = None,
+    samples: Annotated[int, typer.Option(
+        "--samples", min=1, help="Average this many independent samplings per image.")] = 1,
+    batch_size: Annotated[int, typer.Option(
+        "--batch-size", min=1,
+        help="Images of equal size per forward pass. 1 keeps each file's result independent of the other "
+             "inputs.")] = 1,
+    device: Annotated[str, typer.Option("--device", help="auto | cpu | cuda | cuda:N.")] = "auto",
+    seed: Annotated[int, typer.Option("--seed", help="Sampling seed; the same seed gives the same output.")] = 0,
+    recursive: Annotated[bool, typer.Option("--recursive", "-r",
+                                            help="Also take images from sub-directories.")] = False,
+) -> None:
+    """Predict the class of images with a trained model.
+
+    Unreadable or too-small images are reported on stderr (by file name) and left out of
+    the CSV; the others are still predicted, and the exit status is then 1. A model file
+    that cannot be used exits with status 2 before any image is read.
+    """
+    from ats_cli.checkpoint import CheckpointError
+    from ats_cli.predict import evaluate, load_predictor, predictions_csv_text, resolve_inputs, write_predictions_csv
+
+    to_stdout = out == "-"
+    # with --out -, stdout carries the CSV only; everything else goes to stderr
+    console = Console(stderr=to_stdout, highlight=False, soft_wrap=True)
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    try:
+        predictor = load_predictor(model, device)
+    except (CheckpointError, ValueError, RuntimeError) as e:
+        err.print(f"[red]error:[/] {e}", soft_wrap=True)
+        raise typer.Exit(2) from None
+
+    items = resolve_inputs(inputs, recursive=recursive)
+    n_ok_inputs = sum(item.error is None for item in items)
+    console.print(f"model {predictor.path} ({len(predictor.classes)} classes, {predictor.device}); "
+                  f"{n_ok_inputs} image(s); n_patches {n_patches or predictor.model.n_patches}, "
+                  f"samples {samples}, seed {seed}")
+    rows = _run_with_progress(predictor, items, err, n_patches=n_patches, samples=samples,
+                              batch_size=batch_size, seed=seed)
+    good = [r for r in rows if r.ok]
+    failed = [r for r in rows if not r.ok]
+
+    if to_stdout:
+        sys.stdout.write(predictions_csv_text(rows, predictor.classes))
+        sys.stdout.flush()
+    elif out is not None:
+        try:
+            write_predictions_csv(out, rows, predictor.classes)
+        except OSError as e:
+            err.print(f"[red]error:[/] cannot write {out}: {e}", soft_wrap=True)
+            raise typer.Exit(1) from None
+
+    if good:
+        console.print(_table(good, len(good)))
+    evaluation = evaluate(rows, predictor.classes)
+    if evaluation is not None:
+        console.print(f"[bold]accuracy {evaluation.accuracy:.2%}[/] ({evaluation.correct}/{evaluation.n} labelled "
+                      "images)")
+        if evaluation.unknown_labels:
+            console.print(f"[yellow]note:[/] label(s) {', '.join(evaluation.unknown_labels)} are not classes of the "
+                          "model; those images count as wrong")
+        if len(evaluation.labels) <= MAX_CONFUSION_CLASSES:
+            console.print(_confusion(evaluation))
+        else:
+            console.print(f"(confusion matrix not shown: {len(evaluation.labels)} classes)")
+    summary = f"{len(good)} predicted, {len(failed)} failed"
+    if out is not None and not to_stdout:
+        summary += f"; predictions written to {out}"
+    elif out is None and good:
+        summary += "; not saved (give --out FILE.csv to save every row)"
+    console.print(summary)
+    if failed:
+        err.print(f"[red]{len(failed)} input(s) failed[/] (not in the CSV):")
+        for r in failed:
+            err.print(f"  {r.error}", soft_wrap=True, markup=False)
+        raise typer.Exit(1)
+
+
+def _run_with_progress(predictor, items, console: Console, **options):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("predicting"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True, disable=len(items) < 2) as bar:
+        task = bar.add_task("predict", total=len(items))
+        return predictor.predict(items, progress=lambda done, total: bar.update(task, completed=done), **options)
+
+
+def _short(path: Path, width: int = 60) -> str:
+    text = str(path)
+    return text if len(text) <= width else "..." + text[-(width - 3):]
+
+
+def _table(rows, total: int) -> Table:
+    with_labels = any(r.label is not None for r in rows)
+    shown = rows[:MAX_ROWS_SHOWN]
+    title = "Predictions" + (f" (first {len(shown)} of {total}; all in the CSV)" if total > len(shown) else "")
+    table = Table(title=title, title_justify="left")
+    table.add_column("path", overflow="fold")
+    table.add_column("prediction", justify="right")
+    table.add_column("probability", justify="right")
+    if with_labels:
+        table.add_column("label", justify="right")
+    for r in shown:
+        cells = [_short(r.path), r.prediction, f"{max(r.probs):.3f}"]
+        if with_labels:
+            mark = "" if r.label is None else ("[green]" if r.label == r.prediction else "[red]")
+            cells.append(f"{mark}{r.label or '-'}")
+        table.add_row(*cells)
+    return table
+
+
+def _confusion(ev) -> Table:
+    table = Table(title="Confusion matrix (rows: label, columns: prediction)", title_justify="left")
+    table.add_column("label \\ pred", justify="right", style="bold")
+    for c in ev.classes:
+        table.add_column(c, justify="right")
+    table.add_column("recall", justify="right")
+    for i, label in enumerate(ev.labels):
+        counts = ev.matrix[i]
+        n = sum(counts)
+        cells = []
+        for j, c in enumerate(ev.classes):
+            v = counts[j]
+            style = ("green" if c == label else "red") if v else "dim"
+            cells.append(f"[{style}]{v}[/]")
+        recall = counts[ev.classes.index(label)] / n if n and label in ev.classes else 0.0
+        table.add_row(label, *cells, f"{recall:.0%}" if n else "-")
+    return table

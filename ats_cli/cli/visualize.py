@@ -1,0 +1,89 @@
+"""`ats visualize`: draw attention figures (a thin shell over :mod:`ats_cli.visualize`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from ats_cli.cli import app
+
+
+@app.command()
+def visualize(
+    target: Annotated[Path, typer.Argument(
+        metavar="IMAGE|RUN_DIR", show_default=False,
+        help="An image (with --model): its attention and sampled patches. A run directory (with --image): the "
+             "attention at successive epochs.")],
+    out: Annotated[Path, typer.Option("--out", "-o", show_default=False,
+                                      help="Figure file (.png; .pdf and .svg work).")],
+    model: Annotated[str | None, typer.Option(
+        "--model", "-m", show_default=False,
+        help="IMAGE mode: model checkpoint (.pt) or run directory (its best.pt).")] = None,
+    image: Annotated[Path | None, typer.Option(
+        "--image", show_default=False, help="RUN_DIR mode: the image whose attention to follow.")] = None,
+    epochs: Annotated[str, typer.Option(
+        "--epochs", help="RUN_DIR mode: 'all' or a list like 1,5,10 (at most 8 panels, evenly spaced).")] = "all",
+    n_patches: Annotated[int | None, typer.Option(
+        "--n-patches", min=1, show_default=False,
+        help="IMAGE mode: patches to sample \\[default: the model's training value].")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="IMAGE mode: sampling seed.")] = 0,
+    data: Annotated[Path | None, typer.Option(
+        "--data", show_default=False,
+        help="Dataset directory or CSV listing the image, for its label and digit boxes \\[default: look for "
+             "train/val/test.csv next to and above the image].")] = None,
+    device: Annotated[str, typer.Option("--device", help="auto | cpu | cuda | cuda:N.")] = "cpu",
+) -> None:
+    """Draw what the model attends to.
+
+    [bold]ats visualize IMAGE --model MODEL --out fig.png[/]: the low-res view with the
+    attention (log colour scale), boxes on the sampled patches, the patches underneath and
+    the prediction in the title.
+
+    [bold]ats visualize RUN_DIR --image IMAGE --out evolution.png[/]: the attention after
+    successive epochs (RUN_DIR/epochs/epoch_NNN.pt) side by side, on one shared colour scale.
+
+    Exit status 2 for a bad model, run directory or option; 1 for an unusable image.
+    """
+    from ats_cli.checkpoint import CheckpointError
+    from ats_cli.data.images import ImageReadError
+    from ats_cli.visualize import render_attention, render_evolution
+
+    console = Console(highlight=False, soft_wrap=True)
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+    def usage(message: str) -> typer.Exit:
+        err.print(f"[red]error:[/] {message}", soft_wrap=True)
+        return typer.Exit(2)
+
+    evolution = target.is_dir()
+    if evolution and image is None:
+        raise usage(f"{target} is a directory: give --image IMAGE to draw its attention across epochs "
+                    "(or give an image and --model for one figure)")
+    if evolution and model is not None:
+        raise usage("--model is for IMAGE mode; with a RUN_DIR the epochs' checkpoints are used")
+    if not evolution and model is None:
+        raise usage(f"give --model MODEL to draw {target}'s attention (or a run directory and --image)")
+    try:
+        if evolution:
+            summary = render_evolution(target, image, out, epochs=epochs, data=data, device=device)
+        else:
+            summary = render_attention(model, target, out, n_patches=n_patches, seed=seed, data=data, device=device)
+    except ImageReadError as e:
+        err.print(f"[red]error:[/] {e}", soft_wrap=True)
+        raise typer.Exit(1) from None
+    except (CheckpointError, ValueError, RuntimeError) as e:
+        raise usage(str(e)) from None
+    except OSError as e:
+        err.print(f"[red]error:[/] cannot write {out}: {e}", soft_wrap=True)
+        raise typer.Exit(1) from None
+
+    what = (f"epochs {', '.join(map(str, summary.epochs))}" if evolution
+            else f"predicted {summary.prediction} (p = {summary.probability:.2f})")
+    if summary.label is not None:
+        what += f", label {summary.label}"
+    if summary.n_boxes:
+        what += f", {summary.n_boxes} digit boxes marked"
+    console.print(f"wrote {summary.out} ({summary.size_px[0]}x{summary.size_px[1]} px): {what}")

@@ -1,0 +1,431 @@
+"""Predicting the class of image files with a trained model.
+
+The pieces, in the order ``ats predict`` uses them:
+
+* :func:`load_predictor` loads and checks the model first, so a wrong ``--model`` fails
+  before any image is touched;
+* :func:`resolve_inputs` turns command-line arguments (files, directories, glob
+  patterns, dataset CSVs, dataset directories) into one ordered list of images, with
+  labels when a CSV provides them;
+* :func:`open_input` is the ONE place a file becomes (low-res view, patch source); a
+  whole-slide reader replaces it later without touching anything else here;
+* :meth:`Predictor.predict` batches images of equal size, averages ``samples``
+  independent samplings and never lets one bad file stop the others: a failure becomes
+  a row with an ``error`` (naming the file) instead of an exception;
+* :func:`write_predictions_csv` and :func:`evaluate` turn the rows into the CSV and,
+  when labels are known, accuracy and a confusion matrix.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import io
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ats_cli.checkpoint import CheckpointError, load_model
+from ats_cli.core.geometry import low_res_view
+from ats_cli.core.model import ATSModel
+from ats_cli.core.source import PatchSource, TensorSource
+from ats_cli.data.dataset import DATASET_JSON, atomic_write_text
+from ats_cli.data.images import IMAGE_SUFFIXES, ImageReadError, read_image
+from ats_cli.inference import predict_probs
+from ats_cli.runtime import resolve_device
+
+__all__ = [
+    "Evaluation",
+    "InputItem",
+    "OpenedImage",
+    "PredictionRow",
+    "Predictor",
+    "evaluate",
+    "load_predictor",
+    "open_input",
+    "predict_paths",
+    "resolve_inputs",
+    "resolve_model_path",
+    "write_predictions_csv",
+]
+
+CHECKPOINT_NAMES = ("best.pt", "last.pt")  # what a run directory given as --model stands for, in order
+_GLOB_CHARS = "*?["
+
+
+# ---------------------------------------------------------------------------- the model
+
+
+def resolve_model_path(path: str | os.PathLike[str]) -> Path:
+    """``path`` itself, or for a run directory its ``best.pt`` (else ``last.pt``), so
+    ``--model runs/mnist`` works. Raises :class:`CheckpointError` naming the path."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        for name in CHECKPOINT_NAMES:
+            if (path / name).is_file():
+                return path / name
+        raise CheckpointError(f"{path}: a directory without {' or '.join(CHECKPOINT_NAMES)}; give a model file")
+    return path
+
+
+@dataclass
+class Predictor:
+    """A loaded model and what prediction needs to know about it."""
+
+    model: ATSModel
+    classes: list[str]
+    channels: int
+    device: torch.device
+    path: Path
+
+    def predict(
+        self,
+        items: Sequence[InputItem],
+        *,
+        n_patches: int | None = None,
+        samples: int = 1,
+        batch_size: int = 1,
+        seed: int = 0,
+        reader: Callable[..., OpenedImage] | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> list[PredictionRow]:
+        """One row per item, in the items' order; failures are rows with ``error`` set.
+
+        Images of equal size are stacked into batches of up to ``batch_size`` (different
+        sizes cannot share a tensor, so they are batched separately). The sampling
+        generator is re-seeded with ``seed`` at the start of every batch: the output is a
+        function of (model, inputs, seed, n_patches, samples, batch_size), and with
+        ``batch_size=1`` (the default) a file's probabilities do not depend on which other
+        files were predicted with it. ``reader`` replaces :func:`open_input` (e.g. a
+        whole-slide reader); ``progress(done, total)`` is called as items finish.
+        """
+        if samples < 1:
+            raise ValueError(f"samples must be >= 1, got {samples}")
+        if n_patches is not None and n_patches < 1:
+            raise ValueError(f"n_patches must be >= 1, got {n_patches}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        read = reader or open_input
+        rows: list[PredictionRow | None] = [None] * len(items)
+        pending: dict[tuple, list[tuple[int, OpenedImage]]] = {}
+        done = 0
+
+        def finish(index: int, row: PredictionRow) -> None:
+            nonlocal done
+            rows[index] = row
+            done += 1
+            if progress:
+                progress(done, len(items))
+
+        def run(batch: list[tuple[int, OpenedImage]]) -> None:
+            try:
+                probs = self._probs([img for _, img in batch], n_patches, samples, seed)
+            except (ValueError, RuntimeError) as e:
+                if len(batch) > 1:  # find out which image it was: retry one by one
+                    for one in batch:
+                        run([one])
+                    return
+                index, _ = batch[0]
+                finish(index, _failed(items[index], f"{items[index].path}: prediction failed ({_first_line(e)})"))
+                return
+            for (index, _), p in zip(batch, probs.tolist(), strict=True):
+                finish(index, PredictionRow(path=items[index].path, label=items[index].label,
+                                            prediction=self.classes[max(range(len(p)), key=p.__getitem__)],
+                                            probs=tuple(p)))
+
+        for index, item in enumerate(items):
+            if item.error is not None:
+                finish(index, _failed(item, item.error))
+                continue
+            try:
+                opened = read(item.path, channels=self.channels, scale=self.model.scale,
+                              patch_size=self.model.patch_size)
+            except (ImageReadError, OSError, ValueError) as e:
+                message = str(e) if str(item.path) in str(e) else f"{item.path}: {e}"
+                finish(index, _failed(item, message))
+                continue
+            key = (tuple(opened.low.shape), tuple(opened.source.size))
+            group = pending.setdefault(key, [])
+            group.append((index, opened))
+            if len(group) >= batch_size:
+                run(pending.pop(key))
+        for group in pending.values():
+            run(group)
+        return [row for row in rows if row is not None]
+
+    def _probs(self, images: list[OpenedImage], n_patches: int | None, samples: int, seed: int) -> torch.Tensor:
+        low = torch.stack([img.low for img in images]).to(self.device)
+        sources = [img.source for img in images]
+        if all(isinstance(s, TensorSource) for s in sources):
+            sources = torch.stack([s.image for s in sources])  # one vectorised patch extraction
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        probs, _ = predict_probs(self.model, low, sources, n_patches=n_patches, samples=samples, generator=generator)
+        return probs.cpu()
+
+
+def load_predictor(model: str | os.PathLike[str], device: str = "auto") -> Predictor:
+    """Load a checkpoint (or a run directory's best.pt) for prediction on ``device``
+    ('auto' = CUDA if present). Raises :class:`CheckpointError` naming the file for a
+    missing, foreign or corrupt model, and ValueError for an unusable device."""
+    dev = resolve_device(device)
+    path = resolve_model_path(model)
+    net, ckpt = load_model(path, dev)
+    classes = [str(c) for c in ckpt.get("classes", [])]
+    n_out = net.classifier.out_features
+    if len(classes) != n_out:
+        raise CheckpointError(f"{path}: lists {len(classes)} class names for a model with {n_out} outputs")
+    channels = int(ckpt["spec"].get("channels", 1))
+    return Predictor(model=net, classes=classes, channels=channels, device=dev, path=path)
+
+
+# ---------------------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class InputItem:
+    """One image to predict. ``label`` (a class name) comes from a dataset CSV; ``extra``
+    holds that CSV row's other columns (e.g. the ``digits`` boxes); ``error`` is set when
+    the argument could not even be turned into an image path (it then becomes a failed row)."""
+
+    path: Path
+    label: str | None = None
+    extra: Mapping[str, str] = field(default_factory=dict)
+    error: str | None = None
+
+
+def resolve_inputs(specs: Iterable[str | os.PathLike[str]], *, recursive: bool = False) -> list[InputItem]:
+    """Command-line arguments -> images, in argument order, each file once.
+
+    * an existing file: a ``.csv`` is a dataset CSV (``path`` column, optional ``label``;
+      relative paths are relative to the CSV's directory); anything else is an image;
+    * a directory holding ``dataset.json`` and ``test.csv``: that dataset's test split;
+    * any other directory: the image files in it (suffixes ``IMAGE_SUFFIXES``, sorted by
+      name, hidden files skipped), including sub-directories when ``recursive``;
+    * a pattern with ``* ? [`` that is not an existing path: expanded here (``**``
+      included), for shells that do not; matched directories and CSVs are treated as
+      above, other matches only if they are image files.
+
+    Problems (a missing path, an empty directory, a pattern that matches nothing, a bad
+    CSV) become items with ``error`` set rather than exceptions, so that one typo does
+    not stop the other inputs. A file reached twice is kept at its first position.
+    """
+    items: list[InputItem] = []
+    seen: set[str] = set()
+
+    def add(item: InputItem) -> None:
+        key = os.path.normcase(os.path.abspath(item.path))
+        if item.error is None and key in seen:
+            return
+        seen.add(key)
+        items.append(item)
+
+    for spec in specs:
+        text = os.fspath(spec)
+        path = Path(text).expanduser()
+        if path.exists():
+            for item in _expand(path, recursive=recursive, explicit=True):
+                add(item)
+        elif any(ch in text for ch in _GLOB_CHARS):
+            matches = sorted(glob.glob(os.path.expanduser(text), recursive=True))
+            found = [item for m in matches for item in _expand(Path(m), recursive=recursive, explicit=False)]
+            if not found:
+                add(InputItem(path, error=f"{text}: the pattern matches no image files"))
+            for item in found:
+                add(item)
+        else:
+            add(InputItem(path, error=f"{path}: no such file or directory"))
+    return items
+
+
+def _is_image(path: Path) -> bool:
+    return path.suffix.lower() in IMAGE_SUFFIXES and not path.name.startswith(".")
+
+
+def _expand(path: Path, *, recursive: bool, explicit: bool) -> list[InputItem]:
+    if path.is_dir():
+        if (path / DATASET_JSON).is_file() and (path / "test.csv").is_file():
+            return read_inputs_csv(path / "test.csv")
+        files = path.rglob("*") if recursive else path.iterdir()
+        images = sorted((p for p in files if p.is_file() and _is_image(p)), key=lambda p: str(p))
+        if not images and explicit:
+            hint = "" if recursive else " (sub-directories are searched with --recursive)"
+            return [InputItem(path, error=f"{path}: a directory with no image files{hint}")]
+        return [InputItem(p) for p in images]
+    if path.suffix.lower() == ".csv":
+        return read_inputs_csv(path)
+    if explicit or _is_image(path):
+        return [InputItem(path)]
+    return []
+
+
+def read_inputs_csv(path: str | os.PathLike[str]) -> list[InputItem]:
+    """The rows of a dataset CSV (the ats dataset format, or any CSV with a ``path``
+    column) as input items; ``label`` is kept when the column exists and the cell is not
+    empty, every other column goes to ``extra``. Relative paths are relative to the CSV's
+    directory, as in the dataset format. A malformed CSV is one failed item naming it."""
+    path = Path(path)
+    try:
+        with open(path, newline="", encoding="utf-8") as fh:
+            reader = csv.DictReader(fh)
+            header = reader.fieldnames or []
+            if "path" not in header:
+                return [InputItem(path, error=f"{path}: a CSV needs a 'path' column (header: {header})")]
+            out = []
+            for row in reader:
+                raw = (row.get("path") or "").strip()
+                if not raw:
+                    out.append(InputItem(path, error=f"{path}:{reader.line_num}: empty path"))
+                    continue
+                file = Path(raw).expanduser()
+                file = Path(os.path.normpath(file if file.is_absolute() else path.parent / file))
+                label = (row.get("label") or "").strip() or None
+                extra = {k: v for k, v in row.items() if k not in ("path", "label") and isinstance(k, str)}
+                out.append(InputItem(file, label=label, extra=extra))
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        return [InputItem(path, error=f"{path}: cannot read the CSV ({_first_line(e)})")]
+    if not out:
+        return [InputItem(path, error=f"{path}: the CSV has no rows")]
+    return out
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+@dataclass
+class OpenedImage:
+    """An input ready for the model: its low-res view [C, h, w] (float, [0, 1]) and the
+    patch source standing for the full-resolution image."""
+
+    low: torch.Tensor
+    source: PatchSource
+
+
+def open_input(path: str | os.PathLike[str], *, channels: int, scale: float,
+               patch_size: tuple[int, int]) -> OpenedImage:
+    """Read one input file into (low-res view, patch source): the only function that
+    knows how files are read, so a whole-slide reader (which builds the low-res view from
+    a pyramid level and reads patches tile by tile) slots in here and nowhere else.
+
+    An image smaller than a patch in either dimension is refused: zero padding would make
+    it run, but every patch would then be mostly padding the model never saw in training,
+    and the prediction would look confident while meaning little. Raises
+    :class:`ImageReadError` naming the file.
+    """
+    image = read_image(path, channels)
+    H, W = int(image.shape[1]), int(image.shape[2])
+    ph, pw = patch_size
+    if H < ph or W < pw:
+        raise ImageReadError(path, f"is {W}x{H} pixels (width x height), smaller than the model's {pw}x{ph} patch")
+    return OpenedImage(low=low_res_view(image, scale), source=TensorSource(image))
+
+
+# ---------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class PredictionRow:
+    """The outcome for one input: ``prediction`` (a class name) and ``probs`` (one per
+    class, in the model's class order, summing to 1), or ``error`` (naming the file)."""
+
+    path: Path
+    label: str | None = None
+    prediction: str | None = None
+    probs: tuple[float, ...] | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def _failed(item: InputItem, message: str) -> PredictionRow:
+    return PredictionRow(path=item.path, label=item.label, error=message)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def predictions_csv_text(rows: Sequence[PredictionRow], classes: Sequence[str]) -> str:
+    """The CSV of the successful rows: ``path,prediction,prob_<class>...`` and, when any
+    row has a label, a final ``label`` column. Failed rows are left out on purpose: every
+    row of the file then has numbers a spreadsheet or pandas can use as they are; the
+    failures are reported separately (``ats predict`` lists them on stderr)."""
+    with_labels = any(r.label is not None for r in rows if r.ok)
+    header = ["path", "prediction", *(f"prob_{c}" for c in classes)] + (["label"] if with_labels else [])
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(header)
+    for r in rows:
+        if not r.ok:
+            continue
+        assert r.probs is not None
+        writer.writerow([str(r.path), r.prediction, *(f"{p:.6f}" for p in r.probs)]
+                        + ([r.label or ""] if with_labels else []))
+    return buffer.getvalue()
+
+
+def write_predictions_csv(path: str | os.PathLike[str], rows: Sequence[PredictionRow],
+                          classes: Sequence[str]) -> Path:
+    """Write :func:`predictions_csv_text` atomically (a crash never leaves half a CSV),
+    creating the parent directory; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, predictions_csv_text(rows, classes))
+    return path
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Accuracy over the predicted rows that have a label, and the confusion matrix
+    ``matrix[i][j]`` = images of label ``labels[i]`` predicted as ``classes[j]``.
+    ``labels`` is the model's classes followed by any label the model does not know
+    (those rows can never be right, and hiding them would overstate accuracy)."""
+
+    n: int
+    correct: int
+    labels: list[str]
+    classes: list[str]
+    matrix: list[list[int]]
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.n if self.n else float("nan")
+
+    @property
+    def unknown_labels(self) -> list[str]:
+        return self.labels[len(self.classes):]
+
+
+def evaluate(rows: Sequence[PredictionRow], classes: Sequence[str]) -> Evaluation | None:
+    """Accuracy and confusion matrix of the labelled, successful rows; None if there are none."""
+    scored = [r for r in rows if r.ok and r.label is not None]
+    if not scored:
+        return None
+    classes = [str(c) for c in classes]
+    labels = classes + sorted({r.label for r in scored if r.label not in classes})
+    li = {name: i for i, name in enumerate(labels)}
+    ci = {name: i for i, name in enumerate(classes)}
+    matrix = [[0] * len(classes) for _ in labels]
+    for r in scored:
+        matrix[li[r.label]][ci[r.prediction]] += 1
+    correct = sum(r.label == r.prediction for r in scored)
+    return Evaluation(n=len(scored), correct=correct, labels=labels, classes=classes, matrix=matrix)
+
+
+def predict_paths(
+    model: str | os.PathLike[str],
+    inputs: Iterable[str | os.PathLike[str]],
+    *,
+    device: str = "auto",
+    recursive: bool = False,
+    **options,
+) -> list[PredictionRow]:
+    """Library one-liner: load ``model``, resolve ``inputs`` as the command line does and
+    predict them (``options``: n_patches, samples, batch_size, seed, reader, progress)."""
+    predictor = load_predictor(model, device)
+    return predictor.predict(resolve_inputs(inputs, recursive=recursive), **options)

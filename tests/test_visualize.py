@@ -1,0 +1,138 @@
+"""`ats visualize`: both figures are written and open as images of a sensible size; digit
+boxes are found in a dataset CSV; epochs are chosen and capped; errors exit 1 or 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from typer.testing import CliRunner
+
+from ats_cli.checkpoint import build_model, model_spec, save_checkpoint
+from ats_cli.cli import app
+from ats_cli.config import TrainConfig
+from ats_cli.visualize import find_image_info, render_attention, select_epochs
+
+runner = CliRunner()
+
+
+def make_model(path: Path, *, seed: int = 0) -> Path:
+    """An untrained model: 16x16 patches, scale 0.25, 4 patches, classes cat/dog/eel."""
+    torch.manual_seed(seed)
+    spec = model_spec(TrainConfig(patch_size=16, scale=0.25, n_patches=4, feature_width=8), n_classes=3, channels=1)
+    model = build_model(spec)
+    torch.nn.init.normal_(model.attention_net.score.weight, std=0.5)  # not uniform: something to draw
+    save_checkpoint(path, spec=spec, classes=["cat", "dog", "eel"], model=model)
+    return path
+
+
+def png(path: Path, seed: int, size: tuple[int, int] = (128, 128)) -> Path:
+    """A random grayscale image of size (width, height)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size[1], size[0]), dtype=np.uint8)).save(path)
+    return path
+
+
+@pytest.fixture
+def data(tmp_path: Path) -> Path:
+    """A dataset laid out like the generators write it: DATA/test.csv, DATA/test/*.png."""
+    root = tmp_path / "data"
+    png(root / "test" / "00000.png", 0)
+    png(root / "test" / "00001.png", 1, size=(160, 96))
+    digits = json.dumps([[3, 10, 20, 28, 28], [3, 70, 90, 28, 28]])
+    (root / "test.csv").write_text(f'path,label,digits\ntest/00000.png,cat,"{digits.replace(chr(34), chr(34) * 2)}"\n'
+                                   "test/00001.png,dog,\n")
+    return root
+
+
+def opens(path: Path, min_size: tuple[int, int]) -> tuple[int, int]:
+    with Image.open(path) as im:
+        im.load()
+        assert im.format == "PNG"
+        assert im.width >= min_size[0] and im.height >= min_size[1], im.size
+        assert im.width <= 4000 and im.height <= 4000, im.size
+        return im.size
+
+
+def test_attention_figure(tmp_path, data):
+    model = make_model(tmp_path / "model.pt")
+    out = tmp_path / "figs" / "attention.png"
+    result = runner.invoke(app, ["visualize", str(data / "test" / "00000.png"), "--model", str(model),
+                                 "--out", str(out), "--n-patches", "6", "--seed", "3"])
+    assert result.exit_code == 0, result.output
+    assert "predicted" in result.output and "label cat" in result.output and "2 digit boxes" in result.output
+    opens(out, (600, 600))
+    # a non-square image, many patches (two rows in the strip), no CSV entry for the boxes
+    other = png(tmp_path / "loose.png", 5, size=(160, 96))
+    summary = render_attention(model, other, tmp_path / "b.png", n_patches=14, device="cpu")
+    assert summary.label is None and summary.n_boxes == 0 and summary.prediction in ("cat", "dog", "eel")
+    opens(summary.out, (600, 300))
+
+
+def test_evolution_figure(tmp_path, data):
+    run_dir = tmp_path / "run"
+    (run_dir / "epochs").mkdir(parents=True)
+    for epoch in (1, 2, 3):
+        make_model(run_dir / "epochs" / f"epoch_{epoch:03d}.pt", seed=epoch)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"epoch": e, "test_acc": e / 10}) + "\n"
+                                                   for e in (1, 2, 3)))
+    out = tmp_path / "evolution.png"
+    result = runner.invoke(app, ["visualize", str(run_dir), "--image", str(data / "test" / "00000.png"),
+                                 "--out", str(out), "--epochs", "1,3"])
+    assert result.exit_code == 0, result.output
+    assert "epochs 1, 3" in result.output and "2 digit boxes" in result.output
+    width, height = opens(out, (600, 300))
+    assert width > height  # panels side by side
+    result = runner.invoke(app, ["visualize", str(run_dir), "--image", str(data / "test" / "00001.png"),
+                                 "--out", str(out), "--data", str(data)])
+    assert result.exit_code == 0, result.output
+    assert "epochs 1, 2, 3" in result.output and "label dog" in result.output
+
+
+def test_select_epochs():
+    assert select_epochs("all", [1, 2, 3]) == [1, 2, 3]
+    many = select_epochs(None, list(range(1, 21)))
+    assert len(many) == 8 and many[0] == 1 and many[-1] == 20 and many == sorted(set(many))
+    assert select_epochs("5, 1,last", [1, 5, 9]) == [1, 5, 9]
+    with pytest.raises(ValueError, match="epoch 4 has no checkpoint"):
+        select_epochs("1,4", [1, 2, 3])
+    with pytest.raises(ValueError, match="not an epoch number"):
+        select_epochs("first", [1, 2, 3])
+
+
+def test_find_image_info(data, tmp_path):
+    info = find_image_info(data / "test" / "00000.png")
+    assert info is not None and info.label == "cat" and info.csv == data / "test.csv"
+    assert [(b.cls, b.row, b.col, b.h, b.w) for b in info.boxes] == [("3", 10, 20, 28, 28), ("3", 70, 90, 28, 28)]
+    assert find_image_info(data / "test" / "00001.png", data / "test.csv").boxes == []
+    assert find_image_info(png(tmp_path / "elsewhere.png", 0)) is None
+
+
+def test_errors(tmp_path, data):
+    model = make_model(tmp_path / "model.pt")
+    image = data / "test" / "00000.png"
+    out = tmp_path / "x.png"
+
+    def code(*args):
+        result = runner.invoke(app, ["visualize", *map(str, args), "--out", str(out)])
+        return result.exit_code, result.stderr
+
+    status, err = code(image)  # no --model
+    assert status == 2 and "--model" in err
+    status, err = code(tmp_path / "data")  # a directory without --image
+    assert status == 2 and "--image" in err
+    status, err = code(tmp_path / "data", "--image", image)  # not a run directory
+    assert status == 2 and "no epochs/epoch_NNN.pt" in err
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"\x00" * 100)
+    status, err = code(image, "--model", junk)
+    assert status == 2 and str(junk) in err
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"garbage")
+    status, err = code(broken, "--model", model)
+    assert status == 1 and str(broken) in err
+    assert not out.exists()
