@@ -122,3 +122,21 @@ def test_learns_where_to_look_and_what_it_sees():
         out = model(low_res_view(images, model.scale), images)
     acc = (out.logits.argmax(1) == labels).float().mean().item()
     assert acc > 0.9, acc
+
+
+def test_registry_builds_every_network_with_the_promised_shapes():
+    low = torch.rand(2, 1, 30, 40)
+    for name in nets.available("attention"):
+        net = nets.create(name, in_channels=1)
+        m = getattr(net, "margin", 0)
+        assert net(low).shape == (2, 1, 30 - 2 * m, 40 - 2 * m), name
+    patches = torch.rand(6, 1, 50, 50)
+    for name in nets.available("features"):
+        net = nets.create(name, in_channels=1, width=16)
+        assert net(patches).shape == (6, net.out_features) == (6, 16), name
+    try:
+        nets.create("no-such-net")
+    except nets.UnknownNetworkError as e:
+        assert "mnist-features" in str(e)
+    else:
+        raise AssertionError("unknown network accepted")
