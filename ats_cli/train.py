@@ -5,14 +5,23 @@ One run directory holds everything: ``config.json`` (resolved configuration),
 ``epochs/epoch_NNN.pt`` (weights after each epoch, for the attention-evolution figure)
 and ``curves.png``.
 
-Exact resumption: the data order of epoch e comes from (seed, e) and the sampling
-generator's state is saved with every checkpoint, so a run interrupted at any step
-(Ctrl-C saves at the current step) and resumed gives the same weights as a run that was
-never interrupted.
+Several processes (``torchrun`` or ``ats train --devices N``; see
+:mod:`ats_cli.distributed` and docs/distributed.md): ``--batch-size`` is per process, a
+step consumes ``batch_size * world_size`` images of the epoch's order (each rank its own
+slice), DDP averages the gradients, metrics are summed over the ranks, and rank 0 alone
+logs and writes files.
+
+Exact resumption: the data order of epoch e comes from (seed, e), and the noise that
+samples the patches of a step is seeded by (seed, epoch, images already done in the
+epoch, rank). Nothing random has to be saved, and a run interrupted at any step (Ctrl-C
+saves at the current step) and resumed with the same number of processes gives the same
+weights as a run that was never interrupted. The position is saved in images, not steps,
+so a run can also be resumed with another number of processes (see docs/distributed.md).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -21,14 +30,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from ats_cli.checkpoint import build_model, load_checkpoint, model_spec, save_checkpoint
 from ats_cli.config import TrainConfig
 from ats_cli.data.dataset import atomic_write_text, load_dataset
 from ats_cli.data.loader import Batch, ImageDataset, collate, single_thread_worker
+from ats_cli.distributed import Dist, all_reduce, broadcast_buffers, from_main, process_group, shard_batches
 from ats_cli.inference import predict_probs
-from ats_cli.runtime import peak_memory_mb, reset_peak_memory, resolve_device
+from ats_cli.runtime import peak_memory_mb, reset_peak_memory
 
 __all__ = ["train", "evaluate", "TrainingInterrupted"]
 
@@ -39,9 +50,9 @@ class TrainingInterrupted(Exception):
     """Raised after Ctrl-C once the state has been saved; ``--resume`` continues."""
 
 
-def _loader(dataset: ImageDataset, order: list[int], cfg: TrainConfig, device: torch.device) -> DataLoader:
-    return DataLoader(dataset, batch_size=cfg.batch_size, sampler=order, num_workers=cfg.workers,
-                      collate_fn=collate, pin_memory=device.type == "cuda", worker_init_fn=single_thread_worker,
+def _loader(dataset: ImageDataset, batches: list[list[int]], cfg: TrainConfig, device: torch.device) -> DataLoader:
+    return DataLoader(dataset, batch_sampler=batches, num_workers=cfg.workers, collate_fn=collate,
+                      pin_memory=device.type == "cuda", worker_init_fn=single_thread_worker,
                       prefetch_factor=4 if cfg.workers else None)
 
 
@@ -68,13 +79,31 @@ def _autocast(cfg: TrainConfig, device: torch.device):
     return torch.autocast("cuda", dtype=torch.bfloat16 if cfg.amp == "bf16" else torch.float16)
 
 
+def _seed(*keys: int) -> int:
+    """A well-mixed 64-bit seed from a few integers: nearby keys give unrelated streams.
+
+    Seeding the sampling noise from where it is used, instead of carrying one generator
+    through the run, is what makes resumption exact without saving any RNG state (one
+    per rank, under torch.distributed) and keeps it valid with another number of ranks.
+    """
+    return int.from_bytes(hashlib.blake2b(repr(keys).encode(), digest_size=8).digest(), "little")
+
+
 @torch.no_grad()
-def evaluate(model, loader: DataLoader, device: torch.device, *, n_patches: int | None = None) -> dict[str, float]:
-    """Test loss, accuracy and mean attention entropy, with a fixed sampling seed."""
+def evaluate(model, loader: DataLoader, device: torch.device, *, n_patches: int | None = None,
+             ctx: Dist | None = None) -> dict[str, float]:
+    """Test loss, accuracy and mean attention entropy.
+
+    Each batch's sampling is seeded by (EVAL_SEED, index of its first image), so the
+    numbers do not depend on the epoch or on which process evaluated which batch: with
+    several processes each one evaluates its share of the batches and the sums are
+    reduced (``ctx``)."""
+    ctx = ctx or Dist()
     model.eval()
-    gen = torch.Generator(device=device).manual_seed(EVAL_SEED)
+    gen = torch.Generator(device=device)
     loss = correct = ent = count = 0.0
     for batch in loader:
+        gen.manual_seed(_seed(EVAL_SEED, int(batch.indices[0])))
         labels = batch.labels.to(device)
         probs, out = predict_probs(model, batch.low.to(device), batch.sources, n_patches=n_patches, generator=gen)
         loss += float(torch.nn.functional.nll_loss(probs.clamp_min(1e-12).log(), labels, reduction="sum"))
@@ -82,6 +111,7 @@ def evaluate(model, loader: DataLoader, device: torch.device, *, n_patches: int 
         ent += float(out.entropy.sum())
         count += len(labels)
     model.train()
+    loss, correct, ent, count = all_reduce([loss, correct, ent, count], ctx, device)
     return {"loss": loss / max(count, 1), "acc": correct / max(count, 1), "entropy": ent / max(count, 1)}
 
 
@@ -95,86 +125,120 @@ def train(
     """Train per ``cfg``; returns the metrics of every epoch (also in metrics.jsonl).
 
     ``progress(phase, step, total, info)`` is called after every training step (the CLI
-    draws a progress bar with it); ``log`` receives one line per epoch.
+    draws a progress bar with it); ``log`` receives one line per epoch. Both are called on
+    rank 0 only. Under torchrun (``WORLD_SIZE`` > 1) this joins the process group itself,
+    unless the caller already did.
     """
-    run = Path(cfg.out)
-    run.mkdir(parents=True, exist_ok=True)
-    (run / "epochs").mkdir(exist_ok=True)
-    device = resolve_device(cfg.device)
+    with process_group(cfg.device) as (ctx, device):
+        return _train(cfg, ctx, device, resume=resume, progress=progress if ctx.is_main else None,
+                      log=log if ctx.is_main else lambda s: None)
 
-    # ---- data
+
+def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool,
+           progress: Callable[[str, int, int, dict], None] | None, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    run = Path(cfg.out)
+    if ctx.is_main:  # other ranks write nothing, anywhere
+        (run / "epochs").mkdir(parents=True, exist_ok=True)
+    amp = cfg.amp if device.type == "cuda" else "none"
+    if amp != cfg.amp:
+        log(f"warning: --amp {cfg.amp} needs a CUDA device; training in float32 on {device}")
+
+    # ---- data: every rank reads the dataset (same path on every node)
     data = load_dataset(cfg.data)
     channels = int(data.hints.get("channels", 1))
     train_set = ImageDataset(data["train"], channels=channels, scale=cfg.scale)
     test_set = ImageDataset(data["test"], channels=channels, scale=cfg.scale)
-    test_loader = _loader(test_set, list(range(len(test_set))), cfg, device)
+    # whole test batches, dealt round-robin to the ranks (evaluate() explains why whole ones)
+    test_batches = shard_batches(range(len(test_set)), 0, cfg.batch_size, Dist())[ctx.rank::ctx.world_size]
+    test_loader = _loader(test_set, test_batches, cfg, device)
 
-    # ---- model, optimizer, state
+    # ---- model, optimizer, state (the same initial weights on every rank: same seed)
     torch.manual_seed(cfg.seed)
     spec = model_spec(cfg, n_classes=data.num_classes, channels=channels)
     model = build_model(spec).to(device)
     opt = _optimizer(cfg, model)
-    sampling_gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    start_epoch, start_step, history, running = 0, 0, [], {}
+    scaler = torch.amp.GradScaler("cuda", enabled=amp == "fp16")  # fp16 only: bf16 has float32's range
+    start_epoch, start_done, history, running = 0, 0, [], {}
     if resume:
-        ckpt = load_checkpoint(run / "last.pt", map_location=device)
+        ckpt = from_main(lambda: load_checkpoint(run / "last.pt"), ctx)
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
-        sampling_gen.set_state(ckpt["sampling_rng"].cpu())
-        start_epoch, start_step, history = ckpt["epoch"], ckpt["step"], ckpt["history"]
+        if ckpt.get("scaler") and scaler.is_enabled():
+            scaler.load_state_dict(ckpt["scaler"])
+        start_epoch, history = ckpt["epoch"], ckpt["history"]
+        # position in images (survives a change of world size); old checkpoints count steps
+        start_done = ckpt.get("samples", ckpt["step"] * cfg.batch_size)
         running = ckpt.get("running", {})
-        log(f"resuming {run} at epoch {start_epoch + 1}, step {start_step}")
-    atomic_write_text(run / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
+        log(f"resuming {run} at epoch {start_epoch + 1}, image {start_done} of {len(train_set)}"
+            + (f", {ctx.world_size} processes" if ctx.enabled else ""))
+    if ctx.is_main:
+        atomic_write_text(run / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
     best_acc = max((h["test_acc"] for h in history), default=-1.0)
+    # Every parameter takes part in every forward pass (the attention net through the
+    # sampled probabilities and the entropy, even when its zero-initialised last layer
+    # makes the gradient zero), so DDP needs no find_unused_parameters (tested).
+    net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) \
+        if ctx.enabled else model
 
-    def save(path: Path, epoch: int, step: int, running_state: dict) -> None:
+    def save(path: Path, epoch: int, step: int, done: int, running_state: dict) -> None:
         save_checkpoint(path, spec=spec, classes=data.classes, model=model, optimizer=opt.state_dict(),
-                        epoch=epoch, step=step, sampling_rng=sampling_gen.get_state(), history=history,
-                        running=running_state, config=cfg.to_dict())
+                        scaler=scaler.state_dict(), epoch=epoch, step=step, samples=done,
+                        world_size=ctx.world_size, history=history, running=running_state, config=cfg.to_dict())
 
-    steps_per_epoch = math.ceil(len(train_set) / cfg.batch_size)
-    model.train()
+    global_batch = cfg.batch_size * ctx.world_size
+    sampling_gen = torch.Generator(device=device)
+    net.train()
     for epoch in range(start_epoch, cfg.epochs):
         order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch))
-        skip = start_step if epoch == start_epoch else 0
-        loader = _loader(train_set, order[skip * cfg.batch_size:].tolist(), cfg, device)
+        done = start_done if epoch == start_epoch else 0  # images of this epoch already trained on
+        batches = shard_batches(order.tolist(), done, cfg.batch_size, ctx)
+        loader = _loader(train_set, batches, cfg, device)
         acc = running if (epoch == start_epoch and running) else {"loss": 0.0, "correct": 0.0, "ent": 0.0,
                                                                      "n": 0.0, "time": 0.0}
         reset_peak_memory(device)
-        step = skip
+        step = done // global_batch
+        total_steps = step + len(batches)
         t_last = time.perf_counter()
         try:
             for batch in loader:
                 batch: Batch
                 for group in opt.param_groups:
-                    group["lr"] = _lr_at(cfg, epoch + step / steps_per_epoch)
+                    group["lr"] = _lr_at(cfg, epoch + done / len(train_set))
                 labels = batch.labels.to(device)
+                sampling_gen.manual_seed(_seed(cfg.seed, epoch, done, ctx.rank))
                 with _autocast(cfg, device):
-                    out = model(batch.low.to(device, non_blocking=True), batch.sources, generator=sampling_gen)
+                    out = net(batch.low.to(device, non_blocking=True), batch.sources, generator=sampling_gen)
                     loss = model.loss(out, labels)
                 opt.zero_grad(set_to_none=True)
-                loss.backward()
-                if cfg.clip_norm:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
-                opt.step()
-                step += 1
-                now = time.perf_counter()
+                scaler.scale(loss).backward()  # DDP averages the gradients over the ranks here
                 n = len(labels)
-                acc["loss"] += float(loss.detach()) * n
-                acc["correct"] += float((out.logits.argmax(1) == labels).sum())
-                acc["ent"] += float(out.entropy.detach().sum())
-                acc["n"] += n
-                acc["time"] += now - t_last
+                stats = all_reduce([float(loss.detach()) * n, float((out.logits.argmax(1) == labels).sum()),
+                                    float(out.entropy.detach().sum()), n], ctx, device)
+                if cfg.clip_norm:
+                    scaler.unscale_(opt)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
+                scaler.step(opt)
+                scaler.update()
+                # no waiting from here to the end of the step, so Ctrl-C saves a consistent state
+                step += 1
+                done = min(done + global_batch, len(train_set))
+                now = time.perf_counter()
+                for key, value in zip(("loss", "correct", "ent", "n"), stats, strict=True):
+                    acc[key] += value
+                acc["time"] += now - t_last  # wall time (the ranks run in lockstep)
                 t_last = now
                 if progress:
-                    progress("train", step, steps_per_epoch,
+                    progress("train", step, total_steps,
                              {"epoch": epoch + 1, "loss": acc["loss"] / acc["n"], "acc": acc["correct"] / acc["n"]})
         except KeyboardInterrupt:
-            save(run / "last.pt", epoch, step, acc)
+            if ctx.is_main:
+                save(run / "last.pt", epoch, step, done, acc)
             raise TrainingInterrupted(f"interrupted at epoch {epoch + 1}, step {step}; state saved to "
                                       f"{run / 'last.pt'}; continue with --resume") from None
 
-        test = evaluate(model, test_loader, device, n_patches=cfg.eval_n_patches or None)
+        broadcast_buffers(model, ctx)  # e.g. batch-norm statistics: evaluate and save rank 0's
+        test = evaluate(model, test_loader, device, n_patches=cfg.eval_n_patches or None, ctx=ctx)
+        (peak_mb,) = all_reduce([peak_memory_mb(device)], ctx, device, op="max")
         record = {
             "epoch": epoch + 1,
             "train_loss": acc["loss"] / acc["n"],
@@ -182,25 +246,29 @@ def train(
             "test_loss": test["loss"],
             "test_acc": test["acc"],
             "entropy": acc["ent"] / acc["n"],
-            "samples_per_s": acc["n"] / max(acc["time"], 1e-9),
+            "samples": int(acc["n"]),
+            "samples_per_s": acc["n"] / max(acc["time"], 1e-9),  # all processes together
             "ms_per_sample": 1000 * acc["time"] / acc["n"],
-            "peak_mem_mb": peak_memory_mb(device),
+            "peak_mem_mb": peak_mb,  # the largest of the processes
             "lr": opt.param_groups[0]["lr"],
             "device": str(device),
+            "world_size": ctx.world_size,
+            "amp": amp,
         }
         history.append(record)
-        with open(run / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-        save_checkpoint(run / "epochs" / f"epoch_{epoch + 1:03d}.pt", spec=spec, classes=data.classes,
-                        model=model, epoch=epoch + 1)
-        save(run / "last.pt", epoch + 1, 0, {})
-        if test["acc"] > best_acc:
-            best_acc = test["acc"]
-            save(run / "best.pt", epoch + 1, 0, {})
+        if ctx.is_main:
+            with open(run / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+            save_checkpoint(run / "epochs" / f"epoch_{epoch + 1:03d}.pt", spec=spec, classes=data.classes,
+                            model=model, epoch=epoch + 1)
+            save(run / "last.pt", epoch + 1, 0, 0, {})
+            if test["acc"] > best_acc:
+                save(run / "best.pt", epoch + 1, 0, 0, {})
+            _plot_curves(history, run / "curves.png")
+        best_acc = max(best_acc, test["acc"])
         log(f"epoch {epoch + 1}/{cfg.epochs}: train loss {record['train_loss']:.4f} acc {record['train_acc']:.3f} | "
             f"test loss {record['test_loss']:.4f} acc {record['test_acc']:.3f} | entropy {record['entropy']:.2f} | "
             f"{record['samples_per_s']:.1f} samples/s | peak {record['peak_mem_mb']:.0f} MB")
-        _plot_curves(history, run / "curves.png")
     return history
 
 

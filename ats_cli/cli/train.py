@@ -48,21 +48,28 @@ def train(
     schedule: str = typer.Option(None, help="constant | cosine \\[default: constant].", rich_help_panel=_OPT),
     warmup_epochs: int = typer.Option(None, help="Linear warm-up epochs \\[default: 0].", rich_help_panel=_OPT),
     clip_norm: float = typer.Option(None, help="Gradient norm clip, 0 = off \\[default: 1].", rich_help_panel=_OPT),
-    batch_size: int = typer.Option(None, help="Images per step \\[default: 32].", rich_help_panel=_OPT),
+    batch_size: int = typer.Option(None, help="Images per step, per process \\[default: 32].",
+                                   rich_help_panel=_OPT),
     epochs: int = typer.Option(None, help="Epochs \\[default: 20].", rich_help_panel=_OPT),
     seed: int = typer.Option(None, help="Random seed \\[default: 0].", rich_help_panel=_RUN),
     device: str = typer.Option(None, help="auto | cpu | cuda | cuda:N \\[default: auto].", rich_help_panel=_RUN),
     workers: int = typer.Option(None, help="DataLoader worker processes \\[default: 2].", rich_help_panel=_RUN),
-    amp: str = typer.Option(None, help="none | bf16 | fp16, CUDA only \\[default: none].", rich_help_panel=_RUN),
+    amp: str = typer.Option(None, help="none | bf16 | fp16 mixed precision, CUDA only (on CPU: a warning, "
+                            "float32) \\[default: none].", rich_help_panel=_RUN),
+    devices: int = typer.Option(None, min=1, help="Train in N processes on this machine: one per GPU, or N CPU "
+                                "processes (starts torchrun for you; --batch-size is per process) \\[default: 1].",
+                                rich_help_panel=_RUN),
 ) -> None:
     """Train an attention-sampling model on a dataset directory.
 
     Every flag can also be set in a TOML --config file; the resolved configuration is
     saved as RUN_DIR/config.json. Ctrl-C saves the state; --resume RUN_DIR continues.
+    Several GPUs or nodes: --devices N, or run this same command under torchrun.
     """
     overrides = dict(locals())  # every flag; None = not given
-    for key in ("data", "out", "config", "resume"):
+    for key in ("data", "out", "config", "resume", "devices"):
         overrides.pop(key)
+    from ats_cli import distributed
     from ats_cli.config import ConfigError, resolve_config
     from ats_cli.data.dataset import DatasetError
     from ats_cli.train import TrainingInterrupted
@@ -81,13 +88,24 @@ def train(
         overrides.update(data=str(data), out=str(out))
     try:
         cfg = resolve_config(config, **overrides)
-    except ConfigError as e:
+        ctx = distributed.from_env()
+    except (ConfigError, ValueError) as e:
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
 
+    if devices is not None and devices > 1:
+        if ctx.enabled:
+            console.print("[red]error:[/] --devices starts the processes itself; under torchrun leave it out")
+            raise typer.Exit(2)
+        try:
+            raise typer.Exit(distributed.launch(devices, cfg.to_dict(), resume=resume is not None))
+        except ValueError as e:
+            console.print(f"[red]error:[/] {e}")
+            raise typer.Exit(2) from None
+    # Under torchrun every process runs this; rank 0 alone draws the bar and reports.
     with Progress(TextColumn("[bold]epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("loss {task.fields[loss]:.3f} acc {task.fields[acc]:.3f}"), TimeElapsedColumn(),
-                  console=console, transient=True) as bar:
+                  console=console, transient=True, disable=not ctx.is_main) as bar:
         task = bar.add_task("train", total=None, epoch=0, loss=0.0, acc=0.0)
 
         def progress(phase: str, step: int, total: int, info: dict) -> None:
@@ -96,12 +114,14 @@ def train(
         try:
             history = run_training(cfg, resume=resume is not None, progress=progress, log=bar.console.print)
         except TrainingInterrupted as e:
-            console.print(f"[yellow]{e}")
+            if ctx.is_main:
+                console.print(f"[yellow]{e}")
             raise typer.Exit(130) from None
-        except (DatasetError, ValueError, FileNotFoundError) as e:
-            console.print(f"[red]error:[/] {e}")
+        except (DatasetError, ValueError, FileNotFoundError) as e:  # on any rank: it may be the only one
+            where = f" (rank {ctx.rank})" if ctx.enabled else ""
+            console.print(f"[red]error{where}:[/] {e}")
             raise typer.Exit(1) from None
-    if history:
+    if history and ctx.is_main:
         best = max(history, key=lambda h: h["test_acc"])
         console.print(f"[green]done:[/] best test accuracy {best['test_acc']:.3f} at epoch {best['epoch']}; "
                       f"run directory {cfg.out}")

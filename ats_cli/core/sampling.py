@@ -121,8 +121,11 @@ def expectation(
     a = sampled_probs
     tiny = torch.finfo(a.dtype).tiny
     ratio = a / a.detach().clamp(min=tiny)  # == 1, carries d/da = 1/a
-    coeff = (w * ratio).to(features.dtype)
-    return torch.einsum("bn,bnd->bd", coeff, features)
+    # Under autocast the features may be float16/bfloat16; the weights w can span many
+    # orders of magnitude (1/a for tiny a), so the weighted sum runs in >= float32.
+    dtype = torch.promote_types(features.dtype, torch.float32)
+    with torch.autocast(features.device.type, enabled=False):
+        return torch.einsum("bn,bnd->bd", (w * ratio).to(dtype), features.to(dtype))
 
 
 def attention_distribution(
