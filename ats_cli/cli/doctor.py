@@ -1,0 +1,42 @@
+"""`ats doctor`: what this installation will run on, and why (versions, devices, kernels)."""
+
+from __future__ import annotations
+
+import platform
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ats_cli.cli import app
+
+
+@app.command()
+def doctor(
+    build: bool = typer.Option(False, "--build", help="Build the native patch kernels now instead of on first use."),
+) -> None:
+    """Show versions, devices and which patch-extraction path (native kernel or torch) each device uses."""
+    import torch
+
+    from ats_cli import __version__
+    from ats_cli.core import native
+
+    table = Table(title="ats doctor", show_header=False)
+    table.add_row("ats", __version__)
+    table.add_row("python", platform.python_version())
+    cuda = torch.version.cuda or "none"
+    table.add_row("torch", f"{torch.__version__} (CUDA {cuda}), {torch.get_num_threads()} threads")
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    table.add_row("GPUs", ", ".join(gpus) or "none visible")
+    for name in ("torchvision", "openslide", "tifffile", "PIL"):
+        try:
+            module = __import__(name)
+            version = getattr(module, "__version__", "?")
+            if name == "openslide":
+                version = f"{version} (library {getattr(module, '__library_version__', '?')})"
+            table.add_row(name, version)
+        except Exception as exc:  # noqa: BLE001 - report, don't crash: this is the diagnostic tool
+            table.add_row(name, f"[red]unavailable[/red] ({type(exc).__name__}: {exc})")
+    for device, line in native.status(try_build=build).items():
+        table.add_row(f"patches on {device}", line)
+    Console().print(table)

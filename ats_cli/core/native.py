@@ -1,0 +1,168 @@
+"""The native patch-extraction kernels in ``csrc/``: lazy build, use, and graceful fallback.
+
+Why lazy: compiling takes a minute and needs a compiler (and nvcc for CUDA), which a
+user who runs on CPU should never pay for. The extension is built on the first CUDA call
+of :func:`ats_cli.core.extract_patches` with ``torch.utils.cpp_extension.load`` (ninja,
+cached per torch/CUDA/Python version under ``$ATS_CACHE`` or ``~/.cache/ats``, so later
+runs load it in milliseconds). If anything fails -- no compiler, no nvcc, a toolkit that
+does not match torch -- the torch implementation is used and ONE log line says why.
+
+CPU: the C++ kernel is used too, because it measured 2-6x faster than the vectorised
+torch gather on realistic sizes (benchmarks/patch_extraction.py; figures in
+csrc/README.md), above the 1.5x that makes a native build worth its first-use compile
+(~1 minute, once). ``ATS_NATIVE=0`` disables both kernels. ``ats doctor`` prints
+:func:`status`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+__all__ = ["ExtractPatches", "build", "kernel_for", "status"]
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+SOURCES_CPU = ["ats_patches.cpp"]
+SOURCES_CUDA = ["ats_patches.cpp", "ats_patches_cuda.cu"]
+
+_lock = threading.Lock()
+_modules: dict[bool, ModuleType | None] = {}
+_reasons: dict[bool, str] = {}
+
+
+def _enabled() -> bool:
+    """``ATS_NATIVE=0`` (or off/false/no) turns the native kernels off; anything else leaves them on."""
+    return os.environ.get("ATS_NATIVE", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def _build_dir(cuda: bool) -> Path:
+    root = Path(os.environ.get("ATS_CACHE", Path.home() / ".cache" / "ats"))
+    flavour = f"cu{torch.version.cuda}" if cuda else "cpu"
+    tag = f"torch{torch.__version__}-{flavour}-py{sys.version_info[0]}{sys.version_info[1]}"
+    return root / "extensions" / tag.replace("+", "_")
+
+
+def _wheel_cuda_includes() -> list[str]:
+    """Headers of the CUDA libraries that torch's pip wheels ship (``nvidia/*/include``).
+
+    torch's CUDA headers include cuSPARSE/cuBLAS headers that a minimal toolkit (nvcc
+    only) lacks; the wheels torch depends on carry them, matching torch's own CUDA.
+    """
+    try:
+        import nvidia  # namespace package installed with torch's CUDA wheels
+    except ImportError:
+        return []
+    return sorted(str(p) for root in nvidia.__path__ for p in Path(root).glob("*/include") if p.is_dir())
+
+
+def _toolkit_ok(home: str | os.PathLike | None) -> bool:
+    return bool(home) and (Path(home) / "include" / "cuda_runtime.h").is_file() and any(
+        (Path(home) / lib / "libcudart.so").exists() for lib in ("lib64", "lib")
+    )
+
+
+def _resolve_cuda_home(cpp_extension: ModuleType) -> None:
+    """Point torch's builder at a real toolkit when its guess is not one.
+
+    Without ``CUDA_HOME``, torch takes the parent of ``which nvcc``; where nvcc is a
+    wrapper script (e.g. /usr/local/bin/nvcc -> /usr/local/cuda-13.0) that guess has no
+    headers or libcudart and the link fails. Look in the usual places instead.
+    """
+    if _toolkit_ok(cpp_extension.CUDA_HOME):
+        return
+    candidates = [os.environ.get("CUDA_PATH"), "/usr/local/cuda", *sorted(map(str, Path("/usr/local").glob("cuda-*")))]
+    for home in candidates:
+        if _toolkit_ok(home):
+            cpp_extension.CUDA_HOME = home
+            return
+
+
+def build(cuda: bool, verbose: bool = False) -> ModuleType:
+    """Compile (or load the cached build of) the extension; raises on failure."""
+    from torch.utils import cpp_extension
+
+    if not CSRC.is_dir():
+        raise FileNotFoundError(f"{CSRC} not found (the kernels ship with a source checkout)")
+    if cuda:
+        _resolve_cuda_home(cpp_extension)
+    directory = _build_dir(cuda)
+    directory.mkdir(parents=True, exist_ok=True)
+    sources = [str(CSRC / s) for s in (SOURCES_CUDA if cuda else SOURCES_CPU)]
+    return cpp_extension.load(
+        name="ats_patches_cuda" if cuda else "ats_patches_cpu",
+        sources=sources,
+        extra_cflags=["-O3"] + (["-DATS_WITH_CUDA"] if cuda else []),
+        extra_cuda_cflags=["-O3", "-DATS_WITH_CUDA"],
+        extra_include_paths=[str(CSRC)] + (_wheel_cuda_includes() if cuda else []),
+        build_directory=str(directory),
+        with_cuda=cuda,
+        verbose=verbose,
+    )
+
+
+def _module(cuda: bool) -> ModuleType | None:
+    with _lock:
+        if cuda not in _modules:
+            try:
+                _modules[cuda] = build(cuda)
+                _reasons[cuda] = f"built in {_build_dir(cuda)}"
+            except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
+                _modules[cuda] = None
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                _reasons[cuda] = f"build failed ({type(exc).__name__}: {first[:200]})"
+                log.warning("ats: native %s patch kernel unavailable, using the torch path: %s",
+                            "CUDA" if cuda else "CPU", _reasons[cuda])
+        return _modules[cuda]
+
+
+def kernel_for(images: torch.Tensor) -> ModuleType | None:
+    """The extension module to use for ``images`` (built on first call), or None for the torch path."""
+    if not _enabled() or images.device.type not in ("cpu", "cuda"):
+        return None
+    return _module(cuda=images.is_cuda)
+
+
+def status(try_build: bool = False) -> dict[str, str]:
+    """Which patch-extraction path each device uses, and why (for ``ats doctor``)."""
+    if not _enabled():
+        return {"cpu": "torch path (ATS_NATIVE=0)", "cuda": "torch path (ATS_NATIVE=0)"}
+    out: dict[str, str] = {}
+    for device, cuda in (("cpu", False), ("cuda", True)):
+        if cuda and not torch.cuda.is_available():
+            out[device] = "torch path (no CUDA device visible to torch)"
+            continue
+        if try_build:
+            _module(cuda)
+        if cuda not in _modules:
+            out[device] = "native kernel, built on first use (`ats doctor --build` builds it now)"
+        elif _modules[cuda] is None:
+            out[device] = f"torch path: {_reasons[cuda]}"
+        else:
+            out[device] = f"native kernel ({_reasons[cuda]})"
+    return out
+
+
+class ExtractPatches(torch.autograd.Function):
+    """Autograd wrapper: the backward is the kernel's scatter-add into the image."""
+
+    @staticmethod
+    def forward(ctx, module: ModuleType, images: torch.Tensor, offsets: torch.Tensor, h: int, w: int):
+        ctx.module, ctx.image_hw = module, images.shape[-2:]
+        ctx.save_for_backward(offsets)
+        return module.extract(images, offsets, h, w)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (offsets,) = ctx.saved_tensors
+        grad_images = None
+        if ctx.needs_input_grad[1]:
+            grad_images = ctx.module.scatter(grad, offsets, *ctx.image_hw)
+        return None, grad_images, None, None, None
