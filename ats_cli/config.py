@@ -47,6 +47,7 @@ class TrainConfig:
     batch_size: int = 32
     epochs: int = 20
     # running
+    init: str = ""  # start from this checkpoint's weights (fine-tuning / curriculum); "" = random init
     seed: int = 0
     device: str = "auto"
     workers: int = 2

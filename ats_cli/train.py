@@ -33,7 +33,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from ats_cli.checkpoint import build_model, load_checkpoint, model_spec, save_checkpoint
+from ats_cli.checkpoint import CheckpointError, build_model, load_checkpoint, model_spec, save_checkpoint
 from ats_cli.config import TrainConfig
 from ats_cli.data.dataset import atomic_write_text, load_dataset
 from ats_cli.data.loader import Batch, ImageDataset, collate, single_thread_worker
@@ -134,6 +134,27 @@ def train(
                       log=log if ctx.is_main else lambda s: None)
 
 
+def _init_from(model: torch.nn.Module, path: str, spec: dict[str, Any], classes: list[str], ctx: Dist) -> None:
+    """Load another run's weights into ``model``: the networks and the classes must match.
+
+    Used to fine-tune a released model on one's own data, or as a curriculum (train where
+    the task is easy, continue where it is hard). Only the weights are taken: optimizer,
+    schedule and epoch count start afresh.
+    """
+    ckpt = from_main(lambda: load_checkpoint(path), ctx)
+    if list(ckpt.get("classes", [])) != list(classes):
+        raise CheckpointError(f"{path}: its classes {ckpt.get('classes')} differ from the dataset's {list(classes)}")
+    nets = ("attention_net", "attention_kwargs", "feature_net", "feature_kwargs", "channels")
+    theirs = {k: ckpt.get("spec", {}).get(k) for k in nets}
+    ours = {k: spec[k] for k in nets}
+    if theirs != ours:
+        raise CheckpointError(f"{path}: networks {theirs} differ from this run's {ours}")
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        raise CheckpointError(f"{path}: weights do not fit this run's model ({str(e).splitlines()[0]})") from None
+
+
 def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool,
            progress: Callable[[str, int, int, dict], None] | None, log: Callable[[str], None]) -> list[dict[str, Any]]:
     run = Path(cfg.out)
@@ -159,6 +180,9 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool,
     opt = _optimizer(cfg, model)
     scaler = torch.amp.GradScaler("cuda", enabled=amp == "fp16")  # fp16 only: bf16 has float32's range
     start_epoch, start_done, history, running = 0, 0, [], {}
+    if cfg.init and not resume:  # a resumed run already holds its (fine-tuned) weights
+        _init_from(model, cfg.init, spec, data.classes, ctx)
+        log(f"initialised the model from {cfg.init}")
     if resume:
         ckpt = from_main(lambda: load_checkpoint(run / "last.pt"), ctx)
         model.load_state_dict(ckpt["model"])

@@ -100,6 +100,22 @@ def test_ctrl_c_mid_epoch_saves_and_resume_is_exact(squares, tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
+def test_init_starts_from_another_runs_weights_and_checks_they_fit(squares, tmp_path):
+    train(_cfg(squares, tmp_path / "first", epochs=3), log=lambda s: None)
+    first = load_checkpoint(tmp_path / "first" / "best.pt")
+    # ~0 learning rate: the run keeps the weights it started from (had --init been ignored,
+    # they would be the seed's random initialisation, far from the trained ones)
+    train(_cfg(squares, tmp_path / "tuned", epochs=1, lr=1e-12, init=str(tmp_path / "first" / "best.pt")),
+          log=lambda s: None)
+    tuned = _weights(tmp_path / "tuned")
+    for k, v in first["model"].items():
+        if v.is_floating_point():
+            torch.testing.assert_close(tuned[k], v, rtol=0, atol=1e-6, msg=k)
+    with pytest.raises(CheckpointError, match="networks"):
+        train(_cfg(squares, tmp_path / "wider", feature_width=12, init=str(tmp_path / "first" / "best.pt")),
+              log=lambda s: None)
+
+
 class _Evil:
     def __reduce__(self):
         return (print, ("this must never run",))

@@ -51,6 +51,8 @@ def train(
     batch_size: int = typer.Option(None, help="Images per step, per process \\[default: 32].",
                                    rich_help_panel=_OPT),
     epochs: int = typer.Option(None, help="Epochs \\[default: 20].", rich_help_panel=_OPT),
+    init: str = typer.Option(None, "--init", help="Start from the weights of this checkpoint (fine-tuning, or a "
+                             "curriculum from easier data); same networks and classes.", rich_help_panel=_RUN),
     seed: int = typer.Option(None, help="Random seed \\[default: 0].", rich_help_panel=_RUN),
     device: str = typer.Option(None, help="auto | cpu | cuda | cuda:N \\[default: auto].", rich_help_panel=_RUN),
     workers: int = typer.Option(None, help="DataLoader worker processes \\[default: 2].", rich_help_panel=_RUN),
