@@ -87,7 +87,14 @@ def _resolve_cuda_home(cpp_extension: ModuleType) -> None:
 
 def build(cuda: bool, verbose: bool = False) -> ModuleType:
     """Compile (or load the cached build of) the extension; raises on failure."""
-    from torch.utils import cpp_extension
+    # Importing the builder warns "No CUDA runtime is found" on every CPU-only machine:
+    # true, expected, and noise on a user's terminal, so it is silenced here.
+    quiet = logging.getLogger("torch.utils.cpp_extension")
+    level, quiet.level = quiet.level, logging.ERROR
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        quiet.setLevel(level)
 
     if not CSRC.is_dir():
         raise FileNotFoundError(f"{CSRC} not found (the kernels ship with a source checkout)")
