@@ -30,17 +30,22 @@ __device__ __forceinline__ void decode(int64_t i, const ats::Geometry& g, int64_
   }
 }
 
+// Output element i -> index of its source pixel in the image, or -1 outside the image.
+__device__ __forceinline__ int64_t source_of(int64_t i, const ats::Geometry& g, const int64_t* __restrict__ off) {
+  int64_t p, c, y, x;
+  decode(i, g, p, c, y, x);
+  const int64_t row = off[2 * p] + y, col = off[2 * p + 1] + x;
+  if (row < 0 || row >= g.H || col < 0 || col >= g.W) return -1;
+  return (p / g.n) * g.sB + c * g.sC + row * g.sH + col * g.sW;
+}
+
 template <typename T>
 __global__ void extract_kernel(const T* __restrict__ img, const int64_t* __restrict__ off, T* __restrict__ out,
                                const ats::Geometry g, const int64_t total) {
   const int64_t stride = static_cast<int64_t>(blockDim.x) * gridDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
-    int64_t p, c, y, x;
-    decode(i, g, p, c, y, x);
-    const int64_t row = off[2 * p] + y, col = off[2 * p + 1] + x, b = p / g.n;
-    T v = T(0);
-    if (row >= 0 && row < g.H && col >= 0 && col < g.W) v = img[b * g.sB + c * g.sC + row * g.sH + col * g.sW];
-    out[i] = v;
+    const int64_t s = source_of(i, g, off);
+    out[i] = s >= 0 ? img[s] : T(0);
   }
 }
 
@@ -49,12 +54,8 @@ __global__ void scatter_kernel(const T* __restrict__ grad, const int64_t* __rest
                                const ats::Geometry g, const int64_t total) {
   const int64_t stride = static_cast<int64_t>(blockDim.x) * gridDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
-    int64_t p, c, y, x;
-    decode(i, g, p, c, y, x);
-    const int64_t row = off[2 * p] + y, col = off[2 * p + 1] + x, b = p / g.n;
-    // Patches may overlap, so the adds are atomic (as the torch path's index_put_).
-    if (row >= 0 && row < g.H && col >= 0 && col < g.W)
-      gpuAtomicAdd(gimg + b * g.sB + c * g.sC + row * g.sH + col * g.sW, grad[i]);
+    const int64_t s = source_of(i, g, off);
+    if (s >= 0) gpuAtomicAdd(gimg + s, grad[i]);  // patches may overlap: atomic, like the torch path's index_put_
   }
 }
 
