@@ -1,0 +1,53 @@
+"""Plot test error per epoch of one or more consecutive training stages (docs/training.md).
+
+    python tools/plot_training_curve.py OUT.png LABEL=RUN_DIR/metrics.jsonl [LABEL=...] [--reference]
+
+Stages are drawn one after the other on a shared epoch axis (a curriculum: stage 2
+starts from stage 1's weights with ``ats train --init``). ``--reference`` marks the 2019
+reference's Megapixel MNIST plateau (test error near 90% until epoch ~210, anchors.md).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main(argv: list[str]) -> None:
+    reference = "--reference" in argv
+    args = [a for a in argv if a != "--reference"]
+    if len(args) < 2:
+        raise SystemExit(__doc__)
+    out, stages = Path(args[0]), [a.split("=", 1) for a in args[1:]]
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    start = 0
+    for label, path in stages:
+        rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        epochs = [start + r["epoch"] for r in rows]
+        ax.plot(epochs, [100 * (1 - r["test_acc"]) for r in rows], "o-", label=f"{label}: test error")
+        ax.plot(epochs, [100 * (1 - r["train_acc"]) for r in rows], ":", color=ax.lines[-1].get_color(),
+                label=f"{label}: train error")
+        if start:
+            ax.axvline(start + 0.5, color="grey", lw=0.8)
+        start = epochs[-1]
+    if reference:
+        ax.axhline(90, color="red", ls="--", lw=1, label="2019 reference: ~90% until epoch ~210")
+    ax.set_xlabel("epoch (stages one after the other)")
+    ax.set_ylabel("error (%)")
+    ax.set_ylim(0, 100)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower left")
+    ax.set_title("Megapixel MNIST, attention sampling (10 patches of 50x50), 2-core CPU")
+    fig.tight_layout()
+    fig.savefig(out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
