@@ -196,3 +196,61 @@ def test_ats_info_reports_levels_and_keeps_going(aperio, tmp_path):
     assert result.exit_code == 1
     assert "reader: openslide" in result.output and "aperio" in result.output
     assert "0.5" in result.output and "350" in result.output and "nope.svs" in result.output
+
+
+def _tissue_slide(path, h=800, w=1000, box=(300, 400, 500, 700)):
+    """White glass with one pink 'tissue' rectangle (rows r0:r1, cols c0:c1), written as an Aperio pyramid."""
+    img = np.full((h, w, 3), 245, np.uint8)
+    r0, c0, r1, c1 = box
+    rng = np.random.default_rng(0)
+    img[r0:r1, c0:c1] = np.clip(np.array([200, 90, 160]) + rng.normal(0, 20, (r1 - r0, c1 - c0, 3)), 0, 255)
+    _write_ifd_pyramid(path, _pyramid(img), description=f"Aperio Image Library v10\n{w}x{h} |MPP = 0.5")
+    return img
+
+
+def _rgb_model(path):
+    from ats_cli.checkpoint import build_model, model_spec, save_checkpoint
+    from ats_cli.config import TrainConfig
+
+    torch.manual_seed(0)
+    cfg = TrainConfig(patch_size=32, scale=0.1, n_patches=6, feature_width=8)
+    spec = model_spec(cfg, n_classes=2, channels=3)
+    save_checkpoint(path, spec=spec, classes=["normal", "tumour"], model=build_model(spec))
+    return path
+
+
+def test_tissue_mask_restricts_sampling_to_tissue(tmp_path):
+    from ats_cli.predict import load_predictor, open_input
+
+    _tissue_slide(tmp_path / "s.svs")
+    predictor = load_predictor(_rgb_model(tmp_path / "m.pt"), "cpu")
+    net = predictor.model
+    opened = open_input(tmp_path / "s.svs", channels=3, scale=net.scale, patch_size=net.patch_size)
+    assert opened.source.name == "openslide" and opened.low.shape == (3, 80, 100)
+    assert opened.support is not None and abs(opened.support.float().mean() - 0.075) < 0.01  # 200x300 of 800x1000
+    gen = torch.Generator().manual_seed(0)
+    out = net(opened.low[None], [opened.source], n_patches=20, generator=gen, support_mask=opened.support[None])
+    centres = out.offsets[0] + 16
+    assert ((centres[:, 0] >= 300 - 32) & (centres[:, 0] < 500 + 32)).all()
+    assert ((centres[:, 1] >= 400 - 32) & (centres[:, 1] < 700 + 32)).all()
+    # --no-tissue-mask: the same model samples glass as well
+    off = open_input(tmp_path / "s.svs", channels=3, scale=net.scale, patch_size=net.patch_size, tissue=False)
+    assert off.support is None
+
+
+def test_ats_predict_on_slides_keeps_going_past_a_bad_one(tmp_path):
+    _tissue_slide(tmp_path / "a.svs")
+    _tissue_slide(tmp_path / "b.tif")
+    (tmp_path / "bad.svs").write_bytes(b"\x00" * 64)
+    model = _rgb_model(tmp_path / "m.pt")
+    csv = tmp_path / "p.csv"
+    args = ["predict", str(tmp_path / "a.svs"), str(tmp_path / "b.tif"), str(tmp_path / "bad.svs"),
+            "-m", str(model), "--device", "cpu", "-o", str(csv)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1, result.output
+    rows = csv.read_text().splitlines()
+    assert len(rows) == 3 and "a.svs" in rows[1] and "b.tif" in rows[2]
+    assert "bad.svs" in result.output
+    # a forced reader and a level work too; and the same seed gives the same CSV
+    result = CliRunner().invoke(app, args[:3] + args[4:] + ["--reader", "openslide", "--level", "1"])
+    assert result.exit_code == 0, result.output

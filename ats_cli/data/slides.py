@@ -34,7 +34,7 @@ from PIL import Image
 
 from ats_cli.data.images import ImageReadError
 
-__all__ = ["SlideReadError", "SlideInfo", "SlideReader", "open_image", "READERS", "SLIDE_SUFFIXES"]
+__all__ = ["SlideReadError", "SlideInfo", "SlideReader", "open_image", "tissue_mask", "READERS", "SLIDE_SUFFIXES"]
 
 READERS = ("auto", "openslide", "tifffile", "pillow")
 # Suffixes only OpenSlide understands; generic TIFFs go to OpenSlide only when it says so.
@@ -77,6 +77,7 @@ class SlideReader:
         self.vendor = vendor
         self.mpp = mpp
         self.level = 0  # level read_patches reads from (set by --level / --mpp)
+        self._out_channels = channels
 
     # -- PatchSource -------------------------------------------------------------------
     @property
@@ -86,7 +87,15 @@ class SlideReader:
 
     @property
     def channels(self) -> int:
-        return self._channels
+        return self._out_channels
+
+    def as_channels(self, channels: int) -> SlideReader:
+        """Hand out ``channels`` (the model's) instead of the file's: gray -> RGB replicates;
+        RGB -> gray is refused, as for ordinary images, since the model never saw colour."""
+        if channels == self._channels or (channels == 3 and self._channels == 1):
+            self._out_channels = channels
+            return self
+        raise SlideReadError(self.path, f"has {self._channels} channels, the model expects {channels}")
 
     def read_patches(self, offsets: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         """Patches [n, C, h, w] uint8 at ``offsets`` [n, 2] (row, col) in ``self.level``
@@ -132,7 +141,7 @@ class SlideReader:
         r0, c0, r1, c1 = max(row, 0), max(col, 0), min(row + h, H), min(col + w, W)
         if r1 > r0 and c1 > c0:
             out[r0 - row : r1 - row, c0 - col : c1 - col] = self._read_region(r0, c0, r1 - r0, c1 - c0, level)
-        return out
+        return out  # a 1-channel region broadcasts into 3 channels when as_channels(3) asked for it
 
     def low_res(self, size: tuple[int, int]) -> np.ndarray:
         """The whole image resized to ``size`` (H, W), [H, W, C] uint8, read from the smallest
@@ -393,3 +402,22 @@ def open_image(
             return OpenSlideReader(path)
         return TiffReader(path)
     return PillowReader(path, max_pixels)
+
+
+def tissue_mask(low: torch.Tensor) -> torch.Tensor:
+    """Bool [h, w]: tissue in a low-res view [C, h, w] (float, [0, 1]).
+
+    Otsu's threshold on the HSV saturation, as pathology tools do: glass and background
+    are bright and grey (low saturation), stained tissue is coloured. The mask becomes the
+    attention's support (``ATSModel.support``), so background is never sampled. A
+    grayscale view or one of uniform saturation has no tissue/background split: all True.
+    """
+    from skimage.color import rgb2hsv
+    from skimage.filters import threshold_otsu
+
+    if low.shape[0] != 3:
+        return torch.ones(low.shape[-2:], dtype=torch.bool)
+    sat = rgb2hsv(low.permute(1, 2, 0).clamp(0, 1).numpy())[..., 1]
+    if float(sat.max() - sat.min()) < 1e-3:
+        return torch.ones(low.shape[-2:], dtype=torch.bool)
+    return torch.from_numpy(sat > threshold_otsu(sat))
