@@ -207,7 +207,7 @@ def resolve_inputs(specs: Iterable[str | os.PathLike[str]], *, recursive: bool =
     * an existing file: a ``.csv`` is a dataset CSV (``path`` column, optional ``label``;
       relative paths are relative to the CSV's directory); anything else is an image;
     * a directory holding ``dataset.json`` and ``test.csv``: that dataset's test split;
-    * any other directory: the image files in it (suffixes ``IMAGE_SUFFIXES``, sorted by
+    * any other directory: the image files in it (suffixes ``IMAGE_SUFFIXES`` and slide formats, sorted by
       name, hidden files skipped), including sub-directories when ``recursive``;
     * a pattern with ``* ? [`` that is not an existing path: expanded here (``**``
       included), for shells that do not; matched directories and CSVs are treated as
@@ -246,7 +246,9 @@ def resolve_inputs(specs: Iterable[str | os.PathLike[str]], *, recursive: bool =
 
 
 def _is_image(path: Path) -> bool:
-    return path.suffix.lower() in IMAGE_SUFFIXES and not path.name.startswith(".")
+    from ats_cli.data.slides import SLIDE_SUFFIXES
+
+    return path.suffix.lower() in IMAGE_SUFFIXES + SLIDE_SUFFIXES + (".btf",) and not path.name.startswith(".")
 
 
 def _expand(path: Path, *, recursive: bool, explicit: bool) -> list[InputItem]:
