@@ -64,26 +64,13 @@ def make_model(path: Path) -> None:
     save_checkpoint(path, spec=spec, classes=["a", "b"], model=build_model(spec))
 
 
-def run_baseline() -> tuple[float, float]:
-    """Wall time and peak RSS of a process that only imports torch and the CLI: the floor
-    under every `ats predict` figure, whatever the slide."""
+def measure(args: list[str]) -> tuple[float, float]:
+    """Wall time and peak RSS (MB) of ``python ARGS`` run in a fresh grandchild process, so
+    that RUSAGE_CHILDREN sees that process alone."""
     code = (
         "import resource, subprocess, sys, time;"
         "t=time.perf_counter();"
-        "subprocess.run([sys.executable,'-c','import torch, ats_cli.cli, ats_cli.predict'],check=True);"
-        "print(time.perf_counter()-t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss/1024)"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=ROOT).stdout.split()
-    return float(out[0]), float(out[1])
-
-
-def run_predict(slide: Path, model: Path) -> tuple[float, float]:
-    code = (
-        "import resource, subprocess, sys, time;"
-        "t=time.perf_counter();"
-        f"r=subprocess.run([sys.executable,'-m','ats_cli','predict',{str(slide)!r},'-m',{str(model)!r},"
-        "'--device','cpu'],capture_output=True,text=True);"
+        f"r=subprocess.run([sys.executable,*{args!r}],capture_output=True,text=True);"
         "dt=time.perf_counter()-t;"
         "assert r.returncode==0, r.stdout+r.stderr;"
         "print(dt, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss/1024)"
@@ -91,6 +78,16 @@ def run_predict(slide: Path, model: Path) -> tuple[float, float]:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=ROOT).stdout.split()
     return float(out[0]), float(out[1])
+
+
+def run_baseline() -> tuple[float, float]:
+    """A process that only imports torch and the CLI: the floor under every `ats predict`
+    figure, whatever the slide."""
+    return measure(["-c", "import torch, ats_cli.cli, ats_cli.predict"])
+
+
+def run_predict(slide: Path, model: Path) -> tuple[float, float]:
+    return measure(["-m", "ats_cli", "predict", str(slide), "-m", str(model), "--device", "cpu"])
 
 
 def dense(slide: Path, model: Path, batch: int = 256) -> tuple[float, int]:
