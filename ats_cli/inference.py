@@ -19,6 +19,7 @@ def predict_probs(
     n_patches: int | None = None,
     samples: int = 1,
     generator: torch.Generator | None = None,
+    support_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ATSOutput]:
     """Mean softmax [B, classes] over ``samples`` independent samplings of ``n_patches``
     each (more samplings or more patches: lower variance), and the last sampling's output
@@ -27,7 +28,7 @@ def predict_probs(
         raise ValueError(f"samples must be >= 1, got {samples}")
     total = None
     for _ in range(samples):
-        out = model(low, sources, n_patches=n_patches, generator=generator)
+        out = model(low, sources, n_patches=n_patches, generator=generator, support_mask=support_mask)
         p = torch.softmax(out.logits.float(), dim=1)
         total = p if total is None else total + p
     return total / samples, out

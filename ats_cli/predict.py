@@ -161,8 +161,13 @@ class Predictor:
         sources = [img.source for img in images]
         if all(isinstance(s, TensorSource) for s in sources):
             sources = torch.stack([s.image for s in sources])  # one vectorised patch extraction
+        masks = None
+        if any(img.support is not None for img in images):
+            everywhere = torch.ones(images[0].low.shape[-2:], dtype=torch.bool)  # a batch shares one view size
+            masks = torch.stack([everywhere if img.support is None else img.support for img in images])
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        probs, _ = predict_probs(self.model, low, sources, n_patches=n_patches, samples=samples, generator=generator)
+        probs, _ = predict_probs(self.model, low, sources, n_patches=n_patches, samples=samples, generator=generator,
+                                 support_mask=masks)
         return probs.cpu()
 
 
@@ -202,7 +207,7 @@ def resolve_inputs(specs: Iterable[str | os.PathLike[str]], *, recursive: bool =
     * an existing file: a ``.csv`` is a dataset CSV (``path`` column, optional ``label``;
       relative paths are relative to the CSV's directory); anything else is an image;
     * a directory holding ``dataset.json`` and ``test.csv``: that dataset's test split;
-    * any other directory: the image files in it (suffixes ``IMAGE_SUFFIXES``, sorted by
+    * any other directory: the image files in it (suffixes ``IMAGE_SUFFIXES`` and slide formats, sorted by
       name, hidden files skipped), including sub-directories when ``recursive``;
     * a pattern with ``* ? [`` that is not an existing path: expanded here (``**``
       included), for shells that do not; matched directories and CSVs are treated as
@@ -241,7 +246,9 @@ def resolve_inputs(specs: Iterable[str | os.PathLike[str]], *, recursive: bool =
 
 
 def _is_image(path: Path) -> bool:
-    return path.suffix.lower() in IMAGE_SUFFIXES and not path.name.startswith(".")
+    from ats_cli.data.slides import SLIDE_SUFFIXES
+
+    return path.suffix.lower() in IMAGE_SUFFIXES + SLIDE_SUFFIXES + (".btf",) and not path.name.startswith(".")
 
 
 def _expand(path: Path, *, recursive: bool, explicit: bool) -> list[InputItem]:
@@ -301,25 +308,45 @@ class OpenedImage:
 
     low: torch.Tensor
     source: PatchSource
+    support: torch.Tensor | None = None  # bool [h, w] over ``low``: where sampling may go (tissue mask)
 
 
 def open_input(path: str | os.PathLike[str], *, channels: int, scale: float,
-               patch_size: tuple[int, int]) -> OpenedImage:
+               patch_size: tuple[int, int], reader: str | None = None, level: int | None = None,
+               mpp: float | None = None, tissue: bool | None = None) -> OpenedImage:
     """Read one input file into (low-res view, patch source): the only function that
-    knows how files are read, so a whole-slide reader (which builds the low-res view from
-    a pyramid level and reads patches tile by tile) slots in here and nowhere else.
+    knows how files are read.
+
+    TIFFs and whole-slide formats (or any file when ``reader`` is given) go through the
+    lazy readers of :mod:`ats_cli.data.slides`: the view comes from a small pyramid level
+    and patches are decoded tile by tile at the sampled positions, so memory does not grow
+    with the slide. ``level``/``mpp`` choose the level patches are read from. ``tissue``
+    (default: on for slides read lazily, off for ordinary images) restricts sampling to
+    the Otsu tissue mask. Other files are read whole with :func:`read_image`, as before.
 
     An image smaller than a patch in either dimension is refused: zero padding would make
     it run, but every patch would then be mostly padding the model never saw in training,
     and the prediction would look confident while meaning little. Raises
     :class:`ImageReadError` naming the file.
     """
-    image = read_image(path, channels)
-    H, W = int(image.shape[1]), int(image.shape[2])
+    from ats_cli.data.slides import SLIDE_SUFFIXES, TIFF_SUFFIXES, open_image, tissue_mask
+
+    lazy = reader is not None or level is not None or mpp is not None or \
+        Path(path).name.lower().endswith(SLIDE_SUFFIXES + TIFF_SUFFIXES)
+    if lazy:
+        slide = open_image(path, reader=reader or "auto").as_channels(channels)
+        slide.set_level(level, mpp)
+        low = slide.low_res_view(scale)
+        source: PatchSource = slide
+    else:
+        image = read_image(path, channels)
+        low, source = low_res_view(image, scale), TensorSource(image)
+    H, W = source.size
     ph, pw = patch_size
     if H < ph or W < pw:
         raise ImageReadError(path, f"is {W}x{H} pixels (width x height), smaller than the model's {pw}x{ph} patch")
-    return OpenedImage(low=low_res_view(image, scale), source=TensorSource(image))
+    support = tissue_mask(low) if (lazy if tissue is None else tissue) else None
+    return OpenedImage(low=low, source=source, support=support)
 
 
 # ---------------------------------------------------------------------------- results

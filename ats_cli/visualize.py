@@ -201,9 +201,10 @@ class RenderSummary:
 def _attention(predictor: Predictor, opened: OpenedImage, *, n_patches: int | None, seed: int,
                return_patches: bool):
     generator = torch.Generator(device=predictor.device).manual_seed(seed)
+    mask = None if opened.support is None else opened.support[None]  # a slide's tissue mask, as in predict
     with torch.no_grad():
         return predictor.model(opened.low[None].to(predictor.device), [opened.source], n_patches=n_patches,
-                               generator=generator, return_patches=return_patches)
+                               generator=generator, return_patches=return_patches, support_mask=mask)
 
 
 def _extents(model, opened: OpenedImage):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -40,6 +41,18 @@ def predict(
     seed: Annotated[int, typer.Option("--seed", help="Sampling seed; the same seed gives the same output.")] = 0,
     recursive: Annotated[bool, typer.Option("--recursive", "-r",
                                             help="Also take images from sub-directories.")] = False,
+    reader: Annotated[str | None, typer.Option(
+        "--reader", show_default=False,
+        help="Force a reader: auto, openslide, tifffile, pillow \\[default: TIFFs and slide formats are read "
+             "lazily (auto), other images whole].")] = None,
+    level: Annotated[int | None, typer.Option(
+        "--level", min=0, show_default=False, help="Slides: pyramid level patches are read from [default: 0].")] = None,
+    mpp: Annotated[float | None, typer.Option(
+        "--mpp", min=0.0, show_default=False,
+        help="Slides: read patches from the level closest to this many microns per pixel.")] = None,
+    tissue_mask: Annotated[bool | None, typer.Option(
+        "--tissue-mask/--no-tissue-mask", show_default=False,
+        help="Sample only tissue (Otsu on saturation) \\[default: on for slides, off for ordinary images].")] = None,
 ) -> None:
     """Predict the class of images with a trained model.
 
@@ -48,7 +61,14 @@ def predict(
     that cannot be used exits with status 2 before any image is read.
     """
     from ats_cli.checkpoint import CheckpointError
-    from ats_cli.predict import evaluate, load_predictor, predictions_csv_text, resolve_inputs, write_predictions_csv
+    from ats_cli.predict import (
+        evaluate,
+        load_predictor,
+        open_input,
+        predictions_csv_text,
+        resolve_inputs,
+        write_predictions_csv,
+    )
 
     to_stdout = out == "-"
     # with --out -, stdout carries the CSV only; everything else goes to stderr
@@ -65,8 +85,12 @@ def predict(
     console.print(f"model {predictor.path} ({len(predictor.classes)} classes, {predictor.device}); "
                   f"{n_ok_inputs} image(s); n_patches {n_patches or predictor.model.n_patches}, "
                   f"samples {samples}, seed {seed}")
+    if level is not None and mpp is not None:
+        err.print("[red]error:[/] give --level or --mpp, not both")
+        raise typer.Exit(2)
+    opener = functools.partial(open_input, reader=reader, level=level, mpp=mpp, tissue=tissue_mask)
     rows = _run_with_progress(predictor, items, err, n_patches=n_patches, samples=samples,
-                              batch_size=batch_size, seed=seed)
+                              batch_size=batch_size, seed=seed, reader=opener)
     good = [r for r in rows if r.ok]
     failed = [r for r in rows if not r.ok]
 

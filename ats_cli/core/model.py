@@ -85,15 +85,24 @@ class ATSModel(nn.Module):
         self.smoothing = float(smoothing)
         self.min_brightness = float(min_brightness)
 
-    def support(self, low: torch.Tensor, att_shape: tuple[int, int], n: int) -> torch.Tensor | None:
-        """Bool [B, att_h, att_w] of the positions that may be sampled (None = all)."""
-        if self.min_brightness <= 0:
+    def support(
+        self, low: torch.Tensor, att_shape: tuple[int, int], n: int, mask: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Bool [B, att_h, att_w] of the positions that may be sampled (None = all).
+
+        ``mask`` [B, h, w] (bool, on the low-res view's pixels, e.g. a slide's tissue mask)
+        is applied the same way as the brightness test: a cell is kept if any of its pixels is."""
+        if self.min_brightness <= 0 and mask is None:
             return None
         m = getattr(self.attention_net, "margin", 0)
-        bright = low.amax(1, keepdim=True)
+        keep_px = torch.ones_like(low[:, :1], dtype=torch.bool)
+        if self.min_brightness > 0:
+            keep_px = low.amax(1, keepdim=True) > self.min_brightness
+        if mask is not None:
+            keep_px = keep_px & mask[:, None].to(low.device)
         if m:
-            bright = bright[..., m:bright.shape[-2] - m, m:bright.shape[-1] - m]
-        keep = F.adaptive_max_pool2d(bright, att_shape)[:, 0] > self.min_brightness
+            keep_px = keep_px[..., m:keep_px.shape[-2] - m, m:keep_px.shape[-1] - m]
+        keep = F.adaptive_max_pool2d(keep_px.float(), att_shape)[:, 0] > 0
         too_few = keep.flatten(1).sum(1) < (1 if self.replace else n)
         return keep | too_few[:, None, None]
 
@@ -105,14 +114,16 @@ class ATSModel(nn.Module):
         n_patches: int | None = None,
         generator: torch.Generator | None = None,
         return_patches: bool = False,
+        support_mask: torch.Tensor | None = None,
     ) -> ATSOutput:
         """``low``: low-res views [B, C, h, w] (float, [0, 1]); ``sources``: the
         full-resolution images, as a tensor [B, C, H, W] or a sequence of patch sources.
-        ``n_patches`` overrides the training value (more patches, less variance)."""
+        ``n_patches`` overrides the training value (more patches, less variance);
+        ``support_mask`` [B, h, w] restricts sampling (see :meth:`support`)."""
         n = self.n_patches if n_patches is None else int(n_patches)
         scores = self.attention_net(low)
         att_shape = tuple(scores.shape[-2:])
-        probs = attention_distribution(scores, self.smoothing, self.support(low, att_shape, n))
+        probs = attention_distribution(scores, self.smoothing, self.support(low, att_shape, n, support_mask))
         indices, sampled_probs = sample(probs, n, replace=self.replace, generator=generator)
 
         offsets = positions_to_offsets(

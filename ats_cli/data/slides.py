@@ -1,0 +1,423 @@
+"""Lazy readers for whole-slide and very large images behind one surface: ``open_image``.
+
+Attention sampling needs a low-resolution view and n patches, never the whole
+full-resolution image, so a reader here never decodes level 0 whole: the low-res view
+comes from the smallest pyramid level that is still large enough, and patches are
+decoded tile by tile at the sampled positions only. Memory is therefore set by the
+low-res view and the patches, not by the slide.
+
+Every reader implements the core's ``PatchSource`` (``size``, ``channels``,
+``read_patches``), so the model reads a slide exactly as it reads an in-memory tensor.
+
+Backends, chosen by ``open_image`` unless ``reader=`` forces one:
+
+- ``openslide``: vendor formats (svs, ndpi, mrxs, scn, vms, bif, Philips TIFF, DICOM),
+  tried first for those suffixes and for TIFFs OpenSlide recognises (e.g. Aperio).
+- ``tifffile``: OME-TIFF, pyramidal TIFF (separate IFDs or SubIFDs) and large
+  non-pyramidal tiled/stripped TIFF; reads only the tiles/strips a region touches.
+- ``pillow``: PNG/JPEG/BMP, read whole but with an explicit pixel limit
+  (``max_pixels``) instead of switching the decompression-bomb guard off.
+- ``array``: an in-memory [H, W, C] uint8 array (tests, generated data).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from ats_cli.data.images import ImageReadError
+
+__all__ = ["SlideReadError", "SlideInfo", "SlideReader", "open_image", "tissue_mask", "READERS", "SLIDE_SUFFIXES"]
+
+READERS = ("auto", "openslide", "tifffile", "pillow")
+# Suffixes only OpenSlide understands; generic TIFFs go to OpenSlide only when it says so.
+SLIDE_SUFFIXES = (".svs", ".ndpi", ".mrxs", ".scn", ".vms", ".vmu", ".bif", ".dcm", ".svslide")
+TIFF_SUFFIXES = (".tif", ".tiff", ".btf", ".ome.tif", ".ome.tiff")
+DEFAULT_MAX_PIXELS = 200_000_000  # pillow backend: ~600 MB RGB; larger files need a tiled format
+
+
+class SlideReadError(ImageReadError):
+    """A slide or large image that cannot be read; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class SlideInfo:
+    """What ``ats info`` prints: enough to choose --level/--mpp and to spot a wrong file."""
+
+    path: str
+    reader: str
+    vendor: str
+    dimensions: tuple[int, int]  # (H, W) at level 0
+    levels: tuple[tuple[int, int], ...]  # (H, W) per level, level 0 first
+    downsamples: tuple[float, ...]
+    mpp: tuple[float, float] | None  # microns per pixel (y, x) at level 0, when the file says
+    channels: int
+
+
+class SlideReader:
+    """Base class: a multi-resolution image read lazily. Subclasses implement ``_read_region``.
+
+    Coordinates are (row, col) in level-0 pixels everywhere in the public API, as in the
+    core's geometry; ``level`` picks which pyramid level pixels come from.
+    """
+
+    name = "base"
+
+    def __init__(self, path: Path, levels: list[tuple[int, int]], channels: int, vendor: str, mpp=None):
+        self.path = Path(path)
+        self.levels = [tuple(int(v) for v in lv) for lv in levels]
+        self._channels = channels
+        self.vendor = vendor
+        self.mpp = mpp
+        self.level = 0  # level read_patches reads from (set by --level / --mpp)
+        self._out_channels = channels
+
+    # -- PatchSource -------------------------------------------------------------------
+    @property
+    def size(self) -> tuple[int, int]:
+        """Size of the level patches are read from: the model's "full resolution"."""
+        return self.levels[self.level]
+
+    @property
+    def channels(self) -> int:
+        return self._out_channels
+
+    def as_channels(self, channels: int) -> SlideReader:
+        """Hand out ``channels`` (the model's) instead of the file's: gray -> RGB replicates;
+        RGB -> gray is refused, as for ordinary images, since the model never saw colour."""
+        if channels == self._channels or (channels == 3 and self._channels == 1):
+            self._out_channels = channels
+            return self
+        raise SlideReadError(self.path, f"has {self._channels} channels, the model expects {channels}")
+
+    def read_patches(self, offsets: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        """Patches [n, C, h, w] uint8 at ``offsets`` [n, 2] (row, col) in ``self.level``
+        pixels; zeros outside the image. Regions are decoded concurrently (decoders release
+        the GIL), each touching only the tiles it overlaps."""
+        h, w = int(size[0]), int(size[1])
+        offs = [(int(r), int(c)) for r, c in offsets.tolist()]
+        with ThreadPoolExecutor(max_workers=min(8, max(1, len(offs)))) as pool:
+            parts = list(pool.map(lambda rc: self.read_region(rc[0], rc[1], h, w, self.level), offs))
+        if not parts:
+            return torch.zeros((0, self.channels, h, w), dtype=torch.uint8)
+        return torch.from_numpy(np.stack(parts).transpose(0, 3, 1, 2).copy())
+
+    # -- multi-resolution --------------------------------------------------------------
+    @property
+    def dimensions(self) -> tuple[int, int]:
+        return self.levels[0]
+
+    @property
+    def downsamples(self) -> list[float]:
+        h0, w0 = self.levels[0]
+        return [(h0 / h + w0 / w) / 2 for h, w in self.levels]
+
+    def set_level(self, level: int | None = None, mpp: float | None = None) -> None:
+        """Choose the level patches come from: explicitly, or the one closest to ``mpp``."""
+        if level is not None and mpp is not None:
+            raise ValueError("give a level or an mpp, not both")
+        if mpp is not None:
+            if self.mpp is None:
+                raise SlideReadError(self.path, "the file records no microns per pixel, so --mpp cannot be used")
+            base = (self.mpp[0] + self.mpp[1]) / 2
+            level = int(np.argmin([abs(np.log(base * d / mpp)) for d in self.downsamples]))
+        level = 0 if level is None else int(level)
+        if not 0 <= level < len(self.levels):
+            raise SlideReadError(self.path, f"has {len(self.levels)} levels, level {level} does not exist")
+        self.level = level
+
+    def read_region(self, row: int, col: int, h: int, w: int, level: int = 0) -> np.ndarray:
+        """[h, w, C] uint8 of ``level`` starting at (row, col) in that level's pixels;
+        zeros where the region leaves the image."""
+        H, W = self.levels[level]
+        out = np.zeros((h, w, self.channels), dtype=np.uint8)
+        r0, c0, r1, c1 = max(row, 0), max(col, 0), min(row + h, H), min(col + w, W)
+        if r1 > r0 and c1 > c0:
+            out[r0 - row : r1 - row, c0 - col : c1 - col] = self._read_region(r0, c0, r1 - r0, c1 - c0, level)
+        return out  # a 1-channel region broadcasts into 3 channels when as_channels(3) asked for it
+
+    def low_res(self, size: tuple[int, int]) -> np.ndarray:
+        """The whole image resized to ``size`` (H, W), [H, W, C] uint8, read from the smallest
+        level at least that large (never level 0 unless nothing smaller suffices). Resizing is
+        the core's antialiased bilinear (as ``low_res_view``), so a slide's view matches what
+        the model saw in training on in-memory images."""
+        import torch.nn.functional as F
+
+        th, tw = int(size[0]), int(size[1])
+        ok = [i for i, (h, w) in enumerate(self.levels) if h >= th and w >= tw]
+        level = min(ok, key=lambda i: self.levels[i][0] * self.levels[i][1]) if ok else 0
+        H, W = self.levels[level]
+        img = self.read_region(0, 0, H, W, level)
+        if (H, W) == (th, tw):
+            return img
+        x = torch.from_numpy(img).permute(2, 0, 1)[None].float()
+        small = F.interpolate(x, size=(th, tw), mode="bilinear", align_corners=False, antialias=True)
+        return small[0].permute(1, 2, 0).round().clamp(0, 255).to(torch.uint8).numpy()
+
+    def low_res_view(self, scale: float) -> torch.Tensor:
+        """The model's low-res view [C, h, w] float in [0, 1] of the patch level at ``scale``,
+        the same size ``core.geometry.low_res_size`` gives an in-memory image of that size."""
+        from ats_cli.core.geometry import low_res_size
+
+        view = self.low_res(low_res_size(self.size, scale))
+        return torch.from_numpy(view.copy()).permute(2, 0, 1).float() / 255.0
+
+    def thumbnail(self, max_side: int = 1024) -> np.ndarray:
+        H, W = self.dimensions
+        s = min(1.0, max_side / max(H, W))
+        return self.low_res((max(1, round(H * s)), max(1, round(W * s))))
+
+    def info(self) -> SlideInfo:
+        return SlideInfo(
+            path=str(self.path), reader=self.name, vendor=self.vendor, dimensions=self.dimensions,
+            levels=tuple(self.levels), downsamples=tuple(round(d, 4) for d in self.downsamples),
+            mpp=self.mpp, channels=self.channels,
+        )
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _read_region(self, row: int, col: int, h: int, w: int, level: int) -> np.ndarray:
+        raise NotImplementedError
+
+
+def _to_rgb_or_gray(arr: np.ndarray) -> np.ndarray:
+    """[h, w, C] uint8 with C in (1, 3): alpha dropped, 2-channel gray+alpha -> gray."""
+    if arr.ndim == 2:
+        arr = arr[:, :, None]
+    if arr.shape[2] == 4:
+        arr = arr[:, :, :3]
+    elif arr.shape[2] == 2:
+        arr = arr[:, :, :1]
+    return arr
+
+
+class ArrayReader(SlideReader):
+    """An in-memory [H, W, C] uint8 image; optional coarser levels made by the caller."""
+
+    name = "array"
+
+    def __init__(self, image: np.ndarray, path: str | os.PathLike[str] = "<array>", levels_data=None):
+        image = _to_rgb_or_gray(np.asarray(image))
+        if image.dtype != np.uint8:
+            raise SlideReadError(path, f"array reader needs uint8, got {image.dtype}")
+        self._data = [image] + [_to_rgb_or_gray(np.asarray(x)) for x in (levels_data or [])]
+        super().__init__(Path(path), [d.shape[:2] for d in self._data], image.shape[2], "array")
+
+    def _read_region(self, row, col, h, w, level):
+        return self._data[level][row : row + h, col : col + w]
+
+
+class PillowReader(ArrayReader):
+    """PNG/JPEG/BMP decoded whole, under an explicit pixel limit rather than no limit."""
+
+    name = "pillow"
+
+    def __init__(self, path: Path, max_pixels: int = DEFAULT_MAX_PIXELS):
+        try:
+            with Image.open(path) as im:
+                if im.width * im.height > max_pixels:
+                    raise SlideReadError(
+                        path, f"{im.width}x{im.height} exceeds the pillow reader's limit of {max_pixels:,} pixels; "
+                        "raise --max-pixels or convert it to a tiled pyramidal TIFF",
+                    )
+                if im.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
+                    raise SlideReadError(path, f"{im.mode} (16/32-bit) images are not supported; convert to 8-bit")
+                saved, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # our own limit was checked above
+                try:
+                    im.load()
+                finally:
+                    Image.MAX_IMAGE_PIXELS = saved
+                if im.mode not in ("L", "RGB"):
+                    im = im.convert("L" if im.mode in ("1", "LA") else "RGB")
+                arr = np.array(im)
+        except SlideReadError:
+            raise
+        except (OSError, SyntaxError, ValueError) as e:
+            raise SlideReadError(path, f"cannot decode image ({type(e).__name__}: {e})") from e
+        super().__init__(arr, path)
+        self.vendor = "image"
+
+
+class TiffReader(SlideReader):
+    """TIFF / OME-TIFF / pyramidal TIFF via tifffile, decoding only the segments (tiles or
+    strips) a region overlaps. No zarr needed: segment offsets come from the IFD and
+    ``TiffPage.decode`` decodes one segment at a time."""
+
+    name = "tifffile"
+
+    def __init__(self, path: Path):
+        import tifffile
+
+        try:
+            self._tif = tifffile.TiffFile(path)
+            series = self._tif.series[0]
+            pages = [lv.keyframe for lv in series.levels]
+        except Exception as e:  # tifffile raises many types for broken files
+            raise SlideReadError(path, f"not a readable TIFF ({type(e).__name__}: {e})") from e
+        for p in pages:
+            if p.dtype != np.uint8:
+                raise SlideReadError(path, f"{p.dtype} samples are not supported; convert to 8-bit")
+            if p.planarconfig != 1 and p.samplesperpixel > 1:
+                raise SlideReadError(path, "planar (separate) sample layout is not supported")
+        self._pages = pages
+        self._lock = threading.Lock()
+        channels = _to_rgb_or_gray(np.zeros((1, 1, pages[0].samplesperpixel), np.uint8)).shape[2]
+        vendor = "ome" if self._tif.is_ome else ("aperio" if self._tif.is_svs else "generic-tiff")
+        super().__init__(path, [(p.imagelength, p.imagewidth) for p in pages], channels, vendor, _tiff_mpp(self._tif))
+
+    def _read_region(self, row, col, h, w, level):
+        page = self._pages[level]
+        ch, cw = page.chunks[0], page.chunks[1]
+        n_across = page.chunked[1]
+        out = np.zeros((h, w, page.samplesperpixel), dtype=np.uint8)
+        for ty in range(row // ch, (row + h - 1) // ch + 1):
+            for tx in range(col // cw, (col + w - 1) // cw + 1):
+                index = ty * n_across + tx
+                nbytes = page.databytecounts[index]
+                if nbytes == 0:  # sparse tile: background
+                    continue
+                with self._lock:  # one file handle: seek+read must not interleave
+                    self._tif.filehandle.seek(page.dataoffsets[index])
+                    data = self._tif.filehandle.read(nbytes)
+                try:
+                    seg, (_, _, y0, x0, _), _ = page.decode(data, index, jpegtables=page.jpegtables)
+                except Exception as e:
+                    raise SlideReadError(self.path, f"cannot decode tile {index} of level {level} ({e})") from e
+                seg = seg.reshape(seg.shape[-3:])
+                ys, xs = max(row, y0), max(col, x0)
+                ye = min(row + h, y0 + seg.shape[0], page.imagelength)
+                xe = min(col + w, x0 + seg.shape[1], page.imagewidth)
+                out[ys - row : ye - row, xs - col : xe - col] = seg[ys - y0 : ye - y0, xs - x0 : xe - x0]
+        return _to_rgb_or_gray(out)
+
+    def close(self):
+        self._tif.close()
+
+
+def _tiff_mpp(tif) -> tuple[float, float] | None:
+    """Microns per pixel from OME metadata, an Aperio description or the resolution tags."""
+    try:
+        if tif.is_ome:
+            import re
+
+            xml = tif.ome_metadata or ""
+            x = re.search(r'PhysicalSizeX="([0-9.eE+-]+)"', xml)
+            y = re.search(r'PhysicalSizeY="([0-9.eE+-]+)"', xml)
+            if x and y:
+                return float(y.group(1)), float(x.group(1))
+        if tif.is_svs:
+            mpp = tif.pages[0].description.split("MPP = ")[1].split("|")[0].strip()
+            return float(mpp), float(mpp)
+        page = tif.pages[0]
+        unit = page.tags.get("ResolutionUnit")
+        xr, yr = page.tags.get("XResolution"), page.tags.get("YResolution")
+        per_um = {2: 25_400.0, 3: 10_000.0}.get(int(unit.value) if unit else 0)
+        if per_um and xr and yr:
+            return per_um * yr.value[1] / yr.value[0], per_um * xr.value[1] / xr.value[0]
+    except (IndexError, ValueError, ZeroDivisionError, AttributeError):
+        pass
+    return None
+
+
+class OpenSlideReader(SlideReader):
+    """Vendor whole-slide formats through OpenSlide; reads are level-native regions."""
+
+    name = "openslide"
+
+    def __init__(self, path: Path):
+        import openslide
+
+        try:
+            self._slide = openslide.OpenSlide(str(path))
+        except (openslide.OpenSlideError, openslide.OpenSlideUnsupportedFormatError) as e:
+            raise SlideReadError(path, f"OpenSlide cannot open it ({type(e).__name__}: {e})") from e
+        props = self._slide.properties
+        mx, my = props.get(openslide.PROPERTY_NAME_MPP_X), props.get(openslide.PROPERTY_NAME_MPP_Y)
+        mpp = (float(my), float(mx)) if mx and my else None
+        levels = [(h, w) for w, h in self._slide.level_dimensions]
+        super().__init__(path, levels, 3, props.get(openslide.PROPERTY_NAME_VENDOR, "unknown"), mpp)
+
+    @property
+    def downsamples(self) -> list[float]:
+        return [float(d) for d in self._slide.level_downsamples]
+
+    def _read_region(self, row, col, h, w, level):
+        import openslide
+
+        d = self._slide.level_downsamples[level]
+        try:  # OpenSlide takes the location in level-0 pixels, the size in level pixels
+            rgba = np.asarray(self._slide.read_region((round(col * d), round(row * d)), level, (w, h)))
+        except openslide.OpenSlideError as e:
+            raise SlideReadError(self.path, f"OpenSlide read failed ({e})") from e
+        return rgba[:, :, :3]
+
+    def close(self):
+        self._slide.close()
+
+
+def open_image(
+    path: str | os.PathLike[str], reader: str = "auto", max_pixels: int = DEFAULT_MAX_PIXELS
+) -> SlideReader:
+    """Open ``path`` with the right lazy reader (or the one ``reader`` names).
+
+    auto: vendor suffixes -> OpenSlide; TIFFs -> OpenSlide if it recognises a vendor
+    format (Aperio, Philips, ...), else tifffile; everything else -> pillow.
+    """
+    path = Path(path)
+    if reader not in READERS:
+        raise ValueError(f"unknown reader {reader!r}; choose from {', '.join(READERS)}")
+    if not path.exists():
+        raise SlideReadError(path, "file not found")
+    if reader == "openslide":
+        return OpenSlideReader(path)
+    if reader == "tifffile":
+        return TiffReader(path)
+    if reader == "pillow":
+        return PillowReader(path, max_pixels)
+    name = path.name.lower()
+    if name.endswith(SLIDE_SUFFIXES):
+        return OpenSlideReader(path)
+    if name.endswith(TIFF_SUFFIXES):
+        import openslide
+
+        try:
+            vendor = openslide.OpenSlide.detect_format(str(path))
+        except openslide.OpenSlideError:
+            vendor = None
+        if vendor and vendor != "generic-tiff":
+            return OpenSlideReader(path)
+        return TiffReader(path)
+    return PillowReader(path, max_pixels)
+
+
+def tissue_mask(low: torch.Tensor) -> torch.Tensor:
+    """Bool [h, w]: tissue in a low-res view [C, h, w] (float, [0, 1]).
+
+    Otsu's threshold on the HSV saturation, as pathology tools do: glass and background
+    are bright and grey (low saturation), stained tissue is coloured. The mask becomes the
+    attention's support (``ATSModel.support``), so background is never sampled. A
+    grayscale view or one of uniform saturation has no tissue/background split: all True.
+    """
+    from skimage.color import rgb2hsv
+    from skimage.filters import threshold_otsu
+
+    if low.shape[0] != 3:
+        return torch.ones(low.shape[-2:], dtype=torch.bool)
+    sat = rgb2hsv(low.permute(1, 2, 0).clamp(0, 1).numpy())[..., 1]
+    if float(sat.max() - sat.min()) < 1e-3:
+        return torch.ones(low.shape[-2:], dtype=torch.bool)
+    return torch.from_numpy(sat > threshold_otsu(sat))

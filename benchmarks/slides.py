@@ -1,0 +1,139 @@
+"""Benchmark: `ats predict` on large pyramidal TIFFs vs dense tiling with the same feature net.
+
+Writes an N x N RGB pyramidal tiled TIFF per size (white glass, one elliptical pink
+"tissue" region covering ~40% of the area, noise texture), then for each size:
+
+* runs ``python -m ats_cli predict SLIDE -m MODEL`` in a fresh process and records its
+  wall time and peak RSS (``resource.getrusage(RUSAGE_CHILDREN)``, i.e. the whole process
+  including Python and torch start-up);
+* dense tiling baseline: reads every tissue tile (patch-size tiles whose low-res cell is
+  tissue) at level 0 through the same reader and runs the same feature network on all of
+  them, in batches, as tiling tools do. Timed in this process.
+
+Usage: python benchmarks/slides.py --sizes 10000 20000 --out /tmp/slidebench
+Prints a Markdown table row per size; copy it into benchmarks/README.md with `uptime`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import tifffile
+import torch
+
+TILE = 512
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's ats_cli, not an installed one
+
+
+def write_slide(path: Path, n: int, seed: int = 0) -> None:
+    """Pyramid levels as separate IFDs (subfiletype=1), written tile by tile from a
+    generator so that writing never holds more than one tile row in memory."""
+    rng = np.random.default_rng(seed)
+    noise = rng.integers(-25, 26, (TILE, TILE, 3), dtype=np.int16)
+
+    def tiles(size: int):
+        for r in range(0, size, TILE):
+            for c in range(0, size, TILE):
+                yy, xx = np.mgrid[r : r + TILE, c : c + TILE]
+                inside = ((yy - size / 2) / (0.36 * size)) ** 2 + ((xx - size / 2) / (0.36 * size)) ** 2 < 1
+                t = np.where(inside[..., None], np.array([200, 100, 170]) + noise, 245)
+                yield np.clip(t, 0, 255).astype(np.uint8)
+
+    sizes = [n]
+    while sizes[-1] > 2 * TILE:
+        sizes.append(sizes[-1] // 4)
+    with tifffile.TiffWriter(path, bigtiff=True) as tw:
+        for k, s in enumerate(sizes):
+            tw.write(tiles(s), shape=(s, s, 3), dtype=np.uint8, tile=(TILE, TILE), photometric="rgb",
+                     compression="zlib", compressionargs={"level": 1}, subfiletype=1 if k else 0)
+
+
+def make_model(path: Path) -> None:
+    from ats_cli.checkpoint import build_model, model_spec, save_checkpoint
+    from ats_cli.config import TrainConfig
+
+    torch.manual_seed(0)
+    cfg = TrainConfig(patch_size=64, scale=0.01, n_patches=20, feature_width=32)
+    spec = model_spec(cfg, n_classes=2, channels=3)
+    save_checkpoint(path, spec=spec, classes=["a", "b"], model=build_model(spec))
+
+
+def measure(args: list[str]) -> tuple[float, float]:
+    """Wall time and peak RSS (MB) of ``python ARGS`` run in a fresh grandchild process, so
+    that RUSAGE_CHILDREN sees that process alone."""
+    code = (
+        "import resource, subprocess, sys, time;"
+        "t=time.perf_counter();"
+        f"r=subprocess.run([sys.executable,*{args!r}],capture_output=True,text=True);"
+        "dt=time.perf_counter()-t;"
+        "assert r.returncode==0, r.stdout+r.stderr;"
+        "print(dt, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss/1024)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=ROOT).stdout.split()
+    return float(out[0]), float(out[1])
+
+
+def run_baseline() -> tuple[float, float]:
+    """A process that only imports torch and the CLI: the floor under every `ats predict`
+    figure, whatever the slide."""
+    return measure(["-c", "import torch, ats_cli.cli, ats_cli.predict"])
+
+
+def run_predict(slide: Path, model: Path) -> tuple[float, float]:
+    return measure(["-m", "ats_cli", "predict", str(slide), "-m", str(model), "--device", "cpu"])
+
+
+def dense(slide: Path, model: Path, batch: int = 256) -> tuple[float, int]:
+    from ats_cli.checkpoint import load_model
+    from ats_cli.data.slides import open_image, tissue_mask
+
+    net, _ = load_model(model, torch.device("cpu"))
+    ph, pw = net.patch_size
+    t = time.perf_counter()
+    with open_image(slide) as s, torch.no_grad():
+        H, W = s.size
+        gh, gw = H // ph, W // pw
+        mask = tissue_mask(s.low_res_view(gh / H))[:gh, :gw]
+        cells = torch.nonzero(mask)
+        for i in range(0, len(cells), batch):
+            offs = cells[i : i + batch] * torch.tensor([ph, pw])
+            x = s.read_patches(offs, (ph, pw)).float() / 255
+            net.feature_net(x)
+    return time.perf_counter() - t, len(cells)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", type=int, nargs="+", default=[10_000])
+    ap.add_argument("--out", type=Path, default=Path("/tmp/slidebench"))
+    ap.add_argument("--no-dense", action="store_true")
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    model = a.out / "model.pt"
+    make_model(model)
+    base_t, base_rss = run_baseline()
+    print(f"start-up floor (import torch + ats_cli, no slide): {base_t:.2f} s, {base_rss:,.0f} MB peak RSS")
+    print("| size | file MB | write s | ats predict wall s | peak RSS MB | dense tiles | dense s | dense / ats |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n in a.sizes:
+        slide = a.out / f"slide_{n}.tif"
+        t = time.perf_counter()
+        if not slide.exists():
+            write_slide(slide, n)
+        wt = time.perf_counter() - t
+        wall, rss = run_predict(slide, model)
+        d, tiles = (float("nan"), 0) if a.no_dense else dense(slide, model)
+        mb = slide.stat().st_size / 2**20
+        print(f"| {n:,} | {mb:,.0f} | {wt:.0f} | {wall:.2f} | {rss:,.0f} | {tiles:,} | {d:.1f} | {d / wall:.0f}x |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
