@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from ats_cli import nets
 from ats_cli.core.model import ATSModel
 from ats_cli.data.dataset import atomic_write_bytes
 from ats_cli.methods import build_method
