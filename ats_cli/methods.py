@@ -125,6 +125,8 @@ class CNNClassifier(nn.Module):
     def forward(self, low: torch.Tensor, sources: Sources, *, n_patches: int | None = None,
                 generator: torch.Generator | None = None, return_patches: bool = False) -> ATSOutput:
         """Reads nothing at full resolution; the output has one attention cell and no patches."""
+        if return_patches:
+            self.attention_net  # noqa: B018  (raises: there are no patches or map to show)
         B = low.shape[0]
         empty = torch.zeros(B, 0, dtype=torch.long, device=low.device)
         return ATSOutput(
@@ -139,6 +141,13 @@ class CNNClassifier(nn.Module):
 
     def loss(self, out: ATSOutput, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(out.logits, target)
+
+    @property
+    def attention_net(self) -> nn.Module:
+        """``ats visualize`` draws the attention net's map: a CNN has none, so say so
+        (a ValueError, which the command reports) rather than draw a meaningless flat map."""
+        raise ValueError("a model trained with --method cnn has no attention map to visualize "
+                         "(methods with one: ats, uniform, deepmil)")
 
 
 def build_method(spec: dict[str, Any]) -> nn.Module:

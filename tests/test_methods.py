@@ -70,3 +70,16 @@ def test_deepmil_reads_every_grid_patch_and_its_attention_sums_to_one():
     assert torch.equal(out.patches[0, 1, 0], image[0, 0, :16, 8:24].float() / 255)
     model.loss(out, torch.tensor([0, 2])).backward()
     assert model.att_u.weight.grad is not None and model.feature_net.body[0].weight.grad.abs().sum() > 0
+
+
+def test_visualize_draws_deepmil_attention_and_refuses_a_cnn(squares, tmp_path):
+    for method in ("deepmil", "cnn"):
+        train(_cfg(squares, tmp_path / method, method=method, epochs=1), log=lambda s: None)
+    image = str(squares / "test" / "0.png")
+    ok = runner.invoke(app, ["visualize", image, "--model", str(tmp_path / "deepmil" / "last.pt"),
+                             "--out", str(tmp_path / "d.png")])
+    assert ok.exit_code == 0, ok.output
+    assert (tmp_path / "d.png").stat().st_size > 0
+    refused = runner.invoke(app, ["visualize", image, "--model", str(tmp_path / "cnn" / "last.pt"),
+                                  "--out", str(tmp_path / "c.png")])
+    assert refused.exit_code == 2 and "no attention map" in refused.output
