@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from ats_cli import nets
 from ats_cli.core.model import ATSModel
 from ats_cli.data.dataset import atomic_write_bytes
+from ats_cli.methods import build_method
 
 __all__ = ["CheckpointError", "build_model", "save_checkpoint", "load_checkpoint", "load_model", "model_spec"]
 
@@ -33,6 +33,7 @@ class CheckpointError(ValueError):
 def model_spec(cfg: Any, *, n_classes: int, channels: int) -> dict[str, Any]:
     """The plain-values description from which :func:`build_model` rebuilds a model."""
     return {
+        "method": cfg.method,
         "attention_net": cfg.attention_net,
         "attention_kwargs": {"in_channels": channels, "width": cfg.attention_width},
         "feature_net": cfg.feature_net,
@@ -50,18 +51,8 @@ def model_spec(cfg: Any, *, n_classes: int, channels: int) -> dict[str, Any]:
 
 
 def build_model(spec: dict[str, Any]) -> ATSModel:
-    return ATSModel(
-        nets.create(spec["attention_net"], kind="attention", **spec["attention_kwargs"]),
-        nets.create(spec["feature_net"], kind="features", **spec["feature_kwargs"]),
-        spec["n_classes"],
-        n_patches=spec["n_patches"],
-        patch_size=tuple(spec["patch_size"]),
-        scale=spec["scale"],
-        replace=spec["replace"],
-        entropy_weight=spec["entropy_weight"],
-        smoothing=spec["smoothing"],
-        min_brightness=spec.get("min_brightness", 0.0),
-    )
+    """The spec's model; its ``method`` (ats, uniform, deepmil, cnn) picks the class."""
+    return build_method(spec)
 
 
 def save_checkpoint(path: str | os.PathLike[str], *, spec: dict, classes: list[str], model: torch.nn.Module,

@@ -24,6 +24,7 @@ class TrainConfig:
     data: str = ""
     out: str = ""
     # the method
+    method: str = "ats"  # ats | uniform | deepmil | cnn (see ats_cli.methods)
     n_patches: int = 10
     patch_size: int = 50
     scale: float = 0.12
@@ -63,7 +64,8 @@ class TrainConfig:
             problems.append(f"scale is the low-res view's scale and must be <= 1 (got {self.scale})")
         if not 0 <= self.smoothing < 1:
             problems.append(f"smoothing must be in [0, 1) (got {self.smoothing})")
-        for key, allowed in (("optimizer", ("adam", "adamw", "sgd")), ("schedule", ("constant", "cosine")),
+        for key, allowed in (("method", ("ats", "uniform", "deepmil", "cnn")),
+                             ("optimizer", ("adam", "adamw", "sgd")), ("schedule", ("constant", "cosine")),
                              ("amp", ("none", "bf16", "fp16"))):
             if getattr(self, key) not in allowed:
                 problems.append(f"{key} must be one of {', '.join(allowed)} (got {getattr(self, key)!r})")

@@ -211,7 +211,7 @@ def _extents(model, opened: OpenedImage):
     """(image extent, attention extent) in full-res pixel coordinates, imshow order (l, r, b, t)."""
     H, W = opened.source.size
     low_h, low_w = opened.low.shape[-2:]
-    margin = getattr(model.attention_net, "margin", 0)
+    margin = getattr(getattr(model, "attention_net", None), "margin", 0)  # Deep MIL: its grid spans the image
     ry, rx = H / low_h, W / low_w
     return (0, W, H, 0), (margin * rx, (low_w - margin) * rx, (low_h - margin) * ry, margin * ry)
 

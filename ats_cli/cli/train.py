@@ -23,6 +23,9 @@ def train(
     out: Path = typer.Option(None, "--out", "-o", help="Run directory for checkpoints, metrics and plots."),
     config: Path = typer.Option(None, "--config", help="TOML file of the same keys as the flags; flags override it."),
     resume: Path = typer.Option(None, "--resume", help="Continue the run in this directory where it stopped."),
+    method: str = typer.Option(None, help="ats | uniform (fixed uniform attention) | deepmil (gated attention "
+                               "over all grid patches) | cnn (ResNet-18 on the low-res view) \\[default: ats].",
+                               rich_help_panel=_METHOD),
     n_patches: int = typer.Option(None, help="Patches sampled per image \\[default: 10].", rich_help_panel=_METHOD),
     patch_size: int = typer.Option(None, help="Patch side, full-res pixels \\[default: 50].", rich_help_panel=_METHOD),
     scale: float = typer.Option(None, help="Scale of the low-res view \\[default: 0.12].", rich_help_panel=_METHOD),

@@ -1,0 +1,222 @@
+"""`ats benchmark`: time and peak memory per sample of one training step, per method.
+
+What one measurement is (thesis §3.4, "time and memory per sample"): at batch size 1,
+from the uint8 full-resolution image on the host to the updated gradients -- the
+low-res view, the patch reading/extraction, the host-to-device copy, the forward pass,
+the loss and the backward pass. The first step is a warm-up (one-time library
+set-up), the second the memory step (below); the time is the median of ``repeats``
+further steps.
+
+Peak memory per sample:
+
+* CUDA: ``torch.cuda.max_memory_allocated`` during the step minus what was allocated
+  before it (weights, image): the memory the step itself needs.
+* CPU: the growth of the process's resident set during the memory step. tracemalloc
+  does not see torch's allocations, and ``ru_maxrss`` cannot be reset, so each
+  (method, n_patches) runs in a *fresh* process (multiprocessing "spawn") that resets
+  the kernel's peak-RSS counter (``/proc/self/clear_refs`` = 5, Linux) just before the
+  step and reads ``VmHWM - VmRSS`` around it. The children run with glibc's
+  ``MALLOC_MMAP_THRESHOLD_=65536``: every large tensor is its own mapping, returned to
+  the system when freed, so the warm-up's freed memory cannot be silently reused by
+  the measured step (which would hide its peak). Where clear_refs is not available (not
+  Linux) it falls back to ``ru_maxrss`` after the step minus the RSS before it, which
+  can only under-count. A fresh process per row also keeps one method's freed-but-kept
+  allocator pages from hiding another's peak; all rows still come from one command
+  run, on the same image, so their ratios compare.
+
+A row whose process dies (e.g. killed for memory) is reported with the reason instead
+of numbers: the paper, too, reports where Deep MIL did not fit.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["BenchSpec", "benchmark_image", "run_benchmark", "ratio_to_ats"]
+
+ALL_METHODS = ("ats", "uniform", "deepmil", "cnn")
+SAMPLED = ("ats", "uniform")  # the methods whose cost depends on n_patches
+
+
+@dataclass
+class BenchSpec:
+    """One row's settings: the model is built by :func:`ats_cli.methods.build_method`."""
+
+    method: str
+    n_patches: int | None
+    patch_size: int = 50
+    scale: float = 0.12
+    attention_net: str = "mnist-attention"
+    feature_net: str = "mnist-features"
+    attention_width: int = 8
+    feature_width: int = 32
+    device: str = "cpu"
+    repeats: int = 3
+
+    def model_spec(self, channels: int) -> dict[str, Any]:
+        return {
+            "method": self.method, "attention_net": self.attention_net,
+            "attention_kwargs": {"in_channels": channels, "width": self.attention_width},
+            "feature_net": self.feature_net, "feature_kwargs": {"in_channels": channels, "width": self.feature_width},
+            "n_classes": 10, "channels": channels, "n_patches": self.n_patches or 1,
+            "patch_size": [self.patch_size, self.patch_size], "scale": self.scale, "replace": False,
+            "entropy_weight": 0.01, "smoothing": 0.0, "min_brightness": 0.0,
+        }
+
+
+def benchmark_image(dataset: str, image_size: int, seed: int = 0) -> np.ndarray:
+    """The image every row is measured on, uint8 [C, H, W].
+
+    ``megapixel-mnist``: a Megapixel MNIST canvas of ``image_size`` squared rendered from
+    the bundled digits (5 digits, and as many of the paper's 50 noise scribbles as fit).
+    Anything else is a dataset directory: its first test image (``image_size`` ignored).
+    """
+    if dataset == "megapixel-mnist":
+        from ats_cli.data.megapixel_mnist import make_config, render_image
+        from ats_cli.data.mnist import load_bundled_digits
+
+        fits = int(0.5 * image_size * image_size / (28 * 28)) - 5 - 1
+        config = make_config("paper", width=image_size, height=image_size, n_train=1, n_test=1,
+                             n_noise=max(0, min(50, fits)), seed=seed)
+        image, _ = render_image(config, load_bundled_digits(), "test", 0)
+        return image[None]
+    from ats_cli.data.dataset import load_dataset
+    from ats_cli.data.images import read_image
+
+    data = load_dataset(dataset)
+    return read_image(data["test"][0].path, int(data.hints.get("channels", 1))).numpy()
+
+
+def _rss_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"{field} not in /proc/self/status")
+
+
+def _reset_cpu_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _measure(spec: BenchSpec, image: np.ndarray, threads: int) -> dict[str, float]:
+    """Runs in the fresh process: build the model, one memory step, then timed steps."""
+    from ats_cli.core.geometry import low_res_view
+    from ats_cli.methods import build_method
+
+    if threads:
+        torch.set_num_threads(threads)
+    device = torch.device(spec.device)
+    torch.manual_seed(0)
+    model = build_method(spec.model_spec(image.shape[0])).to(device).train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    full = torch.from_numpy(image)[None]  # [1, C, H, W] uint8, stays on the host like a dataset image
+    target = torch.zeros(1, dtype=torch.long, device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def step() -> None:
+        low = low_res_view(full, spec.scale).to(device)
+        out = model(low, full, generator=gen)
+        opt.zero_grad(set_to_none=True)
+        model.loss(out, target).backward()
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    step()  # warm-up: lazy initialisation of kernels and autograd is not the method's cost
+    if device.type == "cuda":
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        peak_mb = (torch.cuda.max_memory_allocated(device) - before) / 2**20
+    elif _reset_cpu_peak():
+        before = _rss_kb("VmRSS")
+        step()
+        peak_mb = (_rss_kb("VmHWM") - before) / 1024
+    else:  # no resettable peak: ru_maxrss after minus RSS before (an under-count at worst)
+        before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        step()
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak_mb = max(0, after - before_kb) / (2**20 if sys.platform == "darwin" else 1024)
+    times = []
+    for _ in range(spec.repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return {"time_ms_per_sample": 1000 * statistics.median(times), "peak_mem_mb_per_sample": peak_mb}
+
+
+def _child(spec: BenchSpec, image_path: str, threads: int, queue) -> None:
+    try:
+        queue.put(("ok", _measure(spec, np.load(image_path), threads)))
+    except Exception as e:  # reported in the row; the other rows go on
+        queue.put(("error", f"{type(e).__name__}: {e}"))
+
+
+def _run_isolated(spec: BenchSpec, image_path: str, threads: int) -> tuple[dict[str, float] | None, str]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(spec, image_path, threads, queue))
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # see the module docstring: freed tensors leave the RSS
+    try:
+        proc.start()
+    finally:
+        if saved is None:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_")
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+    proc.join()
+    if not queue.empty():
+        status, value = queue.get()
+        return (value, "") if status == "ok" else (None, value)
+    reason = "killed (out of memory?)" if proc.exitcode in (-9, 137) else f"exit code {proc.exitcode}"
+    return None, reason
+
+
+def run_benchmark(image: np.ndarray, methods: list[str], n_patches: list[int], *, tmp_dir: str | os.PathLike[str],
+                  threads: int = 0, progress=None, **settings: Any) -> list[dict[str, Any]]:
+    """One row per method (per ``n_patches`` for ATS and U-N), each in a fresh process.
+
+    Rows: ``{method, n_patches, device, image_size, time_ms_per_sample,
+    peak_mem_mb_per_sample}`` plus ``error`` when the row could not run."""
+    unknown = sorted(set(methods) - set(ALL_METHODS))
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(ALL_METHODS)}")
+    image_path = Path(tmp_dir) / "benchmark_image.npy"
+    np.save(image_path, image)
+    rows = []
+    for method in methods:
+        for n in (n_patches if method in SAMPLED else [None]):
+            spec = BenchSpec(method, n, **settings)
+            if progress:
+                progress(spec)
+            result, error = _run_isolated(spec, str(image_path), threads)
+            row = {"method": method, "n_patches": n, "device": spec.device,
+                   "image_size": [int(image.shape[1]), int(image.shape[2])],
+                   "time_ms_per_sample": None, "peak_mem_mb_per_sample": None}
+            row.update(result or {"error": error})
+            rows.append(row)
+    return rows
+
+
+def ratio_to_ats(rows: list[dict[str, Any]], reference: int) -> dict[str, Any] | None:
+    """The ATS row the ratios are taken against: ATS with ``reference`` patches, else the first ATS row."""
+    ats = [r for r in rows if r["method"] == "ats" and r["time_ms_per_sample"] is not None]
+    return next((r for r in ats if r["n_patches"] == reference), ats[0] if ats else None)

@@ -1,0 +1,94 @@
+"""`ats benchmark`: the methods' time and memory per sample, side by side, in one run."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ats_cli.cli import app
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise typer.BadParameter(f"expected positive integers, got {text!r}")
+    return values
+
+
+@app.command()
+def benchmark(
+    dataset: str = typer.Option("megapixel-mnist", help="megapixel-mnist (a generated canvas) or a dataset "
+                                "directory (its first test image)."),
+    methods: str = typer.Option("ats,uniform,deepmil,cnn", help="Comma-separated methods to measure."),
+    n_patches: str = typer.Option("5,10,50", help="Patch counts for ats and uniform."),
+    image_size: int = typer.Option(1500, min=16, help="Side of the generated megapixel-mnist image."),
+    patch_size: int = typer.Option(50, min=1, help="Patch side (ATS, U-N, Deep MIL's grid)."),
+    scale: float = typer.Option(0.12, help="Low-res view scale (ATS attention, CNN input)."),
+    feature_net: str = typer.Option("mnist-features", help="Feature network (ATS, U-N, Deep MIL)."),
+    feature_width: int = typer.Option(32, help="Feature network channels."),
+    repeats: int = typer.Option(3, min=1, help="Timed steps per row (median) after the warm-up/memory step."),
+    device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N."),
+    threads: int = typer.Option(0, min=0, help="torch CPU threads per measurement; 0 = torch's default."),
+    quick: bool = typer.Option(False, "--quick", help="A 500x500 image, n_patches 10, one timed step: "
+                               "about a minute on a 2-core CPU."),
+    json_out: Path = typer.Option(None, "--json", help="Also write the rows as JSON to this file."),
+) -> None:
+    """Time and peak memory per sample of a training step (batch size 1, patch reading
+    and host-to-device copy included), each method in a fresh process, with ratios to ATS.
+    How memory is measured: ats_cli/benchmark.py and docs/benchmark.md."""
+    from ats_cli.benchmark import benchmark_image, ratio_to_ats, run_benchmark
+    from ats_cli.runtime import resolve_device
+
+    console = Console()
+    if quick:
+        image_size, repeats, n_patches = min(image_size, 500), 1, "10"
+    try:
+        dev = str(resolve_device(device))
+        counts = _ints(n_patches)
+        image = benchmark_image(dataset, image_size)
+    except (ValueError, OSError) as e:
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from None
+    ref_n = 10 if 10 in counts else counts[0]
+    names = [m.strip() for m in methods.split(",") if m.strip()]
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            with console.status("measuring") as status:
+                rows = run_benchmark(
+                    image, names, counts, tmp_dir=tmp, threads=threads,
+                    progress=lambda s: status.update(f"measuring {s.method}"
+                                                     + (f"-{s.n_patches}" if s.n_patches else "")),
+                    patch_size=patch_size, scale=scale, feature_net=feature_net, feature_width=feature_width,
+                    device=dev, repeats=repeats)
+        except ValueError as e:
+            console.print(f"[red]error:[/] {e}")
+            raise typer.Exit(2) from None
+    ref = ratio_to_ats(rows, ref_n)
+    ref_name = f"ATS-{ref['n_patches']}" if ref else "ATS"
+    table = Table(title=f"Per sample, one training step, batch 1 | {image.shape[1]}x{image.shape[2]} | {dev}")
+    for col in ("method", "time (ms)", "peak mem (MB)", f"time / {ref_name}", f"mem / {ref_name}"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    for r in rows:
+        name = r["method"] + (f"-{r['n_patches']}" if r["n_patches"] else "")
+        if r["time_ms_per_sample"] is None:
+            table.add_row(name, "[red]failed", "", "", "")
+            console.print(f"[yellow]{name}:[/] {r['error']}")
+            continue
+        ratios = ["", ""]
+        if ref:
+            ratios = [f"{r['time_ms_per_sample'] / ref['time_ms_per_sample']:.2f}x",
+                      f"{r['peak_mem_mb_per_sample'] / max(ref['peak_mem_mb_per_sample'], 1e-9):.2f}x"]
+        table.add_row(name, f"{r['time_ms_per_sample']:.1f}", f"{r['peak_mem_mb_per_sample']:.1f}", *ratios)
+    console.print(table)
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(rows, indent=2) + "\n")
+        console.print(f"rows written to {json_out}")

@@ -1,0 +1,50 @@
+"""`ats benchmark`: every method measured in one run, rows a user can read and compare."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from ats_cli.benchmark import benchmark_image, ratio_to_ats
+from ats_cli.cli import app
+
+runner = CliRunner()
+
+
+def test_quick_json_smoke(tmp_path):
+    """The smoke form of `ats benchmark --quick --json` at tiny sizes (times are not asserted)."""
+    out = tmp_path / "rows.json"
+    result = runner.invoke(app, ["benchmark", "--quick", "--image-size", "128", "--patch-size", "16", "--scale",
+                                 "0.5", "--feature-width", "8", "--threads", "1", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())
+    assert [(r["method"], r["n_patches"]) for r in rows] == [("ats", 10), ("uniform", 10), ("deepmil", None),
+                                                             ("cnn", None)]
+    for r in rows:
+        assert set(r) == {"method", "n_patches", "device", "image_size", "time_ms_per_sample",
+                          "peak_mem_mb_per_sample"}, r
+        assert r["device"] == "cpu" and r["image_size"] == [128, 128]
+        assert r["time_ms_per_sample"] > 0 and r["peak_mem_mb_per_sample"] >= 0
+    # Deep MIL reads all 225 grid patches, ATS 10: it must need more memory for its step
+    deepmil = next(r for r in rows if r["method"] == "deepmil")
+    assert deepmil["peak_mem_mb_per_sample"] > rows[0]["peak_mem_mb_per_sample"]
+    assert "deepmil" in result.output and "time / ATS-10" in result.output
+
+
+def test_unknown_method_and_bad_counts_are_errors():
+    assert runner.invoke(app, ["benchmark", "--methods", "ats,mil", "--image-size", "64"]).exit_code == 2
+    assert runner.invoke(app, ["benchmark", "--n-patches", "0", "--image-size", "64"]).exit_code == 2
+
+
+def test_generated_image_is_a_megapixel_mnist_canvas():
+    image = benchmark_image("megapixel-mnist", 300)
+    assert image.shape == (1, 300, 300) and image.dtype.name == "uint8" and 0 < (image > 0).mean() < 0.5
+
+
+def test_ratios_are_taken_against_ats_with_the_reference_count():
+    rows = [{"method": "ats", "n_patches": 5, "time_ms_per_sample": 1.0},
+            {"method": "ats", "n_patches": 10, "time_ms_per_sample": 2.0},
+            {"method": "deepmil", "n_patches": None, "time_ms_per_sample": 9.0}]
+    assert ratio_to_ats(rows, 10) is rows[1] and ratio_to_ats(rows, 50) is rows[0]
+    assert ratio_to_ats(rows[2:], 10) is None
