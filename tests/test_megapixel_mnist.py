@@ -16,8 +16,8 @@ import pytest
 from PIL import Image
 
 from ats_cli.data import DatasetError, load_dataset
+from ats_cli.data.generation import LOCK_NAME
 from ats_cli.data.megapixel_mnist import (
-    LOCK_NAME,
     PRESETS,
     MegapixelMNISTConfig,
     generate_megapixel_mnist,
