@@ -180,4 +180,5 @@ def build_method(spec: dict[str, Any]) -> nn.Module:
         entropy_weight=spec["entropy_weight"],
         smoothing=spec["smoothing"],
         min_brightness=spec.get("min_brightness", 0.0),
+        feature_scale=spec.get("feature_scale", 1.0),
     )

@@ -57,6 +57,14 @@ class ATSModel(nn.Module):
     training leave the initial plateau quickly; images with a white background (slides)
     use a tissue mask instead. Rows with fewer supported cells than patches fall back to
     the full map.
+
+    ``feature_scale`` multiplies the L2-normalised patch features before the classifier.
+    Normalising keeps every feature's norm equal, which makes sampling from the attention
+    optimal (thesis §3.3.4), but with unit-norm features a linear classifier's logits are
+    bounded by its weight norm, which grows only by ~lr per step: the softmax stays
+    unconfident and the loss high for hundreds of steps (measured on single MNIST digits
+    in 50x50 patches, one epoch: loss 0.91 at scale 1 vs 0.10 at scale 10, accuracy 94.8%
+    vs 96.7%). A constant scale keeps the norms equal and lifts that bound. 1 = the paper.
     """
 
     def __init__(
@@ -72,6 +80,7 @@ class ATSModel(nn.Module):
         entropy_weight: float = 0.01,
         smoothing: float = 0.0,
         min_brightness: float = 0.0,
+        feature_scale: float = 1.0,
     ):
         super().__init__()
         self.attention_net = attention_net
@@ -84,6 +93,7 @@ class ATSModel(nn.Module):
         self.entropy_weight = float(entropy_weight)
         self.smoothing = float(smoothing)
         self.min_brightness = float(min_brightness)
+        self.feature_scale = float(feature_scale)
 
     def support(
         self, low: torch.Tensor, att_shape: tuple[int, int], n: int, mask: torch.Tensor | None = None
@@ -137,7 +147,8 @@ class ATSModel(nn.Module):
         patches = _to_float(gather_patches(sources, offsets, self.patch_size).to(low.device))
         B = low.shape[0]
         feats = self.feature_net(patches.flatten(0, 1)).view(B, n, -1)
-        feats = F.normalize(feats, dim=-1)  # equal norms make sampling from a optimal (thesis 3.3.4)
+        # equal norms make sampling from a optimal (thesis 3.3.4); the scale: see the class docstring
+        feats = self.feature_scale * F.normalize(feats, dim=-1)
         pooled = expectation(feats, sampled_probs, replace=self.replace)
         return ATSOutput(
             logits=self.classifier(pooled),

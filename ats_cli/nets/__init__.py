@@ -2,6 +2,7 @@
 
 from ats_cli.nets import mnist as _mnist  # noqa: F401  (registers the Megapixel MNIST nets)
 from ats_cli.nets import resnet as _resnet  # noqa: F401  (registers the CNN baseline's ResNet)
+from ats_cli.nets import small as _small  # noqa: F401  (registers small-cnn)
 from ats_cli.nets.registry import UnknownNetworkError, available, create, register
 
 __all__ = ["create", "available", "register", "UnknownNetworkError"]
