@@ -47,6 +47,9 @@ def model_spec(cfg: Any, *, n_classes: int, channels: int) -> dict[str, Any]:
         "entropy_weight": cfg.entropy,
         "smoothing": cfg.smoothing,
         "min_brightness": cfg.min_brightness,
+        "feature_scale": cfg.feature_scale,
+        # how inputs were read in training: predict and visualize read them alike by default
+        "input": cfg.input_options(),
     }
 
 

@@ -33,6 +33,12 @@ class TrainConfig:
     smoothing: float = 0.0
     min_brightness: float = 0.0  # > 0: never sample low-res cells darker than this (black backgrounds)
     eval_n_patches: int = 0  # 0 = same as n_patches
+    feature_scale: float = 1.0  # multiplies the L2-normalised features (1 = the paper; see ATSModel)
+    # reading slides and TIFFs (ats predict's options; saved in the model, so predict reads alike)
+    reader: str = "auto"  # auto | openslide | tifffile | pillow
+    level: int = 0  # pyramid level patches are read from
+    mpp: float = 0.0  # > 0: read patches from the level closest to this many microns per pixel
+    tissue_mask: str = "auto"  # auto (on for slides/TIFFs, off for other images) | on | off
     # networks (names from ats_cli.nets)
     attention_net: str = "mnist-attention"
     feature_net: str = "mnist-features"
@@ -56,17 +62,21 @@ class TrainConfig:
 
     def validate(self) -> TrainConfig:
         problems = []
-        positive = ("n_patches", "patch_size", "batch_size", "epochs", "lr", "scale")
+        positive = ("n_patches", "patch_size", "batch_size", "epochs", "lr", "scale", "feature_scale")
         problems += [f"{k} must be > 0 (got {getattr(self, k)})" for k in positive if not getattr(self, k) > 0]
-        problems += [f"{k} must be >= 0" for k in ("entropy", "weight_decay", "clip_norm", "workers", "min_brightness",
-                                                   "warmup_epochs", "eval_n_patches") if getattr(self, k) < 0]
+        non_negative = ("entropy", "weight_decay", "clip_norm", "workers", "min_brightness", "warmup_epochs",
+                        "eval_n_patches", "level", "mpp")
+        problems += [f"{k} must be >= 0" for k in non_negative if getattr(self, k) < 0]
         if self.scale > 1:
             problems.append(f"scale is the low-res view's scale and must be <= 1 (got {self.scale})")
+        if self.level and self.mpp:
+            problems.append("give level or mpp, not both")
         if not 0 <= self.smoothing < 1:
             problems.append(f"smoothing must be in [0, 1) (got {self.smoothing})")
         for key, allowed in (("method", ("ats", "uniform", "deepmil", "cnn")),
                              ("optimizer", ("adam", "adamw", "sgd")), ("schedule", ("constant", "cosine")),
-                             ("amp", ("none", "bf16", "fp16"))):
+                             ("amp", ("none", "bf16", "fp16")), ("tissue_mask", ("auto", "on", "off")),
+                             ("reader", ("auto", "openslide", "tifffile", "pillow"))):
             if getattr(self, key) not in allowed:
                 problems.append(f"{key} must be one of {', '.join(allowed)} (got {getattr(self, key)!r})")
         if problems:
@@ -75,6 +85,11 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def input_options(self) -> dict[str, Any]:
+        """:func:`ats_cli.data.inputs.open_input`'s reading options (None = its default)."""
+        return {"reader": None if self.reader == "auto" else self.reader, "level": self.level or None,
+                "mpp": self.mpp or None, "tissue": {"auto": None, "on": True, "off": False}[self.tissue_mask]}
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:

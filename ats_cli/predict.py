@@ -7,8 +7,9 @@ The pieces, in the order ``ats predict`` uses them:
 * :func:`resolve_inputs` turns command-line arguments (files, directories, glob
   patterns, dataset CSVs, dataset directories) into one ordered list of images, with
   labels when a CSV provides them;
-* :func:`open_input` is the ONE place a file becomes (low-res view, patch source); a
-  whole-slide reader replaces it later without touching anything else here;
+* :func:`ats_cli.data.inputs.open_input` is the ONE place a file becomes (low-res
+  view, patch source, tissue mask), for ordinary images and slides alike; training's
+  data loader uses it too;
 * :meth:`Predictor.predict` batches images of equal size, averages ``samples``
   independent samplings and never lets one bad file stop the others: a failure becomes
   a row with an ``error`` (naming the file) instead of an exception;
@@ -19,6 +20,7 @@ The pieces, in the order ``ats predict`` uses them:
 from __future__ import annotations
 
 import csv
+import functools
 import glob
 import io
 import os
@@ -29,11 +31,11 @@ from pathlib import Path
 import torch
 
 from ats_cli.checkpoint import CheckpointError, load_model
-from ats_cli.core.geometry import low_res_view
 from ats_cli.core.model import ATSModel
-from ats_cli.core.source import PatchSource, TensorSource
+from ats_cli.core.source import TensorSource
 from ats_cli.data.dataset import DATASET_JSON, atomic_write_text
-from ats_cli.data.images import IMAGE_SUFFIXES, ImageReadError, read_image
+from ats_cli.data.images import IMAGE_SUFFIXES, ImageReadError
+from ats_cli.data.inputs import OpenedImage, open_input
 from ats_cli.inference import predict_probs
 from ats_cli.runtime import resolve_device
 
@@ -80,6 +82,21 @@ class Predictor:
     channels: int
     device: torch.device
     path: Path
+    input_options: Mapping[str, object] = field(default_factory=dict)  # how training read its inputs
+
+    def opener(self, *, reader: str | None = None, level: int | None = None, mpp: float | None = None,
+               tissue: bool | None = None) -> Callable[..., OpenedImage]:
+        """:func:`open_input` with the reading options training used (saved in the model:
+        reader, level or mpp, tissue mask), each overridden by the caller's when given;
+        a given level replaces a saved mpp and vice versa."""
+        opts = dict(self.input_options)
+        if level is not None or mpp is not None:
+            opts["level"], opts["mpp"] = level, mpp
+        if reader is not None:
+            opts["reader"] = reader
+        if tissue is not None:
+            opts["tissue"] = tissue
+        return functools.partial(open_input, **opts)
 
     def predict(
         self,
@@ -108,7 +125,7 @@ class Predictor:
             raise ValueError(f"n_patches must be >= 1, got {n_patches}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        read = reader or open_input
+        read = reader or self.opener()
         rows: list[PredictionRow | None] = [None] * len(items)
         pending: dict[tuple, list[tuple[int, OpenedImage]]] = {}
         done = 0
@@ -183,7 +200,9 @@ def load_predictor(model: str | os.PathLike[str], device: str = "auto") -> Predi
     if len(classes) != n_out:
         raise CheckpointError(f"{path}: lists {len(classes)} class names for a model with {n_out} outputs")
     channels = int(ckpt["spec"].get("channels", 1))
-    return Predictor(model=net, classes=classes, channels=channels, device=dev, path=path)
+    saved = ckpt["spec"].get("input") or {}
+    options = {k: saved.get(k) for k in ("reader", "level", "mpp", "tissue")}
+    return Predictor(model=net, classes=classes, channels=channels, device=dev, path=path, input_options=options)
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -299,54 +318,6 @@ def read_inputs_csv(path: str | os.PathLike[str]) -> list[InputItem]:
 
 
 # ---------------------------------------------------------------------------- reading
-
-
-@dataclass
-class OpenedImage:
-    """An input ready for the model: its low-res view [C, h, w] (float, [0, 1]) and the
-    patch source standing for the full-resolution image."""
-
-    low: torch.Tensor
-    source: PatchSource
-    support: torch.Tensor | None = None  # bool [h, w] over ``low``: where sampling may go (tissue mask)
-
-
-def open_input(path: str | os.PathLike[str], *, channels: int, scale: float,
-               patch_size: tuple[int, int], reader: str | None = None, level: int | None = None,
-               mpp: float | None = None, tissue: bool | None = None) -> OpenedImage:
-    """Read one input file into (low-res view, patch source): the only function that
-    knows how files are read.
-
-    TIFFs and whole-slide formats (or any file when ``reader`` is given) go through the
-    lazy readers of :mod:`ats_cli.data.slides`: the view comes from a small pyramid level
-    and patches are decoded tile by tile at the sampled positions, so memory does not grow
-    with the slide. ``level``/``mpp`` choose the level patches are read from. ``tissue``
-    (default: on for slides read lazily, off for ordinary images) restricts sampling to
-    the Otsu tissue mask. Other files are read whole with :func:`read_image`, as before.
-
-    An image smaller than a patch in either dimension is refused: zero padding would make
-    it run, but every patch would then be mostly padding the model never saw in training,
-    and the prediction would look confident while meaning little. Raises
-    :class:`ImageReadError` naming the file.
-    """
-    from ats_cli.data.slides import SLIDE_SUFFIXES, TIFF_SUFFIXES, open_image, tissue_mask
-
-    lazy = reader is not None or level is not None or mpp is not None or \
-        Path(path).name.lower().endswith(SLIDE_SUFFIXES + TIFF_SUFFIXES)
-    if lazy:
-        slide = open_image(path, reader=reader or "auto").as_channels(channels)
-        slide.set_level(level, mpp)
-        low = slide.low_res_view(scale)
-        source: PatchSource = slide
-    else:
-        image = read_image(path, channels)
-        low, source = low_res_view(image, scale), TensorSource(image)
-    H, W = source.size
-    ph, pw = patch_size
-    if H < ph or W < pw:
-        raise ImageReadError(path, f"is {W}x{H} pixels (width x height), smaller than the model's {pw}x{ph} patch")
-    support = tissue_mask(low) if (lazy if tissue is None else tissue) else None
-    return OpenedImage(low=low, source=source, support=support)
 
 
 # ---------------------------------------------------------------------------- results

@@ -105,7 +105,8 @@ def evaluate(model, loader: DataLoader, device: torch.device, *, n_patches: int 
     for batch in loader:
         gen.manual_seed(_seed(EVAL_SEED, int(batch.indices[0])))
         labels = batch.labels.to(device)
-        probs, out = predict_probs(model, batch.low.to(device), batch.sources, n_patches=n_patches, generator=gen)
+        probs, out = predict_probs(model, batch.low.to(device), batch.sources, n_patches=n_patches, generator=gen,
+                                   support_mask=batch.support_on(device))
         loss += float(torch.nn.functional.nll_loss(probs.clamp_min(1e-12).log(), labels, reduction="sum"))
         correct += float((probs.argmax(1) == labels).sum())
         ent += float(out.entropy.sum())
@@ -167,8 +168,10 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool,
     # ---- data: every rank reads the dataset (same path on every node)
     data = load_dataset(cfg.data)
     channels = int(data.hints.get("channels", 1))
-    train_set = ImageDataset(data["train"], channels=channels, scale=cfg.scale)
-    test_set = ImageDataset(data["test"], channels=channels, scale=cfg.scale)
+    reading = {"channels": channels, "scale": cfg.scale, "patch_size": (cfg.patch_size, cfg.patch_size),
+               **cfg.input_options()}
+    train_set = ImageDataset(data["train"], **reading)
+    test_set = ImageDataset(data["test"], **reading)
     # whole test batches, dealt round-robin to the ranks (evaluate() explains why whole ones)
     test_batches = shard_batches(range(len(test_set)), 0, cfg.batch_size, Dist())[ctx.rank::ctx.world_size]
     test_loader = _loader(test_set, test_batches, cfg, device)
@@ -231,7 +234,8 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool,
                 labels = batch.labels.to(device)
                 sampling_gen.manual_seed(_seed(cfg.seed, epoch, done, ctx.rank))
                 with _autocast(cfg, device):
-                    out = net(batch.low.to(device, non_blocking=True), batch.sources, generator=sampling_gen)
+                    out = net(batch.low.to(device, non_blocking=True), batch.sources, generator=sampling_gen,
+                              support_mask=batch.support_on(device))
                     loss = model.loss(out, labels)
                 opt.zero_grad(set_to_none=True)
                 scaler.scale(loss).backward()  # DDP averages the gradients over the ranks here

@@ -24,7 +24,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +33,7 @@ import torch
 
 from ats_cli.checkpoint import CheckpointError
 from ats_cli.data.dataset import KNOWN_SPLITS, atomic_write_bytes
-from ats_cli.predict import OpenedImage, Predictor, load_predictor, open_input, read_inputs_csv
+from ats_cli.predict import OpenedImage, Predictor, load_predictor, read_inputs_csv
 
 __all__ = [
     "DigitBox",
@@ -80,7 +80,8 @@ class ImageInfo:
 
 
 def _parse_boxes(text: str | None) -> list[DigitBox]:
-    """``[[class, row, col, h, w], ...]`` (the Megapixel MNIST ``digits`` column); [] if absent or malformed."""
+    """``[[class, row, col, h, w], ...]`` (Megapixel MNIST's ``digits`` column, synthetic slides' ``boxes``);
+    [] if absent or malformed."""
     if not text:
         return []
     try:
@@ -109,7 +110,8 @@ def find_image_info(image: str | os.PathLike[str], data: str | os.PathLike[str] 
             continue
         for item in read_inputs_csv(csv_path):
             if item.error is None and Path(os.path.normpath(item.path.absolute())) == target:
-                return ImageInfo(csv_path, item.label, _parse_boxes(item.extra.get("digits")))
+                boxes = item.extra.get("digits") or item.extra.get("boxes")
+                return ImageInfo(csv_path, item.label, _parse_boxes(boxes))
     return None
 
 
@@ -309,6 +311,7 @@ def render_attention(
     seed: int = 0,
     data: str | os.PathLike[str] | None = None,
     device: str = "cpu",
+    reading: Mapping[str, object] | None = None,
     dpi: int = 110,
 ) -> RenderSummary:
     """One figure for one image: the low-res view with the attention overlaid (log scale,
@@ -317,13 +320,15 @@ def render_attention(
     themselves in a strip underneath (labelled with their attention probability) and a
     title with the predicted class and its probability *for this one sampling* (the
     patches shown are the ones the prediction used). Raises CheckpointError (model) or
-    ImageReadError (image), both naming the file."""
+    ImageReadError (image), both naming the file. ``reading``: reader/level/mpp/tissue
+    overrides, as for ``ats predict`` (default: the model's training settings)."""
     from matplotlib.figure import Figure
     from matplotlib.patches import Rectangle
 
     predictor = model if isinstance(model, Predictor) else load_predictor(model, device)
     net = predictor.model
-    opened = open_input(image, channels=predictor.channels, scale=net.scale, patch_size=net.patch_size)
+    opened = predictor.opener(**(reading or {}))(image, channels=predictor.channels, scale=net.scale,
+                                                 patch_size=net.patch_size)
     result = _attention(predictor, opened, n_patches=n_patches, seed=seed, return_patches=True)
     probs = torch.softmax(result.logits[0].float(), 0).cpu()
     k = int(probs.argmax())
@@ -401,6 +406,7 @@ def render_evolution(
     epochs: str | None = None,
     data: str | os.PathLike[str] | None = None,
     device: str = "cpu",
+    reading: Mapping[str, object] | None = None,
     max_panels: int = MAX_PANELS,
     dpi: int = 110,
 ) -> RenderSummary:
@@ -426,7 +432,8 @@ def render_evolution(
         predictor = load_predictor(files[epoch], device)
         net = predictor.model
         if opened is None:  # every epoch of a run shares channels, scale and patch size
-            opened = open_input(image, channels=predictor.channels, scale=net.scale, patch_size=net.patch_size)
+            opened = predictor.opener(**(reading or {}))(image, channels=predictor.channels, scale=net.scale,
+                                                         patch_size=net.patch_size)
         result = _attention(predictor, opened, n_patches=1, seed=0, return_patches=False)
         maps.append(result.attention[0].cpu().double().numpy())
     assert opened is not None and net is not None

@@ -64,7 +64,7 @@ def test_attention_figure(tmp_path, data):
     result = runner.invoke(app, ["visualize", str(data / "test" / "00000.png"), "--model", str(model),
                                  "--out", str(out), "--n-patches", "6", "--seed", "3"])
     assert result.exit_code == 0, result.output
-    assert "predicted" in result.output and "label cat" in result.output and "2 digit boxes" in result.output
+    assert "predicted" in result.output and "label cat" in result.output and "2 boxes marked" in result.output
     opens(out, (600, 600))
     # a non-square image, many patches (two rows in the strip), no CSV entry for the boxes
     other = png(tmp_path / "loose.png", 5, size=(160, 96))
@@ -84,7 +84,7 @@ def test_evolution_figure(tmp_path, data):
     result = runner.invoke(app, ["visualize", str(run_dir), "--image", str(data / "test" / "00000.png"),
                                  "--out", str(out), "--epochs", "1,3"])
     assert result.exit_code == 0, result.output
-    assert "epochs 1, 3" in result.output and "2 digit boxes" in result.output
+    assert "epochs 1, 3" in result.output and "2 boxes marked" in result.output
     width, height = opens(out, (600, 300))
     assert width > height  # panels side by side
     result = runner.invoke(app, ["visualize", str(run_dir), "--image", str(data / "test" / "00001.png"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
@@ -13,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ats_cli.data.dataset import DatasetError
 from ats_cli.data.folder import dataset_from_folder
+from ats_cli.data.generation import GenerationReport
 from ats_cli.data.megapixel_mnist import PlacementError, check_output, generate_megapixel_mnist, make_config
 from ats_cli.data.mnist import DigitSourceError, resolve_digits
 
@@ -92,16 +94,20 @@ def megapixel_mnist(
     except DatasetError as err:
         raise _fail(err) from None
 
+    _generate(lambda progress: generate_megapixel_mnist(out, config, digits, workers=workers, progress=progress),
+              {"train": config.n_train, "test": config.n_test})
+
+
+def _generate(run: Callable[[Callable[[str, int, int], None]], GenerationReport], totals: dict[str, int]) -> None:
+    """Run a generator under a progress bar per split; errors and Ctrl-C become clean exits
+    (finished images are kept: the same command resumes)."""
     columns = (TextColumn("{task.description:>5}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=False) as bar:
-        tasks = {s: bar.add_task(s, total=t) for s, t in (("train", config.n_train), ("test", config.n_test))}
+        tasks = {s: bar.add_task(s, total=t) for s, t in totals.items()}
         try:
-            report = generate_megapixel_mnist(
-                out, config, digits, workers=workers,
-                progress=lambda split, done, total: bar.update(tasks[split], completed=done),
-            )
-        except (DatasetError, PlacementError, OSError) as err:
+            report = run(lambda split, done, total: bar.update(tasks[split], completed=done))
+        except (DatasetError, PlacementError, ValueError, OSError) as err:
             raise _fail(err) from None
         except KeyboardInterrupt:
             err_console.print("[yellow]interrupted[/]: finished images are kept; rerun the same command to resume")
@@ -113,6 +119,40 @@ def megapixel_mnist(
         f"({rate}, {report.workers} worker(s)); dataset: {report.dataset_json}",
         highlight=False,
     )
+
+
+@make_dataset_app.command("synthetic-slides")
+def synthetic_slides(
+    out: Annotated[Path, typer.Argument(help="Output directory (created; rerun the same command to resume).")],
+    n_train: Annotated[int, typer.Option("--n-train", help="Training slides.")] = 240,
+    n_test: Annotated[int, typer.Option("--n-test", help="Test slides.")] = 80,
+    size: Annotated[int, typer.Option(help="Slide side at level 0, pixels.")] = 3072,
+    n_spots: Annotated[int, typer.Option("--n-spots", help="Cell clusters per slide (decoys + targets).")] = 8,
+    max_targets: Annotated[int, typer.Option("--max-targets", help="A tumor slide has 1..this many targets.")] = 3,
+    spot_radius: Annotated[int, typer.Option("--spot-radius", help="Cluster radius, level-0 pixels.")] = 28,
+    mpp: Annotated[float, typer.Option(help="Microns per pixel written to the files.")] = 0.5,
+    seed: Annotated[int, typer.Option(help="Seed; train slides use seed+1, test slides seed.")] = 0,
+    workers: Annotated[int | None, typer.Option(help="Worker processes (default: CPU count); the output does not "
+                                                "depend on it.")] = None,
+) -> None:
+    """Generate synthetic whole slides: pyramidal tiled TIFFs of pink "tissue" whose label
+    (tumor / normal) is decided by a few small cell clusters that look alike in the
+    low-resolution view and differ only at full resolution. See docs/slides.md."""
+    from ats_cli.data.synthetic_slides import SyntheticSlidesConfig, check_slides_output, generate_synthetic_slides
+
+    try:
+        config = SyntheticSlidesConfig(n_train=n_train, n_test=n_test, size=size, n_spots=n_spots,
+                                       max_targets=max_targets, spot_radius=spot_radius, mpp=mpp,
+                                       seed=seed).validate()
+        check_slides_output(out, config)
+    except (ValueError, OSError) as err:
+        raise _fail(err) from None
+    workers = workers or os.cpu_count() or 1
+    console.print(f"synthetic slides -> [bold]{out}[/]: {n_train} train + {n_test} test slides, {size}x{size}, "
+                  f"{n_spots} clusters, up to {max_targets} targets, {mpp} um/px, seed {seed}, {workers} worker(s)",
+                  highlight=False)
+    _generate(lambda progress: generate_synthetic_slides(out, config, workers=workers, progress=progress),
+              {"train": n_train, "test": n_test})
 
 
 @make_dataset_app.command("from-folder")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -12,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ats_cli.cli import app
+from ats_cli.cli.options import LevelOption, MppOption, ReaderOption, TissueOption
 
 MAX_ROWS_SHOWN = 20  # rows of the terminal table; the CSV has them all
 MAX_CONFUSION_CLASSES = 20  # wider confusion matrices do not fit a terminal
@@ -41,18 +41,10 @@ def predict(
     seed: Annotated[int, typer.Option("--seed", help="Sampling seed; the same seed gives the same output.")] = 0,
     recursive: Annotated[bool, typer.Option("--recursive", "-r",
                                             help="Also take images from sub-directories.")] = False,
-    reader: Annotated[str | None, typer.Option(
-        "--reader", show_default=False,
-        help="Force a reader: auto, openslide, tifffile, pillow \\[default: TIFFs and slide formats are read "
-             "lazily (auto), other images whole].")] = None,
-    level: Annotated[int | None, typer.Option(
-        "--level", min=0, show_default=False, help="Slides: pyramid level patches are read from [default: 0].")] = None,
-    mpp: Annotated[float | None, typer.Option(
-        "--mpp", min=0.0, show_default=False,
-        help="Slides: read patches from the level closest to this many microns per pixel.")] = None,
-    tissue_mask: Annotated[bool | None, typer.Option(
-        "--tissue-mask/--no-tissue-mask", show_default=False,
-        help="Sample only tissue (Otsu on saturation) \\[default: on for slides, off for ordinary images].")] = None,
+    reader: ReaderOption = None,
+    level: LevelOption = None,
+    mpp: MppOption = None,
+    tissue_mask: TissueOption = None,
 ) -> None:
     """Predict the class of images with a trained model.
 
@@ -64,7 +56,6 @@ def predict(
     from ats_cli.predict import (
         evaluate,
         load_predictor,
-        open_input,
         predictions_csv_text,
         resolve_inputs,
         write_predictions_csv,
@@ -88,7 +79,7 @@ def predict(
     if level is not None and mpp is not None:
         err.print("[red]error:[/] give --level or --mpp, not both")
         raise typer.Exit(2)
-    opener = functools.partial(open_input, reader=reader, level=level, mpp=mpp, tissue=tissue_mask)
+    opener = predictor.opener(reader=reader, level=level, mpp=mpp, tissue=tissue_mask)
     rows = _run_with_progress(predictor, items, err, n_patches=n_patches, samples=samples,
                               batch_size=batch_size, seed=seed, reader=opener)
     good = [r for r in rows if r.ok]

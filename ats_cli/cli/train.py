@@ -12,6 +12,7 @@ from ats_cli.cli import app
 
 _NET = "Networks"
 _METHOD = "Attention sampling"
+_READ = "Reading slides (saved in the model; predict and visualize read alike)"
 _OPT = "Optimisation"
 _RUN = "Running"
 
@@ -37,8 +38,19 @@ def train(
                                     rich_help_panel=_METHOD),
     min_brightness: float = typer.Option(None, help="Never sample low-res cells darker than this; for black "
                                          "backgrounds \\[default: 0 = off].", rich_help_panel=_METHOD),
+    feature_scale: float = typer.Option(None, help="Multiplies the L2-normalised features; >1 lets the classifier "
+                                        "become confident sooner (docs/training.md) \\[default: 1 = the paper].",
+                                        rich_help_panel=_METHOD),
     eval_n_patches: int = typer.Option(None, help="Patches at test time \\[default: same as training].",
                                        rich_help_panel=_METHOD),
+    reader: str = typer.Option(None, help="Slides/TIFFs: auto | openslide | tifffile | pillow \\[default: auto].",
+                               rich_help_panel=_READ),
+    level: int = typer.Option(None, help="Slides: pyramid level patches are read from \\[default: 0].",
+                              rich_help_panel=_READ),
+    mpp: float = typer.Option(None, help="Slides: read patches from the level closest to this many microns per "
+                              "pixel \\[default: off].", rich_help_panel=_READ),
+    tissue_mask: str = typer.Option(None, help="auto (on for slides and TIFFs) | on | off: sample only tissue "
+                                    "(Otsu on saturation) \\[default: auto].", rich_help_panel=_READ),
     attention_net: str = typer.Option(None, help="Attention network name \\[default: mnist-attention].",
                                       rich_help_panel=_NET),
     feature_net: str = typer.Option(None, help="Feature network name \\[default: mnist-features].",

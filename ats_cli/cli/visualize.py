@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 
 from ats_cli.cli import app
+from ats_cli.cli.options import LevelOption, MppOption, ReaderOption, TissueOption
 
 
 @app.command()
@@ -35,6 +36,10 @@ def visualize(
         help="Dataset directory or CSV listing the image, for its label and digit boxes \\[default: look for "
              "train/val/test.csv next to and above the image].")] = None,
     device: Annotated[str, typer.Option("--device", help="auto | cpu | cuda | cuda:N.")] = "cpu",
+    reader: ReaderOption = None,
+    level: LevelOption = None,
+    mpp: MppOption = None,
+    tissue_mask: TissueOption = None,
 ) -> None:
     """Draw what the model attends to.
 
@@ -58,6 +63,9 @@ def visualize(
         err.print(f"[red]error:[/] {message}", soft_wrap=True)
         return typer.Exit(2)
 
+    if level is not None and mpp is not None:
+        raise usage("give --level or --mpp, not both")
+    reading = {"reader": reader, "level": level, "mpp": mpp, "tissue": tissue_mask}
     evolution = target.is_dir()
     if evolution and image is None:
         raise usage(f"{target} is a directory: give --image IMAGE to draw its attention across epochs "
@@ -68,9 +76,11 @@ def visualize(
         raise usage(f"give --model MODEL to draw {target}'s attention (or a run directory and --image)")
     try:
         if evolution:
-            summary = render_evolution(target, image, out, epochs=epochs, data=data, device=device)
+            summary = render_evolution(target, image, out, epochs=epochs, data=data, device=device,
+                                       reading=reading)
         else:
-            summary = render_attention(model, target, out, n_patches=n_patches, seed=seed, data=data, device=device)
+            summary = render_attention(model, target, out, n_patches=n_patches, seed=seed, data=data, device=device,
+                                       reading=reading)
     except ImageReadError as e:
         err.print(f"[red]error:[/] {e}", soft_wrap=True)
         raise typer.Exit(1) from None
@@ -85,5 +95,5 @@ def visualize(
     if summary.label is not None:
         what += f", label {summary.label}"
     if summary.n_boxes:
-        what += f", {summary.n_boxes} digit boxes marked"
+        what += f", {summary.n_boxes} boxes marked"
     console.print(f"wrote {summary.out} ({summary.size_px[0]}x{summary.size_px[1]} px): {what}")

@@ -1,5 +1,7 @@
 """From dataset records to model inputs: the low-res view is made here, in the
-DataLoader workers, and the full-resolution image stays a uint8 tensor on the host.
+DataLoader workers, and the full-resolution image stays on the host: a uint8 tensor for
+ordinary images, a lazy reader for slides and TIFFs (the file is reopened in the
+training process, see ``SlideReader.__reduce__``; it is never decoded whole).
 
 The model then reads only the sampled patches from it, so the device never holds more
 than the low-res views and n patches per image, whatever the image size.
@@ -13,52 +15,75 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset as TorchDataset
 
-from ats_cli.core.geometry import low_res_view
-from ats_cli.core.source import TensorSource
+from ats_cli.core.source import PatchSource, TensorSource
 from ats_cli.data.dataset import Record
-from ats_cli.data.images import read_image
+from ats_cli.data.inputs import open_input
 
 __all__ = ["ImageDataset", "Batch", "collate", "single_thread_worker"]
 
 
-class ImageDataset(TorchDataset):
-    """Records of one split -> (low-res view, full-res uint8 image, label, index)."""
+Item = tuple[torch.Tensor, "torch.Tensor | PatchSource", int, int, "torch.Tensor | None"]
 
-    def __init__(self, records: Sequence[Record], *, channels: int, scale: float):
+
+class ImageDataset(TorchDataset):
+    """Records of one split -> (low-res view, full-res image or lazy reader, label, index,
+    tissue mask or None), read by :func:`open_input` exactly as ``ats predict`` reads them.
+
+    ``reader``/``level``/``mpp``/``tissue`` are ``ats predict``'s options of the same
+    names; a model trained with them is predicted with them (they are saved in its spec).
+    """
+
+    def __init__(self, records: Sequence[Record], *, channels: int, scale: float,
+                 patch_size: tuple[int, int] = (1, 1), reader: str | None = None, level: int | None = None,
+                 mpp: float | None = None, tissue: bool | None = None):
         self.records = list(records)
         self.channels = channels
         self.scale = scale
+        self.options = {"patch_size": patch_size, "reader": reader, "level": level, "mpp": mpp, "tissue": tissue}
 
     def __len__(self) -> int:
         return len(self.records)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    def __getitem__(self, i: int) -> Item:
         rec = self.records[i]
-        image = read_image(rec.path, self.channels)
-        return low_res_view(image, self.scale), image, rec.label, i
+        opened = open_input(rec.path, channels=self.channels, scale=self.scale, **self.options)
+        source = opened.source.image if isinstance(opened.source, TensorSource) else opened.source
+        return opened.low, source, rec.label, i, opened.support
 
 
 @dataclass
 class Batch:
     low: torch.Tensor  # [B, C, h, w] float
-    sources: torch.Tensor | list[TensorSource]  # full-res images, stacked when they share a size
+    sources: torch.Tensor | list[PatchSource]  # full-res images, stacked when they share a size
     labels: torch.Tensor  # [B]
     indices: torch.Tensor  # [B] positions in the split
+    support: torch.Tensor | None = None  # [B, h, w] bool: tissue masks (True everywhere for images without one)
 
     def pin_memory(self) -> Batch:
         self.low = self.low.pin_memory()
         return self
 
+    def support_on(self, device: torch.device) -> torch.Tensor | None:
+        return None if self.support is None else self.support.to(device)
 
-def collate(items: list[tuple[torch.Tensor, torch.Tensor, int, int]]) -> Batch:
-    lows, images, labels, indices = zip(*items, strict=True)
+
+def collate(items: list[Item]) -> Batch:
+    lows, images, labels, indices, masks = zip(*items, strict=True)
     if len({tuple(x.shape) for x in lows}) != 1:
-        shapes = sorted({tuple(im.shape[-2:]) for im in images})
+        shapes = sorted({tuple(im.shape[-2:]) if isinstance(im, torch.Tensor) else im.size for im in images})
         raise ValueError(
             f"images of different sizes {shapes[:3]} in one batch; use --batch-size 1 for such datasets"
         )
-    sources = torch.stack(images) if len({im.shape for im in images}) == 1 else [TensorSource(im) for im in images]
-    return Batch(torch.stack(lows), sources, torch.tensor(labels), torch.tensor(indices))
+    tensors = all(isinstance(im, torch.Tensor) for im in images)
+    if tensors and len({im.shape for im in images}) == 1:
+        sources = torch.stack(images)  # one vectorised patch extraction
+    else:
+        sources = [TensorSource(im) if isinstance(im, torch.Tensor) else im for im in images]
+    support = None
+    if any(m is not None for m in masks):
+        everywhere = torch.ones(lows[0].shape[-2:], dtype=torch.bool)
+        support = torch.stack([everywhere if m is None else m for m in masks])
+    return Batch(torch.stack(lows), sources, torch.tensor(labels), torch.tensor(indices), support)
 
 
 def single_thread_worker(_: int) -> None:

@@ -184,6 +184,15 @@ class SlideReader:
     def close(self) -> None:
         pass
 
+    def __reduce__(self):
+        """Pickle as "reopen this file": a DataLoader worker opens a slide to make its
+        low-res view and hands the reader to the training process, which cannot receive an
+        open file handle. The receiving process reopens the file once and keeps it open
+        (:func:`_reopen` caches readers per process), so later batches pay nothing."""
+        if self.name in ("array", "pillow"):
+            raise TypeError(f"{self.name} readers hold their pixels in memory; pass the image tensor instead")
+        return _reopen, (self.name, str(self.path), self.level, self._out_channels)
+
     def __enter__(self):
         return self
 
@@ -402,6 +411,26 @@ def open_image(
             return OpenSlideReader(path)
         return TiffReader(path)
     return PillowReader(path, max_pixels)
+
+
+_REOPENED: dict[tuple[str, str, int, int], SlideReader] = {}
+_REOPEN_LIMIT = 256  # open readers kept per process (a file handle and a few tile headers each)
+_REOPEN_LOCK = threading.Lock()
+
+
+def _reopen(name: str, path: str, level: int, channels: int) -> SlideReader:
+    """The unpickling side of :meth:`SlideReader.__reduce__`: one open reader per file,
+    level and channel count in each process, oldest closed beyond ``_REOPEN_LIMIT``."""
+    key = (name, path, level, channels)
+    with _REOPEN_LOCK:
+        reader = _REOPENED.get(key)
+        if reader is None:
+            reader = open_image(path, reader=name).as_channels(channels)
+            reader.set_level(level)
+            if len(_REOPENED) >= _REOPEN_LIMIT:
+                _REOPENED.pop(next(iter(_REOPENED))).close()
+            _REOPENED[key] = reader
+        return reader
 
 
 def tissue_mask(low: torch.Tensor) -> torch.Tensor:

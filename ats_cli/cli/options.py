@@ -1,0 +1,27 @@
+"""Command-line options shared by several commands, defined once."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+__all__ = ["ReaderOption", "LevelOption", "MppOption", "TissueOption"]
+
+# How an input is read (ats predict, ats visualize). Unset = what the model was trained
+# with (saved in its checkpoint), else the default in brackets.
+ReaderOption = Annotated[str | None, typer.Option(
+    "--reader", show_default=False,
+    help="Force a reader: auto, openslide, tifffile, pillow \\[default: the model's training setting, else auto: "
+         "TIFFs and slide formats are read lazily, other images whole].")]
+LevelOption = Annotated[int | None, typer.Option(
+    "--level", min=0, show_default=False,
+    help="Slides: pyramid level patches are read from \\[default: the model's training setting, else 0].")]
+MppOption = Annotated[float | None, typer.Option(
+    "--mpp", min=0.0, show_default=False,
+    help="Slides: read patches from the level closest to this many microns per pixel \\[default: the model's "
+         "training setting].")]
+TissueOption = Annotated[bool | None, typer.Option(
+    "--tissue-mask/--no-tissue-mask", show_default=False,
+    help="Sample only tissue (Otsu on saturation) \\[default: the model's training setting, else on for slides "
+         "and TIFFs, off for other images].")]

@@ -1,0 +1,76 @@
+"""From an input file to what the model needs: low-res view, patch source, tissue mask.
+
+:func:`open_input` is the one place this happens, for ``ats predict``, ``ats visualize``
+and training's data loader alike, so an image is read the same way in all three.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ats_cli.core.geometry import low_res_view
+from ats_cli.core.source import PatchSource, TensorSource
+from ats_cli.data.images import ImageReadError, read_image
+
+__all__ = ["OpenedImage", "open_input", "is_lazy"]
+
+
+def is_lazy(path: str | os.PathLike[str], reader: str | None = None, level: int | None = None,
+            mpp: float | None = None) -> bool:
+    """Whether ``path`` is read through the lazy slide readers (TIFFs and slide formats,
+    or any file when a reader, level or mpp is asked for) rather than decoded whole."""
+    from ats_cli.data.slides import SLIDE_SUFFIXES, TIFF_SUFFIXES
+
+    return reader not in (None, "auto") or level is not None or mpp is not None or \
+        Path(path).name.lower().endswith(SLIDE_SUFFIXES + TIFF_SUFFIXES)
+
+
+@dataclass
+class OpenedImage:
+    """An input ready for the model: its low-res view [C, h, w] (float, [0, 1]) and the
+    patch source standing for the full-resolution image."""
+
+    low: torch.Tensor
+    source: PatchSource
+    support: torch.Tensor | None = None  # bool [h, w] over ``low``: where sampling may go (tissue mask)
+
+
+def open_input(path: str | os.PathLike[str], *, channels: int, scale: float,
+               patch_size: tuple[int, int], reader: str | None = None, level: int | None = None,
+               mpp: float | None = None, tissue: bool | None = None) -> OpenedImage:
+    """Read one input file into (low-res view, patch source): the only function that
+    knows how files are read.
+
+    TIFFs and whole-slide formats (or any file when ``reader`` is given) go through the
+    lazy readers of :mod:`ats_cli.data.slides`: the view comes from a small pyramid level
+    and patches are decoded tile by tile at the sampled positions, so memory does not grow
+    with the slide. ``level``/``mpp`` choose the level patches are read from. ``tissue``
+    (default: on for slides read lazily, off for ordinary images) restricts sampling to
+    the Otsu tissue mask. Other files are read whole with :func:`read_image`, as before.
+
+    An image smaller than a patch in either dimension is refused: zero padding would make
+    it run, but every patch would then be mostly padding the model never saw in training,
+    and the prediction would look confident while meaning little. Raises
+    :class:`ImageReadError` naming the file.
+    """
+    from ats_cli.data.slides import open_image, tissue_mask
+
+    lazy = is_lazy(path, reader, level, mpp)
+    if lazy:
+        slide = open_image(path, reader=reader or "auto").as_channels(channels)
+        slide.set_level(level, mpp)
+        low = slide.low_res_view(scale)
+        source: PatchSource = slide
+    else:
+        image = read_image(path, channels)
+        low, source = low_res_view(image, scale), TensorSource(image)
+    H, W = source.size
+    ph, pw = patch_size
+    if H < ph or W < pw:
+        raise ImageReadError(path, f"is {W}x{H} pixels (width x height), smaller than the model's {pw}x{ph} patch")
+    support = tissue_mask(low) if (lazy if tissue is None else tissue) else None
+    return OpenedImage(low=low, source=source, support=support)

@@ -1,0 +1,169 @@
+"""Synthetic whole slides, and the whole slide path through train / predict / visualize."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import numpy as np
+import openslide
+import pytest
+import tifffile
+import torch
+from PIL import Image
+from typer.testing import CliRunner
+
+from ats_cli.cli import app
+from ats_cli.data import load_dataset
+from ats_cli.data.slides import ArrayReader, open_image, tissue_mask
+from ats_cli.data.synthetic_slides import SyntheticSlidesConfig, generate_synthetic_slides, render_slide
+
+runner = CliRunner()
+SMALL = SyntheticSlidesConfig(n_train=6, n_test=4, size=1024, n_spots=4, max_targets=2, spot_radius=20)
+
+
+@pytest.fixture(scope="module")
+def slides(tmp_path_factory):
+    out = tmp_path_factory.mktemp("slides") / "data"
+    generate_synthetic_slides(out, SMALL, workers=1)
+    return out
+
+
+def test_synthetic_slides_are_pyramidal_tiffs_both_backends_read(slides):
+    data = load_dataset(slides)
+    assert data.classes == ["normal", "tumor"]
+    assert [r.label for r in data["train"]] == [0, 1, 0, 1, 0, 1]  # balanced, alternating
+    path = data["train"][1].path
+    with tifffile.TiffFile(path) as tif:
+        page = tif.pages[0]
+        assert page.is_tiled and page.compression == tifffile.COMPRESSION.JPEG
+        assert [p.shape[:2] for p in tif.pages] == [(1024, 1024), (256, 256)]
+    assert openslide.OpenSlide.detect_format(str(path)) == "generic-tiff"
+    ours, theirs = open_image(path), open_image(path, reader="openslide")
+    assert ours.levels == theirs.levels == [(1024, 1024), (256, 256)]
+    assert ours.mpp == pytest.approx((0.5, 0.5))
+    region = ours.read_region(100, 200, 64, 64, 0)
+    assert np.abs(region.astype(int) - theirs.read_region(100, 200, 64, 64, 0).astype(int)).max() <= 2
+    # the file holds the rendered slide (JPEG at quality 90: close, not exact)
+    image, _ = render_slide(SMALL, "train", 1)
+    assert np.abs(region.astype(float) - image[100:164, 200:264]).mean() < 4
+
+
+def test_targets_only_in_tumor_slides_and_alike_at_low_resolution():
+    for index in range(6):
+        image, layout = render_slide(SMALL, "train", index)
+        assert (len(layout.targets) > 0) == (layout.label == 1)
+        assert 1 <= len(layout.targets) + len(layout.decoys) <= SMALL.n_spots
+    image, layout = render_slide(SyntheticSlidesConfig(size=1536, n_spots=8, max_targets=4), "train", 1)
+    r = 28
+
+    def low_res_mean(c):  # what the attention sees: the spot's mean colour
+        return image[c[0] - r:c[0] + r, c[1] - r:c[1] + r].reshape(-1, 3).mean(0)
+
+    targets = np.array([low_res_mean(c) for c in layout.targets])
+    decoys = np.array([low_res_mean(c) for c in layout.decoys])
+    assert len(targets) and len(decoys)
+    # a spot's mean colour is ~60 darker than the stroma, target and decoy within a few units
+    assert np.abs(targets.mean(0) - decoys.mean(0)).max() < 8
+    stroma = np.median(image.reshape(-1, 3), axis=0)
+    assert (stroma - decoys.mean(0)).min() > 30
+
+
+def test_generation_is_deterministic_and_resumes(tmp_path, slides):
+    out = tmp_path / "again"
+    generate_synthetic_slides(out, SMALL, workers=2)
+    assert (out / "train.csv").read_text() == (slides / "train.csv").read_text()
+    first = open_image(out / "test" / "0001.tif").read_region(0, 0, 256, 256, 0)
+    assert np.array_equal(first, open_image(slides / "test" / "0001.tif").read_region(0, 0, 256, 256, 0))
+
+
+def test_an_interrupted_generation_resumes_and_refuses_other_parameters(tmp_path):
+    out = tmp_path / "cut"
+
+    def stop_after_three(split, done, total):
+        if done == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        generate_synthetic_slides(out, SMALL, workers=1, progress=stop_after_three)
+    assert not (out / "dataset.json").exists() and len(list((out / "train").glob("*.tif"))) == 3
+    with pytest.raises(ValueError, match="different parameters"):
+        generate_synthetic_slides(out, SyntheticSlidesConfig(**{**SMALL.params(), "seed": 1}), workers=1)
+    report = generate_synthetic_slides(out, SMALL, workers=1)
+    assert (report.written, report.skipped) == (7, 3)
+    assert len(load_dataset(out)["train"]) == SMALL.n_train
+
+
+def test_a_lazy_reader_pickles_as_a_reopen(slides):
+    reader = open_image(slides / "train" / "0001.tif")
+    reader.set_level(1)
+    clone = pickle.loads(pickle.dumps(reader))
+    assert clone is not reader and clone.level == 1 and clone.size == (256, 256)
+    offsets = torch.tensor([[0, 0], [100, 150]])
+    assert torch.equal(clone.read_patches(offsets, (32, 32)), reader.read_patches(offsets, (32, 32)))
+    assert pickle.loads(pickle.dumps(reader)) is clone  # one open reader per process, reused
+    with pytest.raises(TypeError, match="in memory"):
+        pickle.dumps(ArrayReader(np.zeros((8, 8, 3), np.uint8)))
+
+
+def test_tissue_mask_finds_the_synthetic_tissue(slides):
+    reader = open_image(slides / "train" / "0000.tif")
+    low = reader.low_res_view(1 / 32)
+    mask = tissue_mask(low)
+    pink = low[0] - low[1] > 0.15  # stroma is pink, glass grey
+    agree = (mask == pink).float().mean()
+    assert 0.2 < float(pink.float().mean()) < 0.8 and agree > 0.9
+
+
+TRAIN_FLAGS = ["--epochs", "2", "--batch-size", "2", "--scale", "0.03125", "--patch-size", "64",
+               "--n-patches", "4", "--feature-net", "small-cnn", "--feature-width", "8", "--attention-width", "4",
+               "--feature-scale", "10", "--lr", "3e-3"]
+
+
+def test_train_predict_visualize_on_slides_end_to_end(slides, tmp_path):
+    """Training reads slides lazily in DataLoader workers (the readers are reopened in the
+    training process), the reading options are saved in the model, and predict and
+    visualize read the slides the same way by default."""
+    run = tmp_path / "run"
+    result = runner.invoke(app, ["train", str(slides), "--out", str(run), "--workers", "2", "--level", "0",
+                                 "--tissue-mask", "on", *TRAIN_FLAGS])
+    assert result.exit_code == 0, result.output
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and all(np.isfinite(m["train_loss"]) for m in metrics)
+    spec = torch.load(run / "best.pt", weights_only=True)["spec"]
+    assert spec["input"] == {"reader": None, "level": None, "mpp": None, "tissue": True}
+    assert spec["channels"] == 3
+
+    csv_out = tmp_path / "preds.csv"
+    result = runner.invoke(app, ["predict", str(slides / "test.csv"), "--model", str(run), "--out", str(csv_out)])
+    assert result.exit_code == 0, result.output
+    rows = csv_out.read_text().splitlines()
+    assert rows[0] == "path,prediction,prob_normal,prob_tumor,label" and len(rows) == 1 + SMALL.n_test
+
+    png = tmp_path / "att.png"
+    result = runner.invoke(app, ["visualize", str(slides / "test" / "0001.tif"), "--model", str(run),
+                                 "--out", str(png), "--mpp", "2.0"])
+    assert result.exit_code == 0, result.output
+    assert "label tumor" in result.output and "boxes marked" in result.output  # the targets, from test.csv
+    with Image.open(png) as im:
+        assert im.width > 400 and im.height > 300
+    # --mpp 2.0 picked level 1 (2 um/px): its patches come from the 256x256 level
+    result = runner.invoke(app, ["visualize", str(slides / "test" / "0001.tif"), "--model", str(run),
+                                 "--out", str(png), "--level", "0", "--mpp", "2.0"])
+    assert result.exit_code == 2 and "not both" in result.output
+
+
+def test_saved_reading_options_are_the_default_and_flags_override_them(slides, tmp_path):
+    from ats_cli.predict import load_predictor
+
+    run = tmp_path / "run"
+    result = runner.invoke(app, ["train", str(slides), "--out", str(run), "--workers", "0", "--mpp", "2.0",
+                                 "--tissue-mask", "off", "--epochs", "1", *TRAIN_FLAGS[2:]])
+    assert result.exit_code == 0, result.output
+    predictor = load_predictor(run)
+    path = slides / "test" / "0000.tif"
+    kw = {"channels": 3, "scale": 1 / 32, "patch_size": (64, 64)}
+    saved = predictor.opener()(path, **kw)
+    assert saved.source.size == (256, 256) and saved.support is None  # level of 2 um/px, no mask
+    flagged = predictor.opener(level=0, tissue=True)(path, **kw)
+    assert flagged.source.size == (1024, 1024) and flagged.support is not None
