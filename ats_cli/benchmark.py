@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["BenchSpec", "benchmark_image", "run_benchmark", "ratio_to_ats"]
+__all__ = ["BenchSpec", "benchmark_image", "dataset_defaults", "run_benchmark", "ratio_to_ats"]
 
 ALL_METHODS = ("ats", "uniform", "deepmil", "cnn")
 SAMPLED = ("ats", "uniform")  # the methods whose cost depends on n_patches
@@ -75,13 +75,45 @@ class BenchSpec:
         }
 
 
+# Per dataset: the settings a row uses unless the command line gives them.
+DATASET_DEFAULTS: dict[str, dict[str, Any]] = {
+    "megapixel-mnist": {"image_size": 1500, "patch_size": 50, "scale": 0.12, "feature_net": "mnist-features",
+                        "feature_width": 32},
+    "synthetic-slides": {"image_size": 3072, "patch_size": 64, "scale": 1 / 32, "feature_net": "small-cnn",
+                         "feature_width": 32},
+}
+
+
+def dataset_defaults(dataset: str) -> dict[str, Any]:
+    """:data:`DATASET_DEFAULTS` for a generated dataset; for a dataset directory, its
+    hints (patch size, scale) over the Megapixel MNIST settings."""
+    if dataset in DATASET_DEFAULTS:
+        return dict(DATASET_DEFAULTS[dataset])
+    from ats_cli.data.dataset import load_dataset
+
+    hints = load_dataset(dataset).hints
+    out = dict(DATASET_DEFAULTS["megapixel-mnist"])
+    if "patch_size" in hints:
+        out["patch_size"] = int(np.atleast_1d(hints["patch_size"])[0])
+    if "scale" in hints:
+        out["scale"] = float(hints["scale"])
+    return out
+
+
 def benchmark_image(dataset: str, image_size: int, seed: int = 0) -> np.ndarray:
     """The image every row is measured on, uint8 [C, H, W].
 
     ``megapixel-mnist``: a Megapixel MNIST canvas of ``image_size`` squared rendered from
     the bundled digits (5 digits, and as many of the paper's 50 noise scribbles as fit).
-    Anything else is a dataset directory: its first test image (``image_size`` ignored).
+    ``synthetic-slides``: a synthetic slide (RGB) of ``image_size`` squared, as
+    ``ats make-dataset synthetic-slides`` renders them. Anything else is a dataset
+    directory: its first test image (``image_size`` ignored).
     """
+    if dataset == "synthetic-slides":
+        from ats_cli.data.synthetic_slides import SyntheticSlidesConfig, render_slide
+
+        image, _ = render_slide(SyntheticSlidesConfig(size=image_size, seed=seed).validate(), "test", 1)
+        return np.ascontiguousarray(image.transpose(2, 0, 1))
     if dataset == "megapixel-mnist":
         from ats_cli.data.megapixel_mnist import make_config, render_image
         from ats_cli.data.mnist import load_bundled_digits

@@ -48,3 +48,14 @@ def test_ratios_are_taken_against_ats_with_the_reference_count():
             {"method": "deepmil", "n_patches": None, "time_ms_per_sample": 9.0}]
     assert ratio_to_ats(rows, 10) is rows[1] and ratio_to_ats(rows, 50) is rows[0]
     assert ratio_to_ats(rows[2:], 10) is None
+
+
+def test_synthetic_slides_dataset_uses_its_own_settings(tmp_path):
+    image = benchmark_image("synthetic-slides", 512)
+    assert image.shape == (3, 512, 512) and image.dtype.name == "uint8"
+    out = tmp_path / "rows.json"
+    result = runner.invoke(app, ["benchmark", "--dataset", "synthetic-slides", "--quick", "--methods", "ats",
+                                 "--feature-width", "8", "--threads", "1", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(out.read_text())
+    assert row["method"] == "ats" and row["image_size"] == [512, 512] and row["time_ms_per_sample"] > 0

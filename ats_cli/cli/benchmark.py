@@ -25,15 +25,19 @@ def _ints(text: str) -> list[int]:
 
 @app.command()
 def benchmark(
-    dataset: str = typer.Option("megapixel-mnist", help="megapixel-mnist (a generated canvas) or a dataset "
-                                "directory (its first test image)."),
+    dataset: str = typer.Option("megapixel-mnist", help="megapixel-mnist or synthetic-slides (a generated image) "
+                                "or a dataset directory (its first test image)."),
     methods: str = typer.Option("ats,uniform,deepmil,cnn", help="Comma-separated methods to measure."),
     n_patches: str = typer.Option("5,10,50", help="Patch counts for ats and uniform."),
-    image_size: int = typer.Option(1500, min=16, help="Side of the generated megapixel-mnist image."),
-    patch_size: int = typer.Option(50, min=1, help="Patch side (ATS, U-N, Deep MIL's grid)."),
-    scale: float = typer.Option(0.12, help="Low-res view scale (ATS attention, CNN input)."),
-    feature_net: str = typer.Option("mnist-features", help="Feature network (ATS, U-N, Deep MIL)."),
-    feature_width: int = typer.Option(32, help="Feature network channels."),
+    image_size: int = typer.Option(None, min=16, help="Side of the generated image \\[default: 1500 for "
+                                   "megapixel-mnist, 3072 for synthetic-slides].", show_default=False),
+    patch_size: int = typer.Option(None, min=1, help="Patch side (ATS, U-N, Deep MIL's grid) \\[default: 50; "
+                                   "synthetic-slides 64; a dataset's hint].", show_default=False),
+    scale: float = typer.Option(None, help="Low-res view scale (ATS attention, CNN input) \\[default: 0.12; "
+                                "synthetic-slides 1/32; a dataset's hint].", show_default=False),
+    feature_net: str = typer.Option(None, help="Feature network (ATS, U-N, Deep MIL) \\[default: mnist-features; "
+                                    "synthetic-slides small-cnn].", show_default=False),
+    feature_width: int = typer.Option(None, help="Feature network channels \\[default: 32].", show_default=False),
     repeats: int = typer.Option(3, min=1, help="Timed steps per row (median) after the warm-up/memory step."),
     device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N."),
     threads: int = typer.Option(0, min=0, help="torch CPU threads per measurement; 0 = torch's default."),
@@ -44,13 +48,17 @@ def benchmark(
     """Time and peak memory per sample of a training step (batch size 1, patch reading
     and host-to-device copy included), each method in a fresh process, with ratios to ATS.
     How memory is measured: ats_cli/benchmark.py and docs/benchmark.md."""
-    from ats_cli.benchmark import benchmark_image, ratio_to_ats, run_benchmark
+    from ats_cli.benchmark import benchmark_image, dataset_defaults, ratio_to_ats, run_benchmark
     from ats_cli.runtime import resolve_device
 
     console = Console()
-    if quick:
-        image_size, repeats, n_patches = min(image_size, 500), 1, "10"
     try:
+        given = {"image_size": image_size, "patch_size": patch_size, "scale": scale, "feature_net": feature_net,
+                 "feature_width": feature_width}
+        settings = {**dataset_defaults(dataset), **{k: v for k, v in given.items() if v is not None}}
+        image_size, patch_size, scale, feature_net, feature_width = (settings[k] for k in given)
+        if quick:
+            image_size, repeats, n_patches = min(image_size, 512 if dataset == "synthetic-slides" else 500), 1, "10"
         dev = str(resolve_device(device))
         counts = _ints(n_patches)
         image = benchmark_image(dataset, image_size)
