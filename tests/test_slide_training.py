@@ -94,6 +94,16 @@ def test_an_interrupted_generation_resumes_and_refuses_other_parameters(tmp_path
     assert len(load_dataset(out)["train"]) == SMALL.n_train
 
 
+def test_an_evicted_reader_still_reads_for_the_batches_holding_it(slides, monkeypatch):
+    """A prefetched batch may hold a reader the cache has since dropped: it must still read."""
+    from ats_cli.data import slides as slides_module
+
+    monkeypatch.setattr(slides_module, "_REOPEN_LIMIT", 1)
+    first = pickle.loads(pickle.dumps(open_image(slides / "train" / "0004.tif")))
+    pickle.loads(pickle.dumps(open_image(slides / "train" / "0005.tif")))  # evicts the first
+    assert first.read_patches(torch.tensor([[10, 10]]), (16, 16)).shape == (1, 3, 16, 16)
+
+
 def test_a_lazy_reader_pickles_as_a_reopen(slides):
     reader = open_image(slides / "train" / "0001.tif")
     reader.set_level(1)

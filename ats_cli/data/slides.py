@@ -413,22 +413,27 @@ def open_image(
     return PillowReader(path, max_pixels)
 
 
-_REOPENED: dict[tuple[str, str, int, int], SlideReader] = {}
-_REOPEN_LIMIT = 256  # open readers kept per process (a file handle and a few tile headers each)
+_REOPENED: dict[tuple, SlideReader] = {}
+_REOPEN_LIMIT = 256  # readers kept open per process (a file handle and a few tile headers each)
 _REOPEN_LOCK = threading.Lock()
 
 
 def _reopen(name: str, path: str, level: int, channels: int) -> SlideReader:
     """The unpickling side of :meth:`SlideReader.__reduce__`: one open reader per file,
-    level and channel count in each process, oldest closed beyond ``_REOPEN_LIMIT``."""
-    key = (name, path, level, channels)
+    level and channel count in each process.
+
+    Beyond ``_REOPEN_LIMIT`` the oldest is dropped from the cache but not closed: batches
+    prefetched by the DataLoader may still hold it; it closes when the last one is done
+    with it (garbage collection). The process id is part of the key so that a forked
+    child (e.g. a DataLoader worker) never shares its parent's file offsets."""
+    key = (os.getpid(), name, path, level, channels)
     with _REOPEN_LOCK:
         reader = _REOPENED.get(key)
         if reader is None:
             reader = open_image(path, reader=name).as_channels(channels)
             reader.set_level(level)
             if len(_REOPENED) >= _REOPEN_LIMIT:
-                _REOPENED.pop(next(iter(_REOPENED))).close()
+                _REOPENED.pop(next(iter(_REOPENED)))
             _REOPENED[key] = reader
         return reader
 
