@@ -177,3 +177,19 @@ def test_saved_reading_options_are_the_default_and_flags_override_them(slides, t
     assert saved.source.size == (256, 256) and saved.support is None  # level of 2 um/px, no mask
     flagged = predictor.opener(level=0, tissue=True)(path, **kw)
     assert flagged.source.size == (1024, 1024) and flagged.support is not None
+
+
+def test_tile_reads_do_not_depend_on_the_shared_file_offset(slides):
+    """A forked DataLoader worker shares the file offset of every file the training
+    process has open; reads must not use it (positional reads). Between single-tile reads
+    the offset is moved, as a buffered file object finalised in a worker does."""
+    import os
+
+    path = slides / "train" / "0001.tif"
+    truth = open_image(path)
+    reader = open_image(path)
+    fd = reader._tif.filehandle.fileno()
+    size = os.path.getsize(path)
+    for k, (row, col) in enumerate([(r, c) for r in range(0, 1024, 256) for c in range(0, 1024, 256)] * 2):
+        os.lseek(fd, (k * 7919) % size, os.SEEK_SET)
+        assert np.array_equal(reader.read_region(row, col, 256, 256, 0), truth.read_region(row, col, 256, 256, 0))

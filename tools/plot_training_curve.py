@@ -1,10 +1,12 @@
 """Plot test error per epoch of one or more consecutive training stages (docs/training.md).
 
     python tools/plot_training_curve.py OUT.png LABEL=RUN_DIR/metrics.jsonl [LABEL=...] [--reference]
+        [--title TEXT]
 
 Stages are drawn one after the other on a shared epoch axis (a curriculum: stage 2
 starts from stage 1's weights with ``ats train --init``). ``--reference`` marks the 2019
 reference's Megapixel MNIST plateau (test error near 90% until epoch ~210, anchors.md).
+The per-epoch table (markdown, for a model card) is printed to stdout.
 """
 
 from __future__ import annotations
@@ -21,14 +23,23 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def main(argv: list[str]) -> None:
     reference = "--reference" in argv
+    title = "Megapixel MNIST, attention sampling (10 patches of 50x50), 2-core CPU"
+    if "--title" in argv:
+        i = argv.index("--title")
+        title, argv = argv[i + 1], argv[:i] + argv[i + 2:]
     args = [a for a in argv if a != "--reference"]
     if len(args) < 2:
         raise SystemExit(__doc__)
     out, stages = Path(args[0]), [a.split("=", 1) for a in args[1:]]
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     start = 0
+    table = ["| stage | epoch | train acc | test acc | attention entropy (nats) | samples/s | training s |",
+             "|---|---|---|---|---|---|---|"]
     for label, path in stages:
         rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        table += [f"| {label} | {r['epoch']} | {100 * r['train_acc']:.1f}% | {100 * r['test_acc']:.1f}% | "
+                  f"{r['entropy']:.2f} | {r['samples_per_s']:.0f} | {r['samples'] / r['samples_per_s']:.0f} |"
+                  for r in rows]
         epochs = [start + r["epoch"] for r in rows]
         ax.plot(epochs, [100 * (1 - r["test_acc"]) for r in rows], "o-", label=f"{label}: test error")
         ax.plot(epochs, [100 * (1 - r["train_acc"]) for r in rows], ":", color=ax.lines[-1].get_color(),
@@ -43,10 +54,11 @@ def main(argv: list[str]) -> None:
     ax.set_ylim(0, 100)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower left")
-    ax.set_title("Megapixel MNIST, attention sampling (10 patches of 50x50), 2-core CPU")
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(out)
     print(f"wrote {out}")
+    print("\n".join(table))
 
 
 if __name__ == "__main__":

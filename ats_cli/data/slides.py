@@ -284,6 +284,13 @@ class TiffReader(SlideReader):
                 raise SlideReadError(path, "planar (separate) sample layout is not supported")
         self._pages = pages
         self._lock = threading.Lock()
+        fh = self._tif.filehandle
+        # Positional reads (pread) when the TIFF is a plain file: they neither use nor move
+        # the file offset, which a forked DataLoader worker shares with this process (a
+        # buffered file object finalised there seeks the shared offset: measured as tiles
+        # decoded from the wrong bytes after a few epochs). Else seek+read under a lock.
+        self._fd = fh.fileno() if getattr(fh, "is_file", False) and not getattr(fh, "_offset", 0) \
+            and hasattr(os, "pread") else None
         channels = _to_rgb_or_gray(np.zeros((1, 1, pages[0].samplesperpixel), np.uint8)).shape[2]
         vendor = "ome" if self._tif.is_ome else ("aperio" if self._tif.is_svs else "generic-tiff")
         super().__init__(path, [(p.imagelength, p.imagewidth) for p in pages], channels, vendor, _tiff_mpp(self._tif))
@@ -299,9 +306,7 @@ class TiffReader(SlideReader):
                 nbytes = page.databytecounts[index]
                 if nbytes == 0:  # sparse tile: background
                     continue
-                with self._lock:  # one file handle: seek+read must not interleave
-                    self._tif.filehandle.seek(page.dataoffsets[index])
-                    data = self._tif.filehandle.read(nbytes)
+                data = self._read_bytes(int(page.dataoffsets[index]), int(nbytes))
                 try:
                     seg, (_, _, y0, x0, _), _ = page.decode(data, index, jpegtables=page.jpegtables)
                 except Exception as e:
@@ -312,6 +317,13 @@ class TiffReader(SlideReader):
                 xe = min(col + w, x0 + seg.shape[1], page.imagewidth)
                 out[ys - row : ye - row, xs - col : xe - col] = seg[ys - y0 : ye - y0, xs - x0 : xe - x0]
         return _to_rgb_or_gray(out)
+
+    def _read_bytes(self, offset: int, n: int) -> bytes:
+        if self._fd is not None:
+            return os.pread(self._fd, n, offset)
+        with self._lock:  # one file handle: seek+read must not interleave
+            self._tif.filehandle.seek(offset)
+            return self._tif.filehandle.read(n)
 
     def close(self):
         self._tif.close()
