@@ -33,7 +33,8 @@ def run_method(method: str, args: argparse.Namespace) -> dict:
         cfg = resolve_config(None, data=str(args.data), out=str(run), method=method, epochs=epoch,
                              batch_size=args.batch_size, feature_net=args.feature_net, lr=args.lr,
                              workers=args.workers, seed=args.seed, n_patches=10, device=args.device,
-                             min_brightness=args.min_brightness)
+                             min_brightness=args.min_brightness, feature_scale=args.feature_scale,
+                             feature_width=args.feature_width)
         history = train(cfg, resume=epoch > 1, log=lambda s, m=method: print(f"[{m}] {s}", flush=True))
         train_s = sum(h["samples"] / h["samples_per_s"] for h in history)
         points.append({"epoch": epoch, "train_time_s": train_s, "test_error": 1 - history[-1]["test_acc"]})
@@ -86,6 +87,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--feature-net", default="mnist-features-bn")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--feature-width", type=int, default=32)
+    p.add_argument("--feature-scale", type=float, default=1.0, help="see ats train --feature-scale")
     p.add_argument("--min-brightness", type=float, default=0.05,
                    help="ATS and U-N sample only non-black low-res cells: without it ATS stays on its initial "
                    "plateau for longer than a CPU budget allows (ats_cli.core.model.ATSModel)")

@@ -140,3 +140,17 @@ def test_registry_builds_every_network_with_the_promised_shapes():
         assert "mnist-features" in str(e)
     else:
         raise AssertionError("unknown network accepted")
+
+
+def test_feature_scale_multiplies_the_normalised_features_before_the_classifier():
+    torch.manual_seed(0)
+    base = make_model()
+    scaled = make_model(feature_scale=10.0)
+    scaled.load_state_dict(base.state_dict())
+    images = torch.randint(0, 256, (2, 1, 64, 80), dtype=torch.uint8)
+    low = low_res_view(images, base.scale)
+    out_1 = base(low, images, generator=torch.Generator().manual_seed(1))
+    out_10 = scaled(low, images, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(out_1.indices, out_10.indices)  # the attention is untouched
+    bias = base.classifier.bias
+    torch.testing.assert_close(out_10.logits - bias, 10 * (out_1.logits - bias))
