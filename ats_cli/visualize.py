@@ -368,7 +368,7 @@ def render_attention(
     _colorbar(fig, norm, ax, att.size, fraction=0.046, pad=0.02)
     legend = f"cyan: the {n} sampled {pw}x{ph} patches, numbered in draw order"
     if info and info.boxes:
-        legend += "; red: recorded digits"
+        legend += "; red: boxes recorded in the dataset CSV (digits, targets)"
     ax.set_xlabel(f"{legend}   [axes: full-resolution pixels]\nbelow: the patches at full resolution, "
                   "titled 'draw number: attention probability'"
                   + (f" (the first {shown} of {n})" if shown < n else ""), fontsize=8)
@@ -480,7 +480,7 @@ def render_evolution(
     thinned = "" if len(chosen) == len(files) or epochs not in (None, "all") else f" ({len(files)} saved; evenly " \
                                                                                  "spaced)"
     truth = f", label {info.label}" if info and info.label is not None else ""
-    marks = "; red boxes: recorded digits" if info and info.boxes else ""
+    marks = "; red boxes: recorded in the dataset CSV" if info and info.boxes else ""
     fig.suptitle(f"Attention during training: {Path(image).name}{truth}", fontsize=13, fontweight="bold",
                  y=1 - 0.1 / fig.get_figheight(), va="top")
     fig.text(0.5, 1 - 0.45 / fig.get_figheight(),

@@ -53,7 +53,7 @@ def main(argv: list[str]) -> None:
     ax.set_ylabel("error (%)")
     ax.set_ylim(0, 100)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower left")
+    ax.legend(fontsize=8, loc="upper right", framealpha=0.9)
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(out)
