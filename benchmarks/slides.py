@@ -17,6 +17,7 @@ Prints a Markdown table row per size; copy it into benchmarks/README.md with `up
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -114,14 +115,18 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[10_000])
     ap.add_argument("--out", type=Path, default=Path("/tmp/slidebench"))
     ap.add_argument("--no-dense", action="store_true")
+    ap.add_argument("--batch", type=int, default=0,
+                    help="also time `ats predict DIR` over N hard links to each slide: the per-slide cost once "
+                         "the process has started ((wall_N - wall_1) / (N - 1))")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     model = a.out / "model.pt"
     make_model(model)
     base_t, base_rss = run_baseline()
     print(f"start-up floor (import torch + ats_cli, no slide): {base_t:.2f} s, {base_rss:,.0f} MB peak RSS")
-    print("| size | file MB | write s | ats predict wall s | peak RSS MB | dense tiles | dense s | dense / ats |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| size | file MB | write s | ats predict wall s | peak RSS MB | dense tiles | dense s | dense / ats |"
+          + (f" per slide in a batch of {a.batch} (s) | batch peak RSS MB |" if a.batch > 1 else ""))
+    print("|---|---|---|---|---|---|---|---|" + ("---|---|" if a.batch > 1 else ""))
     for n in a.sizes:
         slide = a.out / f"slide_{n}.tif"
         t = time.perf_counter()
@@ -131,8 +136,18 @@ def main() -> None:
         wall, rss = run_predict(slide, model)
         d, tiles = (float("nan"), 0) if a.no_dense else dense(slide, model)
         mb = slide.stat().st_size / 2**20
-        print(f"| {n:,} | {mb:,.0f} | {wt:.0f} | {wall:.2f} | {rss:,.0f} | {tiles:,} | {d:.1f} | {d / wall:.0f}x |",
-              flush=True)
+        extra = ""
+        if a.batch > 1:
+            folder = a.out / f"batch_{n}"
+            folder.mkdir(exist_ok=True)
+            for i in range(a.batch):  # hard links: N inputs, no extra disk
+                link = folder / f"s{i:03d}.tif"
+                if not link.exists():
+                    os.link(slide, link)
+            wall_b, rss_b = run_predict(folder, model)
+            extra = f" {(wall_b - wall) / (a.batch - 1):.2f} | {rss_b:,.0f} |"
+        print(f"| {n:,} | {mb:,.0f} | {wt:.0f} | {wall:.2f} | {rss:,.0f} | {tiles:,} | {d:.1f} | {d / wall:.0f}x |"
+              + extra, flush=True)
 
 
 if __name__ == "__main__":
