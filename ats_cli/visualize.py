@@ -252,7 +252,7 @@ def _colorbar(fig, norm, axes, n_cells: int, **kwargs):
 
     bar = fig.colorbar(ScalarMappable(norm=norm, cmap=colormaps[CMAP]), ax=axes, **kwargs)
     uniform = 1.0 / n_cells
-    bar.set_label(f"attention probability per cell (log scale; uniform = 1/{n_cells})", fontsize=9)
+    bar.set_label(f"attention probability per cell\n(log scale; uniform = 1/{n_cells})", fontsize=9)
     lo, hi = math.ceil(math.log10(norm.vmin) - 1e-9), math.floor(math.log10(norm.vmax) + 1e-9)
     ticks = {10.0**e: f"$10^{{{e}}}$" for e in range(lo, hi + 1)}
     if norm.vmin <= uniform <= norm.vmax:
