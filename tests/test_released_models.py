@@ -1,0 +1,38 @@
+"""The released models (models/*.pt): safe to load, and they work on the shipped samples
+right after install, as the README and their cards promise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ats_cli.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+
+RELEASED = [
+    # model, sample CSV, classes, minimum correct on the samples (the card's figure minus a margin)
+    ("megapixel-mnist-ats.pt", "sample_data/megapixel-mnist/test.csv", [str(d) for d in range(10)], 4),  # card: 6/8
+    ("synthetic-slides-ats.pt", "sample_data/synthetic-slides/test.csv", ["normal", "tumor"], 2),  # card: 3/4
+]
+
+
+@pytest.mark.parametrize("name, samples, classes, min_correct", RELEASED)
+def test_released_model_loads_safely_and_predicts_the_samples(name, samples, classes, min_correct, tmp_path):
+    path = ROOT / "models" / name
+    assert path.is_file(), f"{path} is missing"
+    assert (ROOT / "models" / name.replace(".pt", ".md")).is_file(), "a released model needs its card"
+    ckpt = torch.load(path, weights_only=True)  # plain tensors and values only, never pickled objects
+    assert ckpt["format"] == "ats-checkpoint" and ckpt["classes"] == classes
+    assert "optimizer" not in ckpt  # a release, not a training state
+    out = tmp_path / "preds.csv"
+    result = runner.invoke(app, ["predict", str(ROOT / samples), "--model", str(path), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = out.read_text().splitlines()[1:]
+    correct = sum(r.split(",")[1] == r.split(",")[-1] for r in rows)
+    assert len(rows) == len((ROOT / samples).read_text().splitlines()) - 1
+    assert correct >= min_correct, result.output
