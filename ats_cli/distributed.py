@@ -96,6 +96,12 @@ def process_group(device_name: str = "auto") -> Iterator[tuple[Dist, torch.devic
             created = True
     try:
         yield ctx, device
+        if created:
+            # Leave together: a rank that tears its group down while rank 0 is still
+            # writing checkpoints aborted now and then at exit ("terminate called without
+            # an active exception", gloo, 2 CPU processes). Only on a normal exit: after an
+            # error the other ranks may be gone and a barrier would wait for them.
+            dist.barrier()
     finally:
         if created:
             dist.destroy_process_group()
