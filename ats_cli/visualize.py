@@ -368,9 +368,9 @@ def render_attention(
     _colorbar(fig, norm, ax, att.size, fraction=0.046, pad=0.02)
     legend = f"cyan: the {n} sampled {pw}x{ph} patches, numbered in draw order"
     if info and info.boxes:
-        legend += "; red: boxes recorded in the dataset CSV (digits, targets)"
-    ax.set_xlabel(f"{legend}   [axes: full-resolution pixels]\nbelow: the patches at full resolution, "
-                  "titled 'draw number: attention probability'"
+        legend += "; red: boxes from the dataset CSV"
+    ax.set_xlabel(f"{legend}\nbelow: the patches at full resolution, titled 'draw number: attention "
+                  "probability'   [axes: full-resolution pixels]"
                   + (f" (the first {shown} of {n})" if shown < n else ""), fontsize=8)
 
     sub = grid[1].subgridspec(strip_rows, PATCHES_PER_ROW, wspace=0.08, hspace=0.35)
