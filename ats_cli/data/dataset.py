@@ -21,11 +21,12 @@ Everything is written atomically (temporary file in the same directory, then
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ __all__ = [
     "DatasetError",
     "Problem",
     "Record",
+    "atomic_path",
     "atomic_write_bytes",
     "atomic_write_text",
     "load_dataset",
@@ -122,27 +124,37 @@ class Dataset:
 # ---------------------------------------------------------------------------- writing
 
 
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, fsync: bool = True) -> None:
-    """Write ``data`` to ``path`` so that readers see either the old file or the new one.
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary path to write ``path``'s new content to; on success it replaces
+    ``path`` in one step (readers see either the old file or the new one), on any error
+    it is deleted.
 
     The temporary file lives in the destination directory (``os.replace`` is only atomic
     within one file system) and is named ``.<name>.<pid>.tmp`` so an interrupted run's
-    leftovers are recognisable and can be swept. ``fsync`` makes the content durable
-    before the rename (power loss); callers that verify their files on reuse anyway,
-    like the image generator, may skip it for speed.
+    leftovers are recognisable and can be swept (``generation.sweep_temporaries``).
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            if fsync:
-                fh.flush()
-                os.fsync(fh.fileno())
+        yield tmp
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, fsync: bool = True) -> None:
+    """Write ``data`` to ``path`` atomically (:func:`atomic_path`).
+
+    ``fsync`` makes the content durable before the rename (power loss); callers that
+    verify their files on reuse anyway, like the image generator, may skip it for speed.
+    """
+    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+        fh.write(data)
+        if fsync:
+            fh.flush()
+            os.fsync(fh.fileno())
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ats_cli.data.dataset import atomic_path
 from ats_cli.data.generation import GenerationReport, check_output, run_generation
 
 __all__ = ["SyntheticSlidesConfig", "generate_synthetic_slides", "render_slide", "write_pyramid", "CLASSES",
@@ -158,8 +159,8 @@ def render_slide(config: SyntheticSlidesConfig, split: str, index: int) -> tuple
     n = config.size
     label = index % 2
     # tissue: smooth noise, tapered towards the border, the top ~55% kept
-    yy, xx = np.mgrid[0:n, 0:n].astype(np.float32) / n - 0.5
-    field = _smooth_noise(rng, n, 6) - 6.0 * (yy ** 2 + xx ** 2)
+    axis = np.arange(n, dtype=np.float32) / n - 0.5  # broadcast, not two full [n, n] grids
+    field = _smooth_noise(rng, n, 6) - 6.0 * (axis[:, None] ** 2 + axis[None, :] ** 2)
     tissue = field > np.quantile(field[:: 8, :: 8], 0.45)
     fibre = _smooth_noise(rng, n, max(8, n // 48))
     image = np.empty((n, n, 3), np.float32)
@@ -218,23 +219,17 @@ def write_pyramid(path: str | os.PathLike[str], image: np.ndarray, *, mpp: float
     4x as separate IFDs, reduced ones ``subfiletype=1``), atomically (temp file + rename)."""
     import tifffile
 
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     res = (1e4 / mpp, 1e4 / mpp)  # pixels per centimetre
-    try:
-        with tifffile.TiffWriter(tmp, bigtiff=image.nbytes > 2**31) as tif:
-            level, sub = image, 0
-            while True:
-                tif.write(level, photometric="rgb", tile=(tile, tile), compression="jpeg",
-                          compressionargs={"level": JPEG_QUALITY}, subfiletype=sub, resolution=res,
-                          resolutionunit="CENTIMETER", metadata=None)
-                if min(level.shape[:2]) // 4 < min_side:
-                    break
-                level, sub = _halve_twice(level), 1
-                res = (res[0] / 4, res[1] / 4)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_path(path) as tmp, tifffile.TiffWriter(tmp, bigtiff=image.nbytes > 2**31) as tif:
+        level, sub = image, 0
+        while True:
+            tif.write(level, photometric="rgb", tile=(tile, tile), compression="jpeg",
+                      compressionargs={"level": JPEG_QUALITY}, subfiletype=sub, resolution=res,
+                      resolutionunit="CENTIMETER", metadata=None)
+            if min(level.shape[:2]) // 4 < min_side:
+                break
+            level, sub = _halve_twice(level), 1
+            res = (res[0] / 4, res[1] / 4)
 
 
 def _is_complete(path: Path) -> bool:
