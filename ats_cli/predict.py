@@ -32,10 +32,9 @@ import torch
 
 from ats_cli.checkpoint import CheckpointError, load_model
 from ats_cli.core.model import ATSModel
-from ats_cli.core.source import TensorSource
 from ats_cli.data.dataset import DATASET_JSON, atomic_write_text
 from ats_cli.data.images import IMAGE_SUFFIXES, ImageReadError
-from ats_cli.data.inputs import OpenedImage, open_input
+from ats_cli.data.inputs import OpenedImage, batch_sources, batch_support, open_input
 from ats_cli.inference import predict_probs
 from ats_cli.runtime import resolve_device
 
@@ -175,13 +174,8 @@ class Predictor:
 
     def _probs(self, images: list[OpenedImage], n_patches: int | None, samples: int, seed: int) -> torch.Tensor:
         low = torch.stack([img.low for img in images]).to(self.device)
-        sources = [img.source for img in images]
-        if all(isinstance(s, TensorSource) for s in sources):
-            sources = torch.stack([s.image for s in sources])  # one vectorised patch extraction
-        masks = None
-        if any(img.support is not None for img in images):
-            everywhere = torch.ones(images[0].low.shape[-2:], dtype=torch.bool)  # a batch shares one view size
-            masks = torch.stack([everywhere if img.support is None else img.support for img in images])
+        sources = batch_sources([img.source for img in images])
+        masks = batch_support([img.support for img in images], low.shape[-2:])  # a batch shares one view size
         generator = torch.Generator(device=self.device).manual_seed(seed)
         probs, _ = predict_probs(self.model, low, sources, n_patches=n_patches, samples=samples, generator=generator,
                                  support_mask=masks)

@@ -7,6 +7,7 @@ and training's data loader alike, so an image is read the same way in all three.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from ats_cli.core.geometry import low_res_view
 from ats_cli.core.source import PatchSource, TensorSource
 from ats_cli.data.images import ImageReadError, read_image
 
-__all__ = ["OpenedImage", "open_input", "is_lazy"]
+__all__ = ["OpenedImage", "open_input", "is_lazy", "batch_sources", "batch_support"]
 
 
 def is_lazy(path: str | os.PathLike[str], reader: str | None = None, level: int | None = None,
@@ -74,3 +75,22 @@ def open_input(path: str | os.PathLike[str], *, channels: int, scale: float,
         raise ImageReadError(path, f"is {W}x{H} pixels (width x height), smaller than the model's {pw}x{ph} patch")
     support = tissue_mask(low) if (lazy if tissue is None else tissue) else None
     return OpenedImage(low=low, source=source, support=support)
+
+
+def batch_sources(sources: Sequence[PatchSource]) -> torch.Tensor | list[PatchSource]:
+    """A batch's patch sources as the model takes them: one [B, C, H, W] tensor when every
+    source is an in-memory image of one size (one vectorised patch extraction), else the
+    sources themselves (lazy readers, or images of different sizes)."""
+    if all(isinstance(s, TensorSource) for s in sources) and len({s.image.shape for s in sources}) == 1:
+        return torch.stack([s.image for s in sources])
+    return list(sources)
+
+
+def batch_support(masks: Sequence[torch.Tensor | None], view_shape: Sequence[int]) -> torch.Tensor | None:
+    """A batch's tissue masks [B, h, w] (True everywhere for an input without one), or
+    None when no input has one. ``view_shape``: the (h, w) the batch's views share."""
+    if all(m is None for m in masks):
+        return None
+    everywhere = torch.ones(tuple(view_shape), dtype=torch.bool)
+    return torch.stack([everywhere if m is None else m for m in masks])
+

@@ -15,19 +15,20 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset as TorchDataset
 
-from ats_cli.core.source import PatchSource, TensorSource
+from ats_cli.core.source import PatchSource
 from ats_cli.data.dataset import Record
-from ats_cli.data.inputs import open_input
+from ats_cli.data.inputs import batch_sources, batch_support, open_input
 
 __all__ = ["ImageDataset", "Batch", "collate", "single_thread_worker"]
 
 
-Item = tuple[torch.Tensor, "torch.Tensor | PatchSource", int, int, "torch.Tensor | None"]
+Item = tuple[torch.Tensor, PatchSource, int, int, "torch.Tensor | None"]
 
 
 class ImageDataset(TorchDataset):
-    """Records of one split -> (low-res view, full-res image or lazy reader, label, index,
-    tissue mask or None), read by :func:`open_input` exactly as ``ats predict`` reads them.
+    """Records of one split -> (low-res view, patch source, label, index, tissue mask or
+    None), read by :func:`open_input` exactly as ``ats predict`` reads them: the source is
+    the uint8 image in memory (``TensorSource``) or a lazy slide reader.
 
     ``reader``/``level``/``mpp``/``tissue`` are ``ats predict``'s options of the same
     names; a model trained with them is predicted with them (they are saved in its spec).
@@ -47,8 +48,7 @@ class ImageDataset(TorchDataset):
     def __getitem__(self, i: int) -> Item:
         rec = self.records[i]
         opened = open_input(rec.path, channels=self.channels, scale=self.scale, **self.options)
-        source = opened.source.image if isinstance(opened.source, TensorSource) else opened.source
-        return opened.low, source, rec.label, i, opened.support
+        return opened.low, opened.source, rec.label, i, opened.support
 
 
 @dataclass
@@ -68,22 +68,14 @@ class Batch:
 
 
 def collate(items: list[Item]) -> Batch:
-    lows, images, labels, indices, masks = zip(*items, strict=True)
+    lows, sources, labels, indices, masks = zip(*items, strict=True)
     if len({tuple(x.shape) for x in lows}) != 1:
-        shapes = sorted({tuple(im.shape[-2:]) if isinstance(im, torch.Tensor) else im.size for im in images})
+        shapes = sorted({tuple(s.size) for s in sources})
         raise ValueError(
             f"images of different sizes {shapes[:3]} in one batch; use --batch-size 1 for such datasets"
         )
-    tensors = all(isinstance(im, torch.Tensor) for im in images)
-    if tensors and len({im.shape for im in images}) == 1:
-        sources = torch.stack(images)  # one vectorised patch extraction
-    else:
-        sources = [TensorSource(im) if isinstance(im, torch.Tensor) else im for im in images]
-    support = None
-    if any(m is not None for m in masks):
-        everywhere = torch.ones(lows[0].shape[-2:], dtype=torch.bool)
-        support = torch.stack([everywhere if m is None else m for m in masks])
-    return Batch(torch.stack(lows), sources, torch.tensor(labels), torch.tensor(indices), support)
+    return Batch(torch.stack(lows), batch_sources(sources), torch.tensor(labels), torch.tensor(indices),
+                 batch_support(masks, lows[0].shape[-2:]))
 
 
 def single_thread_worker(_: int) -> None:
