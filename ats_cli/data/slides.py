@@ -189,8 +189,6 @@ class SlideReader:
         low-res view and hands the reader to the training process, which cannot receive an
         open file handle. The receiving process reopens the file once and keeps it open
         (:func:`_reopen` caches readers per process), so later batches pay nothing."""
-        if self.name in ("array", "pillow"):
-            raise TypeError(f"{self.name} readers hold their pixels in memory; pass the image tensor instead")
         return _reopen, (self.name, str(self.path), self.level, self._out_channels)
 
     def __enter__(self):
@@ -228,6 +226,9 @@ class ArrayReader(SlideReader):
 
     def _read_region(self, row, col, h, w, level):
         return self._data[level][row : row + h, col : col + w]
+
+    def __reduce__(self):
+        raise TypeError(f"{self.name} readers hold their pixels in memory; pass the image tensor instead")
 
 
 class PillowReader(ArrayReader):
