@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 from ats_cli.checkpoint import CheckpointError, build_model, load_checkpoint, model_spec, save_checkpoint
 from ats_cli.config import TrainConfig
 from ats_cli.data.dataset import atomic_write_text, load_dataset
-from ats_cli.data.loader import Batch, ImageDataset, collate, single_thread_worker
+from ats_cli.data.loader import Batch, ImageDataset, collate, readable, single_thread_worker
 from ats_cli.distributed import Dist, all_reduce, broadcast_buffers, from_main, process_group, shard_batches
 from ats_cli.inference import predict_probs
 from ats_cli.runtime import peak_memory_mb, reset_peak_memory
@@ -102,7 +102,7 @@ def evaluate(model, loader: DataLoader, device: torch.device, *, n_patches: int 
     model.eval()
     gen = torch.Generator(device=device)
     loss = correct = ent = count = 0.0
-    for batch in loader:
+    for batch in readable(loader):
         gen.manual_seed(_seed(EVAL_SEED, int(batch.indices[0])))
         labels = batch.labels.to(device)
         probs, out = predict_probs(model, batch.low.to(device), batch.sources, n_patches=n_patches, generator=gen,
@@ -227,7 +227,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool,
         total_steps = step + len(batches)
         t_last = time.perf_counter()
         try:
-            for batch in loader:
+            for batch in readable(loader):
                 batch: Batch
                 for group in opt.param_groups:
                     group["lr"] = _lr_at(cfg, epoch + done / len(train_set))

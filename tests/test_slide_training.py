@@ -193,3 +193,19 @@ def test_tile_reads_do_not_depend_on_the_shared_file_offset(slides):
     for k, (row, col) in enumerate([(r, c) for r in range(0, 1024, 256) for c in range(0, 1024, 256)] * 2):
         os.lseek(fd, (k * 7919) % size, os.SEEK_SET)
         assert np.array_equal(reader.read_region(row, col, 256, 256, 0), truth.read_region(row, col, 256, 256, 0))
+
+
+def test_a_corrupt_slide_stops_training_with_one_line_naming_it(slides, tmp_path):
+    """Read in a DataLoader worker, a bad file must still give the CLI's one-line error
+    naming it (not the worker's traceback wrapped in a RuntimeError)."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(slides, data)
+    bad = data / "train" / "0001.tif"
+    bad.write_bytes(bad.read_bytes()[:3000])  # truncated: the header survives, the tiles do not
+    run = tmp_path / "run"
+    result = runner.invoke(app, ["train", str(data), "--out", str(run), "--workers", "2", *TRAIN_FLAGS])
+    assert result.exit_code != 0
+    assert "0001.tif" in "".join(result.output.split()) and "Traceback" not in result.output  # rich wraps lines
+    assert "RuntimeError" not in result.output

@@ -9,7 +9,7 @@ than the low-res views and n patches per image, whatever the image size.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,12 +17,24 @@ from torch.utils.data import Dataset as TorchDataset
 
 from ats_cli.core.source import PatchSource
 from ats_cli.data.dataset import Record
+from ats_cli.data.images import ImageReadError
 from ats_cli.data.inputs import batch_sources, batch_support, open_input
 
-__all__ = ["ImageDataset", "Batch", "collate", "single_thread_worker"]
+__all__ = ["ImageDataset", "Batch", "Unreadable", "collate", "readable", "single_thread_worker"]
 
 
 Item = tuple[torch.Tensor, PatchSource, int, int, "torch.Tensor | None"]
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """An input a DataLoader worker could not read. It travels to the training process as
+    data and is raised there as :class:`ImageReadError` by :func:`readable`: raised inside
+    the worker, torch would re-raise it wrapped in a RuntimeError with the worker's
+    traceback as its message, instead of the one line naming the file."""
+
+    path: str
+    problem: str
 
 
 class ImageDataset(TorchDataset):
@@ -45,9 +57,12 @@ class ImageDataset(TorchDataset):
     def __len__(self) -> int:
         return len(self.records)
 
-    def __getitem__(self, i: int) -> Item:
+    def __getitem__(self, i: int) -> Item | Unreadable:
         rec = self.records[i]
-        opened = open_input(rec.path, channels=self.channels, scale=self.scale, **self.options)
+        try:
+            opened = open_input(rec.path, channels=self.channels, scale=self.scale, **self.options)
+        except ImageReadError as e:
+            return Unreadable(str(e.path), e.problem)
         return opened.low, opened.source, rec.label, i, opened.support
 
 
@@ -67,7 +82,10 @@ class Batch:
         return None if self.support is None else self.support.to(device)
 
 
-def collate(items: list[Item]) -> Batch:
+def collate(items: list[Item | Unreadable]) -> Batch | Unreadable:
+    for item in items:
+        if isinstance(item, Unreadable):
+            return item
     lows, sources, labels, indices, masks = zip(*items, strict=True)
     if len({tuple(x.shape) for x in lows}) != 1:
         shapes = sorted({tuple(s.size) for s in sources})
@@ -76,6 +94,15 @@ def collate(items: list[Item]) -> Batch:
         )
     return Batch(torch.stack(lows), batch_sources(sources), torch.tensor(labels), torch.tensor(indices),
                  batch_support(masks, lows[0].shape[-2:]))
+
+
+def readable(loader: Iterable[Batch | Unreadable]) -> Iterator[Batch]:
+    """The loader's batches; an input that could not be read stops the run here, in the
+    training process, with an :class:`ImageReadError` naming the file."""
+    for batch in loader:
+        if isinstance(batch, Unreadable):
+            raise ImageReadError(batch.path, batch.problem)
+        yield batch
 
 
 def single_thread_worker(_: int) -> None:
