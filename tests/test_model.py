@@ -6,6 +6,7 @@ import torch
 
 from ats_cli import nets
 from ats_cli.core import ATSModel, TensorSource, low_res_view
+from ats_cli.core.sampling import estimator_weights
 
 
 def make_model(n_patches=4, patch=(16, 16), scale=0.25, channels=1, classes=3, **kw):
@@ -154,3 +155,25 @@ def test_feature_scale_multiplies_the_normalised_features_before_the_classifier(
     assert torch.equal(out_1.indices, out_10.indices)  # the attention is untouched
     bias = base.classifier.bias
     torch.testing.assert_close(out_10.logits - bias, 10 * (out_1.logits - bias))
+
+
+def test_more_patches_than_supported_cells_keeps_the_support():
+    """min_brightness leaves a few bright cells; asking for more patches than that must not
+    spread the attention over the dark background (it once fell back to the whole map)."""
+    torch.manual_seed(0)
+    model = make_model(n_patches=4, min_brightness=0.3).eval()
+    images = torch.zeros(2, 1, 64, 80, dtype=torch.uint8)
+    images[0, 0, 8:14, 10:30] = 255   # a few bright cells in image 0
+    images[0, 0, 40:46, 60:70] = 200  # image 1 stays blank: no supported cell at all
+    low = low_res_view(images, model.scale)
+    keep = model.support(low, (16, 20))
+    n_kept = int(keep[0].sum())
+    assert 0 < n_kept < 40 and bool(keep[1].all())  # blank image -> the whole map
+    with torch.no_grad():
+        out = model(low, images, n_patches=n_kept + 5, generator=torch.Generator().manual_seed(0))
+    att = out.attention.flatten(1)
+    assert float(att[0][~keep[0].flatten()].sum()) == 0.0  # no mass on the background
+    # every supported cell is drawn first; the extra draws have probability 0
+    assert set(out.indices[0, :n_kept].tolist()) == set(torch.nonzero(keep[0].flatten()).flatten().tolist())
+    assert bool((out.sampled_probs[0, n_kept:] == 0).all())
+    assert bool((estimator_weights(out.sampled_probs[:1])[0, n_kept:] == 0).all())  # ... and weight 0
