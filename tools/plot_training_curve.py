@@ -1,11 +1,12 @@
 """Plot test error per epoch of one or more consecutive training stages (docs/training.md).
 
     python tools/plot_training_curve.py OUT.png LABEL=RUN_DIR/metrics.jsonl [LABEL=...] [--reference]
-        [--title TEXT]
+        [--title TEXT] [--target ACCURACY_PERCENT]
 
 Stages are drawn one after the other on a shared epoch axis (a curriculum: stage 2
 starts from stage 1's weights with ``ats train --init``). ``--reference`` marks the 2019
-reference's Megapixel MNIST plateau (test error near 90% until epoch ~210, anchors.md).
+reference's Megapixel MNIST plateau (test error near 90% until epoch ~210, anchors.md);
+``--target 95`` draws the accuracy a released model is asked to reach.
 The per-epoch table (markdown, for a model card) is printed to stdout.
 """
 
@@ -27,6 +28,10 @@ def main(argv: list[str]) -> None:
     if "--title" in argv:
         i = argv.index("--title")
         title, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+    target = None
+    if "--target" in argv:
+        i = argv.index("--target")
+        target, argv = float(argv[i + 1]), argv[:i] + argv[i + 2:]
     args = [a for a in argv if a != "--reference"]
     if len(args) < 2:
         raise SystemExit(__doc__)
@@ -41,14 +46,16 @@ def main(argv: list[str]) -> None:
                   f"{r['entropy']:.2f} | {r['samples_per_s']:.0f} | {r['samples'] / r['samples_per_s']:.0f} |"
                   for r in rows]
         epochs = [start + r["epoch"] for r in rows]
-        ax.plot(epochs, [100 * (1 - r["test_acc"]) for r in rows], "o-", label=f"{label}: test error")
-        ax.plot(epochs, [100 * (1 - r["train_acc"]) for r in rows], ":", color=ax.lines[-1].get_color(),
-                label=f"{label}: train error")
+        ax.plot(epochs, [100 * (1 - r["test_acc"]) for r in rows], "o-", ms=3, label=label)
+        ax.plot(epochs, [100 * (1 - r["train_acc"]) for r in rows], ":", color=ax.lines[-1].get_color())
         if start:
             ax.axvline(start + 0.5, color="grey", lw=0.8)
         start = epochs[-1]
     if reference:
         ax.axhline(90, color="red", ls="--", lw=1, label="2019 reference: ~90% until epoch ~210")
+    if target is not None:
+        ax.axhline(100 - target, color="green", ls="--", lw=1, label=f"target: {target:g}% accuracy")
+    ax.plot([], [], "k-", label="test error (solid), train error (dotted)")
     ax.set_xlabel("epoch (stages one after the other)")
     ax.set_ylabel("error (%)")
     ax.set_ylim(0, 100)
