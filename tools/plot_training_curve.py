@@ -12,6 +12,7 @@ The per-epoch table (markdown, for a model card) is printed to stdout.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -23,19 +24,18 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
-    reference = "--reference" in argv
-    title = "Megapixel MNIST, attention sampling (10 patches of 50x50), 2-core CPU"
-    if "--title" in argv:
-        i = argv.index("--title")
-        title, argv = argv[i + 1], argv[:i] + argv[i + 2:]
-    target = None
-    if "--target" in argv:
-        i = argv.index("--target")
-        target, argv = float(argv[i + 1]), argv[:i] + argv[i + 2:]
-    args = [a for a in argv if a != "--reference"]
-    if len(args) < 2:
-        raise SystemExit(__doc__)
-    out, stages = Path(args[0]), [a.split("=", 1) for a in args[1:]]
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path, help="PNG to write")
+    parser.add_argument("stages", nargs="+", metavar="LABEL=METRICS_JSONL", help="one per stage, in training order")
+    parser.add_argument("--reference", action="store_true", help="mark the 2019 reference's plateau")
+    parser.add_argument("--title", default="Megapixel MNIST, attention sampling (10 patches of 50x50), 2-core CPU")
+    parser.add_argument("--target", type=float, default=None, help="accuracy (percent) a release is asked for")
+    opts = parser.parse_args(argv)
+    bad = [s for s in opts.stages if "=" not in s]
+    if bad:
+        parser.error(f"stages are LABEL=METRICS_JSONL, got {bad[0]!r}")
+    reference, title, target, out = opts.reference, opts.title, opts.target, opts.out
+    stages = [s.split("=", 1) for s in opts.stages]
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     start = 0
     table = ["| stage | epoch | train acc | test acc | attention entropy (nats) | samples/s | training s |",
