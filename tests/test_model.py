@@ -163,8 +163,9 @@ def test_more_patches_than_supported_cells_keeps_the_support():
     torch.manual_seed(0)
     model = make_model(n_patches=4, min_brightness=0.3).eval()
     images = torch.zeros(2, 1, 64, 80, dtype=torch.uint8)
-    images[0, 0, 8:14, 10:30] = 255   # a few bright cells in image 0
-    images[0, 0, 40:46, 60:70] = 200  # image 1 stays blank: no supported cell at all
+    images[0, 0, 8:14, 10:30] = 255  # image 0: two bright blobs -> a few supported cells
+    images[0, 0, 40:46, 60:70] = 200
+    # image 1 stays blank: no supported cell at all
     low = low_res_view(images, model.scale)
     keep = model.support(low, (16, 20))
     n_kept = int(keep[0].sum())

@@ -57,9 +57,11 @@ class ATSModel(nn.Module):
     training leave the initial plateau quickly; images with a white background (slides)
     use a tissue mask instead. A row with fewer supported cells than patches keeps its
     support: sampling without replacement then takes every supported cell first, and the
-    extra draws have probability 0, hence weight 0 (wasted work, not a wrong answer). Falling back to the
-    whole map there instead would spread the attention over background the network never
-    learned to ignore (measured: Megapixel MNIST at 300 patches fell from 93% to 39%).
+    extra draws have probability 0, hence weight 0 (wasted work, not a wrong answer).
+    Falling back to the whole map there instead would spread the attention over background
+    the network never learned to ignore (measured with one Megapixel MNIST model on 1,000
+    fresh images: 39% accuracy at 300 patches with that fallback, 93% when the support is
+    kept and every bright cell is taken).
     Only a row with no supported cell at all (a blank image) uses the whole map.
 
     ``feature_scale`` multiplies the L2-normalised patch features before the classifier.
