@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -16,6 +18,8 @@ from ats_cli.cli import app
 from ats_cli.config import ConfigError, resolve_config
 from ats_cli.data.dataset import write_dataset
 from ats_cli.train import TrainingInterrupted, train
+
+cli_train = importlib.import_module("ats_cli.cli.train")  # the module; the package exports the command
 
 
 def _write_squares_dataset(root, n_train=48, n_test=16, size=64, box=16, seed=0):
@@ -150,11 +154,14 @@ def test_config_file_then_flags(tmp_path):
         resolve_config(None, optimizer="lbfgs")
 
 
-def test_cli_train_runs_and_reports(squares, tmp_path):
+def test_cli_train_runs_and_reports(squares, tmp_path, monkeypatch):
+    # CliRunner's output is not a terminal, like a batch job's log: progress comes as lines
+    monkeypatch.setattr(cli_train, "LOG_EVERY_S", 0.0)
     result = CliRunner().invoke(app, ["train", str(squares), "--out", str(tmp_path / "run"), "--epochs", "1",
                                       "--n-patches", "2", "--patch-size", "16", "--scale", "0.125",
                                       "--feature-width", "8", "--batch-size", "8", "--workers", "0"])
     assert result.exit_code == 0, result.output
     assert "best test accuracy" in result.output
+    assert re.search(r"epoch 1: step \d+/\d+, loss \d\.\d{3} acc", result.output), result.output
     bad = CliRunner().invoke(app, ["train", str(tmp_path / "nope"), "--out", str(tmp_path / "r2")])
     assert bad.exit_code == 1 and "nope" in bad.output

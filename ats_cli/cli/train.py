@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import typer
@@ -15,6 +16,30 @@ _METHOD = "Attention sampling"
 _READ = "Reading slides (saved in the model; predict and visualize read alike)"
 _OPT = "Optimisation"
 _RUN = "Running"
+LOG_EVERY_S = 60.0
+
+
+class _LogLines:
+    """Progress as plain lines when the output is not a terminal (nohup, a batch job's log):
+    rich draws its bar only on a terminal, and a CPU epoch can run for an hour, so without
+    these a log shows nothing between two epoch lines. One line per ``LOG_EVERY_S``."""
+
+    def __init__(self, print_) -> None:
+        self.print, self.epoch = print_, None
+        self.start = self.last = 0.0
+        self.first = 0
+
+    def __call__(self, step: int, total: int, info: dict) -> None:
+        now = time.monotonic()
+        if info["epoch"] != self.epoch:  # timed from the epoch's first step (data workers are up)
+            self.epoch, self.first, self.start, self.last = info["epoch"], step, now, now
+            return
+        if now - self.last < LOG_EVERY_S or step >= total:  # the epoch line follows the last step
+            return
+        self.last = now
+        left = (total - step) * (now - self.start) / (step - self.first)
+        self.print(f"epoch {info['epoch']}: step {step}/{total}, loss {info['loss']:.3f} acc {info['acc']:.3f}, "
+                   f"about {left:.0f} s left in the epoch")
 
 
 @app.command()
@@ -125,8 +150,12 @@ def train(
                   console=console, transient=True, disable=not ctx.is_main) as bar:
         task = bar.add_task("train", total=None, epoch=0, loss=0.0, acc=0.0)
 
+        to_log = _LogLines(bar.console.print) if not console.is_terminal else None
+
         def progress(phase: str, step: int, total: int, info: dict) -> None:
             bar.update(task, completed=step, total=total, **info)
+            if to_log is not None:
+                to_log(step, total, info)
 
         try:
             history = run_training(cfg, resume=resume is not None, progress=progress, log=bar.console.print)
