@@ -37,16 +37,20 @@ def main(argv: list[str]) -> None:
     reference, title, target, out = opts.reference, opts.title, opts.target, opts.out
     stages = [s.split("=", 1) for s in opts.stages]
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    # tab10 repeats its colours after 10 stages; more stages continue with dark ones that
+    # cannot be mistaken for the first ten
+    colors = list(plt.get_cmap("tab10").colors) + ["black", "saddlebrown", "darkslateblue", "olive", "teal"]
     start = 0
     table = ["| stage | epoch | train acc | test acc | attention entropy (nats) | samples/s | training s |",
              "|---|---|---|---|---|---|---|"]
-    for label, path in stages:
+    for i, (label, path) in enumerate(stages):
         rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
         table += [f"| {label} | {r['epoch']} | {100 * r['train_acc']:.1f}% | {100 * r['test_acc']:.1f}% | "
                   f"{r['entropy']:.2f} | {r['samples_per_s']:.0f} | {r['samples'] / r['samples_per_s']:.0f} |"
                   for r in rows]
         epochs = [start + r["epoch"] for r in rows]
-        ax.plot(epochs, [100 * (1 - r["test_acc"]) for r in rows], "o-", ms=3, label=label)
+        ax.plot(epochs, [100 * (1 - r["test_acc"]) for r in rows], "o-", ms=3, label=label,
+                color=colors[i % len(colors)])
         ax.plot(epochs, [100 * (1 - r["train_acc"]) for r in rows], ":", color=ax.lines[-1].get_color())
         if start:
             ax.axvline(start + 0.5, color="grey", lw=0.8)
