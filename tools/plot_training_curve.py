@@ -49,9 +49,9 @@ def main(argv: list[str]) -> None:
                   f"{r['entropy']:.2f} | {r['samples_per_s']:.0f} | {r['samples'] / r['samples_per_s']:.0f} |"
                   for r in rows]
         epochs = [start + r["epoch"] for r in rows]
-        ax.plot(epochs, [100 * (1 - r["test_acc"]) for r in rows], "o-", ms=3, label=label,
-                color=colors[i % len(colors)])
-        ax.plot(epochs, [100 * (1 - r["train_acc"]) for r in rows], ":", color=ax.lines[-1].get_color())
+        color = colors[i % len(colors)]
+        ax.plot(epochs, [100 * (1 - r["test_acc"]) for r in rows], "o-", ms=3, label=label, color=color)
+        ax.plot(epochs, [100 * (1 - r["train_acc"]) for r in rows], ":", color=color)
         if start:
             ax.axvline(start + 0.5, color="grey", lw=0.8)
         start = epochs[-1]
