@@ -35,7 +35,16 @@ def main(argv: list[str]) -> None:
     if bad:
         parser.error(f"stages are LABEL=METRICS_JSONL, got {bad[0]!r}")
     reference, title, target, out = opts.reference, opts.title, opts.target, opts.out
-    stages = [s.split("=", 1) for s in opts.stages]
+    stages = []
+    for label, path in (s.split("=", 1) for s in opts.stages):
+        try:
+            lines = Path(path).read_text().splitlines()
+            rows = [json.loads(line) for line in lines if line.strip()]
+        except (OSError, json.JSONDecodeError) as e:
+            parser.error(f"{path}: cannot read metrics ({e})")
+        if not rows:
+            parser.error(f"{path}: no epochs in it")
+        stages.append((label, rows))
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     # tab10 repeats its colours after 10 stages; more stages continue with dark ones that
     # cannot be mistaken for the first ten
@@ -43,8 +52,7 @@ def main(argv: list[str]) -> None:
     start = 0
     table = ["| stage | epoch | train acc | test acc | attention entropy (nats) | samples/s | training s |",
              "|---|---|---|---|---|---|---|"]
-    for i, (label, path) in enumerate(stages):
-        rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    for i, (label, rows) in enumerate(stages):
         table += [f"| {label} | {r['epoch']} | {100 * r['train_acc']:.1f}% | {100 * r['test_acc']:.1f}% | "
                   f"{r['entropy']:.2f} | {r['samples_per_s']:.0f} | {r['samples'] / r['samples_per_s']:.0f} |"
                   for r in rows]
