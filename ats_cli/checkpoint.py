@@ -44,6 +44,7 @@ def model_spec(cfg: Any, *, n_classes: int, channels: int) -> dict[str, Any]:
         "patch_size": [cfg.patch_size, cfg.patch_size],
         "scale": cfg.scale,
         "replace": cfg.replace,
+        "estimator": cfg.estimator,
         "entropy_weight": cfg.entropy,
         "smoothing": cfg.smoothing,
         "min_brightness": cfg.min_brightness,

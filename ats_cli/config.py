@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from ats_cli.core.sampling import ESTIMATORS
+
 __all__ = ["TrainConfig", "ConfigError", "load_config_file", "resolve_config"]
 
 
@@ -29,6 +31,10 @@ class TrainConfig:
     patch_size: int = 50
     scale: float = 0.12
     replace: bool = False
+    # auto | threshold | sequential: the unbiased estimator without replacement (same expectation,
+    # different variance: ats_cli.core.sampling). Runs and checkpoints from before the choice
+    # existed (no key) used sequential; loading them gives the default.
+    estimator: str = "auto"
     entropy: float = 0.01
     smoothing: float = 0.0
     min_brightness: float = 0.0  # > 0: never sample low-res cells darker than this (black backgrounds)
@@ -75,7 +81,8 @@ class TrainConfig:
             problems.append(f"smoothing must be in [0, 1) (got {self.smoothing})")
         for key, allowed in (("method", ("ats", "uniform", "deepmil", "cnn")),
                              ("optimizer", ("adam", "adamw", "sgd")), ("schedule", ("constant", "cosine")),
-                             ("amp", ("none", "bf16", "fp16")), ("tissue_mask", ("auto", "on", "off")),
+                             ("amp", ("none", "bf16", "fp16")),
+                             ("estimator", ESTIMATORS), ("tissue_mask", ("auto", "on", "off")),
                              ("reader", ("auto", "openslide", "tifffile", "pillow"))):
             if getattr(self, key) not in allowed:
                 problems.append(f"{key} must be one of {', '.join(allowed)} (got {getattr(self, key)!r})")

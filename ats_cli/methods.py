@@ -181,4 +181,7 @@ def build_method(spec: dict[str, Any]) -> nn.Module:
         smoothing=spec["smoothing"],
         min_brightness=spec.get("min_brightness", 0.0),
         feature_scale=spec.get("feature_scale", 1.0),
+        # specs written before the choice existed take today's default: the two estimators
+        # have the same expectation, so the model is the same, only less noisy
+        estimator=spec.get("estimator", "auto"),
     )

@@ -32,6 +32,7 @@ import torch
 
 from ats_cli.checkpoint import CheckpointError, load_model
 from ats_cli.core.model import ATSModel
+from ats_cli.core.sampling import ESTIMATORS
 from ats_cli.data.dataset import DATASET_JSON, atomic_write_text
 from ats_cli.data.images import IMAGE_SUFFIXES, ImageReadError
 from ats_cli.data.inputs import OpenedImage, batch_sources, batch_support, open_input
@@ -182,13 +183,23 @@ class Predictor:
         return probs.cpu()
 
 
-def load_predictor(model: str | os.PathLike[str], device: str = "auto") -> Predictor:
+def load_predictor(model: str | os.PathLike[str], device: str = "auto", *, estimator: str | None = None
+                   ) -> Predictor:
     """Load a checkpoint (or a run directory's best.pt) for prediction on ``device``
-    ('auto' = CUDA if present). Raises :class:`CheckpointError` naming the file for a
-    missing, foreign or corrupt model, and ValueError for an unusable device."""
+    ('auto' = CUDA if present); ``estimator`` replaces the model's (see
+    :mod:`ats_cli.core.sampling`). Raises :class:`CheckpointError` naming the file for a
+    missing, foreign or corrupt model, and ValueError for an unusable device or an
+    estimator the model cannot use."""
     dev = resolve_device(device)
     path = resolve_model_path(model)
     net, ckpt = load_model(path, dev)
+    if estimator is not None:
+        if not hasattr(net, "estimator"):
+            raise ValueError(f"{path}: a model trained with --method {ckpt['spec'].get('method')} does not sample "
+                             "patches, so it has no estimator to choose")
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"unknown estimator {estimator!r}; choose from {', '.join(ESTIMATORS)}")
+        net.estimator = estimator
     classes = [str(c) for c in ckpt.get("classes", [])]
     n_out = net.classifier.out_features
     if len(classes) != n_out:

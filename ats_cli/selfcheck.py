@@ -20,11 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ats_cli.core.sampling import expectation, sample
+from ats_cli.core.sampling import estimator_threshold, expectation, sample
 
 __all__ = ["BiasCheck", "check_estimator", "check_draws", "Estimator"]
 
 Estimator = Callable[..., torch.Tensor]  # (features [B,n,D], sampled_probs [B,n], *, replace) -> [B,D]
+# (a callable is checked as a sequential-type estimator: it is not given the draw's threshold)
 
 
 @dataclass
@@ -37,6 +38,7 @@ class BiasCheck:
     z_grad_features: float  # max |z| over the K*D feature-gradient components
     z_grad_logits: float  # max |z| over the K attention-logit-gradient components
     rel_err_grad_logits: float  # ||mean - exact|| / ||exact|| for the logit gradient
+    std_value: float  # standard deviation of one draw's value: the estimator's noise
 
     @property
     def max_z(self) -> float:
@@ -45,12 +47,23 @@ class BiasCheck:
 
 def _zscores(samples: torch.Tensor, exact: torch.Tensor, groups: int) -> tuple[float, torch.Tensor]:
     """Max |z| of the mean of ``samples`` [M, ...] against ``exact``, with the standard
-    error measured from ``groups`` group means; also returns the mean."""
+    error measured from ``groups`` group means; also returns the mean.
+
+    Rare events: a component can be nearly constant over all M draws and still be
+    unbiased thanks to an event too rare to show up -- e.g. with the threshold estimator a
+    position of high attention is drawn in all 60,000 draws with weight a bit above a_i,
+    and the draws that miss it (weight 0) have probability ~1e-5. The measured standard
+    error then misses that event's share. So a shift of up to ``3 max|x| / M`` (the rule
+    of three: an event unseen in M draws has probability below ~3/M at 95%, and it moves
+    the mean by at most its size times that) is not counted against the estimator. The
+    known-wrong estimators are off by far more than that (tests/test_estimator.py).
+    """
     m = samples.shape[0] - samples.shape[0] % groups
     group_means = samples[:m].reshape(groups, m // groups, *samples.shape[1:]).mean(1)
     mean = group_means.mean(0)
     se = group_means.std(0, unbiased=True) / groups**0.5
-    diff = (mean - exact).abs()
+    slack = 3.0 * samples[:m].abs().amax(0) / m
+    diff = ((mean - exact).abs() - slack).clamp(min=0.0)
     # A component the estimator reproduces exactly every time has se == 0 and diff ~ 0.
     z = torch.where(se > 0, diff / se.clamp(min=1e-300), torch.where(diff > 1e-12, torch.inf, 0.0))
     return float(z.max()), mean
@@ -66,10 +79,11 @@ def check_estimator(
     draws: int = 60_000,
     groups: int = 100,
     seed: int = 0,
-    estimator: Estimator = expectation,
+    estimator: str | Estimator = "auto",
     name: str | None = None,
 ) -> BiasCheck:
-    """Monte Carlo bias check of ``estimator`` (default: ours) in value and both gradients.
+    """Monte Carlo bias check of ``estimator`` in value and both gradients: one of ours
+    by name (``ESTIMATORS``), or a callable (the tests' known-wrong controls).
 
     ``peaked`` puts most of the mass (about 0.95) on one position, the regime late in
     training where the without-replacement weights matter most. Runs in float64.
@@ -92,17 +106,23 @@ def check_estimator(
     zs = z.expand(draws, K).clone().requires_grad_()
     fs = f.expand(draws, K, D).clone().requires_grad_()
     probs = torch.softmax(zs, 1)
-    idx, sampled = sample(probs, n, replace=replace, generator=g)
-    feats = fs.gather(1, idx[..., None].expand(-1, -1, D))
-    values = estimator(feats, sampled, replace=replace) @ c
+    draw = sample(probs, n, replace=replace, generator=g)
+    feats = fs.gather(1, draw.indices[..., None].expand(-1, -1, D))
+    if isinstance(estimator, str):
+        threshold = estimator_threshold(estimator, draw, probs)
+        values = expectation(feats, draw.probs, replace=replace, threshold=threshold) @ c
+    else:
+        values = estimator(feats, draw.probs, replace=replace) @ c
     values.sum().backward()
 
     zv, _ = _zscores(values.detach()[:, None], exact_value.detach()[None], groups)
     zf, _ = _zscores(fs.grad, f0.grad, groups)
     zz, mean_gz = _zscores(zs.grad, z0.grad, groups)
     rel = float((mean_gz - z0.grad).norm() / z0.grad.norm())
-    label = name or f"K={K} n={n} {'with' if replace else 'w/o'} repl.{' peaked' if peaked else ''}"
-    return BiasCheck(label, draws, zv, zf, zz, rel)
+    if name is None:
+        how = "with repl." if replace else f"w/o repl., {estimator if isinstance(estimator, str) else 'custom'}"
+        name = f"K={K} n={n}{' peaked' if peaked else ''} {how}"
+    return BiasCheck(name, draws, zv, zf, zz, rel, float(values.detach().std()))
 
 
 def check_draws(*, K: int = 7, n: int = 3, draws: int = 200_000, seed: int = 0) -> tuple[float, bool]:
@@ -114,7 +134,7 @@ def check_draws(*, K: int = 7, n: int = 3, draws: int = 200_000, seed: int = 0) 
     """
     g = torch.Generator().manual_seed(seed)
     a = torch.softmax(torch.randn(K, generator=g, dtype=torch.float64) * 1.5, 0)
-    idx, _ = sample(a.expand(draws, K), n, replace=False, generator=g)
+    idx = sample(a.expand(draws, K), n, replace=False, generator=g).indices
     no_repeats = bool((idx.sort(1).values.diff(dim=1) != 0).all())
     second = (a[:, None] * a[None, :] / (1 - a[:, None])).fill_diagonal_(0).sum(0)
     worst = 0.0

@@ -23,7 +23,7 @@ from ats_cli import nets
 from ats_cli.checkpoint import build_model, load_checkpoint
 from ats_cli.cli import app
 from ats_cli.config import resolve_config
-from ats_cli.core import ATSModel, low_res_view
+from ats_cli.core import ATSModel, Draw, low_res_view
 from ats_cli.distributed import Dist, launch_command, shard_batches
 from ats_cli.train import TrainingInterrupted, train
 
@@ -61,12 +61,14 @@ def _fixed_noise_sample(probs, n, *, replace=False, generator=None):
     state. With the real sampler two ranks draw from other streams than one process
     does, so their weights could only agree in distribution; with this one they must
     agree up to floating-point summation order. It is still a valid draw (positions
-    distinct, in draw order) and the real estimator runs on it.
+    distinct, in draw order, with the next key as the threshold) and the real estimator
+    runs on it.
     """
     noise = torch.rand(probs.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     keys = torch.log(probs.detach().double()) - torch.log(-torch.log(noise.clamp(1e-300, 1 - 1e-16)))
-    indices = keys.topk(n, dim=1).indices
-    return indices, probs.gather(1, indices)
+    top = keys.topk(n + 1, dim=1)
+    indices = top.indices[:, :n]
+    return Draw(indices, probs.gather(1, indices), top.values[:, n])
 
 
 def _interrupt_at(progress_value):

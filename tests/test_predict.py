@@ -159,6 +159,33 @@ def test_samples_and_n_patches_reach_the_model(setup, monkeypatch):
     assert result.exit_code == 1 and str(images[0]) in result.output
 
 
+def test_estimator_is_saved_in_the_model_and_overridable(setup, tmp_path):
+    """The estimator travels in the checkpoint (a spec without it, from before the choice
+    existed, gets ``auto``); ``--estimator`` replaces it and changes the estimate (4 of
+    1,024 cells: both are unbiased but weight the same draw differently)."""
+    model, images = setup
+    assert load_predictor(model, "cpu").model.estimator == "auto"
+    ckpt = torch.load(model, weights_only=True)
+    ckpt["spec"]["estimator"] = "sequential"
+    torch.save(ckpt, tmp_path / "seq.pt")
+    assert load_predictor(tmp_path / "seq.pt", "cpu").model.estimator == "sequential"
+    del ckpt["spec"]["estimator"]
+    torch.save(ckpt, tmp_path / "old.pt")
+    assert load_predictor(tmp_path / "old.pt", "cpu").model.estimator == "auto"
+    assert load_predictor(tmp_path / "old.pt", "cpu", estimator="threshold").model.estimator == "threshold"
+
+    rows = {}
+    for est in ("threshold", "sequential"):
+        out = tmp_path / f"{est}.csv"
+        result = run(images[0], "--model", model, "--estimator", est, "--out", out)
+        assert result.exit_code == 0, result.output
+        assert f"estimator {est}" in result.output
+        rows[est] = read_csv(out)[1][0]
+    assert rows["threshold"] != rows["sequential"]
+    result = run(images[0], "--model", model, "--estimator", "mean")
+    assert result.exit_code == 2 and "unknown estimator 'mean'" in result.output
+
+
 def test_seed_determinism_and_batch_independence(setup, tmp_path):
     model, images = setup
     outs = {}

@@ -154,6 +154,10 @@ def test_config_file_then_flags(tmp_path):
         resolve_config(cfg_file)
     with pytest.raises(ConfigError, match="optimizer"):
         resolve_config(None, optimizer="lbfgs")
+    with pytest.raises(ConfigError, match="estimator must be one of auto, threshold, sequential"):
+        resolve_config(None, estimator="mean")
+    cfg_file.write_text('estimator = "sequential"\n')
+    assert resolve_config(cfg_file).estimator == "sequential"
 
 
 def test_cli_train_runs_and_reports(squares, tmp_path, monkeypatch):

@@ -17,6 +17,13 @@ MAX_ROWS_SHOWN = 20  # rows of the terminal table; the CSV has them all
 MAX_CONFUSION_CLASSES = 20  # wider confusion matrices do not fit a terminal
 
 
+def _estimator_note(model: object) -> str:
+    """'estimator threshold, ' for a model that samples without replacement, else ''."""
+    if getattr(model, "estimator", None) is None or getattr(model, "replace", True):
+        return ""
+    return f"estimator {model.estimator}, "
+
+
 @app.command()
 def predict(
     inputs: Annotated[list[str], typer.Argument(
@@ -31,6 +38,11 @@ def predict(
     n_patches: Annotated[int | None, typer.Option(
         "--n-patches", min=1, show_default=False,
         help="Patches sampled per image \\[default: the model's training value].")] = None,
+    estimator: Annotated[str | None, typer.Option(
+        "--estimator", show_default=False,
+        help="auto | threshold | sequential: the unbiased estimator (same expectation, different variance; "
+             "ats_cli/core/sampling.py) \\[default: the model's; auto for models saved before the choice "
+             "existed].")] = None,
     samples: Annotated[int, typer.Option(
         "--samples", min=1, help="Average this many independent samplings per image.")] = 1,
     batch_size: Annotated[int, typer.Option(
@@ -66,7 +78,7 @@ def predict(
     console = Console(stderr=to_stdout, highlight=False, soft_wrap=True)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     try:
-        predictor = load_predictor(model, device)
+        predictor = load_predictor(model, device, estimator=estimator)
     except (CheckpointError, ValueError, RuntimeError) as e:
         err.print(f"[red]error:[/] {e}", soft_wrap=True)
         raise typer.Exit(2) from None
@@ -75,7 +87,7 @@ def predict(
     n_ok_inputs = sum(item.error is None for item in items)
     console.print(f"model {predictor.path} ({len(predictor.classes)} classes, {predictor.device}); "
                   f"{n_ok_inputs} image(s); n_patches {n_patches or predictor.model.n_patches}, "
-                  f"samples {samples}, seed {seed}")
+                  f"{_estimator_note(predictor.model)}samples {samples}, seed {seed}")
     if level is not None and mpp is not None:
         err.print("[red]error:[/] give --level or --mpp, not both")
         raise typer.Exit(2)

@@ -24,22 +24,25 @@ def selfcheck(
     mean of the estimate, of its feature gradient and of its attention gradient with
     the exact values; each is reported as a z-score against the measured standard error.
     """
+    from ats_cli.core.sampling import ESTIMATORS
     from ats_cli.selfcheck import check_draws, check_estimator
 
     console = Console()
     table = Table(title=f"Attention-sampling estimator, {draws:,} draws per row (|z| < {Z_MAX:g} passes)")
     table.add_column("problem", no_wrap=True)
-    for col in ("|z| value", "|z| grad f", "|z| grad logits", "rel.err grad logits", "ok"):
+    for col in ("|z| value", "|z| grad f", "|z| grad logits", "rel.err grad logits", "std value", "ok"):
         table.add_column(col, justify="right")
     t0 = time.perf_counter()
     ok_all = True
-    for replace in (False, True):
-        for case in (dict(K=7, n=3), dict(K=7, n=3, peaked=True), dict(K=50, n=10)):
-            r = check_estimator(**case, replace=replace, draws=draws, seed=seed)
-            ok = r.max_z < Z_MAX
-            ok_all &= ok
-            table.add_row(r.name, f"{r.z_value:.2f}", f"{r.z_grad_features:.2f}", f"{r.z_grad_logits:.2f}",
-                          f"{r.rel_err_grad_logits:.2%}", "[green]yes" if ok else "[red]NO")
+    cases = (dict(K=7, n=3), dict(K=7, n=3, peaked=True), dict(K=50, n=10), dict(K=50, n=40))
+    runs = [dict(case, estimator=e) for case in cases for e in ESTIMATORS] + [dict(case, replace=True)
+                                                                              for case in cases[:3]]
+    for run in runs:
+        r = check_estimator(**run, draws=draws, seed=seed)
+        ok = r.max_z < Z_MAX
+        ok_all &= ok
+        table.add_row(r.name, f"{r.z_value:.2f}", f"{r.z_grad_features:.2f}", f"{r.z_grad_logits:.2f}",
+                      f"{r.rel_err_grad_logits:.2%}", f"{r.std_value:.3f}", "[green]yes" if ok else "[red]NO")
     console.print(table)
     z, no_repeats = check_draws(draws=max(draws, 100_000), seed=seed)
     ok = z < Z_MAX and no_repeats

@@ -3,10 +3,20 @@
 from ats_cli.core.geometry import low_res_size, low_res_view, positions_to_offsets
 from ats_cli.core.model import ATSModel, ATSOutput
 from ats_cli.core.patches import extract_patches
-from ats_cli.core.sampling import attention_distribution, entropy, estimator_weights, expectation, sample
+from ats_cli.core.sampling import (
+    ESTIMATORS,
+    Draw,
+    attention_distribution,
+    entropy,
+    estimator_weights,
+    expectation,
+    sample,
+)
 from ats_cli.core.source import PatchSource, TensorSource, gather_patches
 
 __all__ = [
+    "ESTIMATORS",
+    "Draw",
     "ATSModel",
     "ATSOutput",
     "PatchSource",

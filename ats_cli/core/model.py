@@ -18,7 +18,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ats_cli.core.geometry import positions_to_offsets
-from ats_cli.core.sampling import attention_distribution, entropy, expectation, sample
+from ats_cli.core.sampling import (
+    ESTIMATORS,
+    attention_distribution,
+    entropy,
+    estimator_threshold,
+    expectation,
+    sample,
+)
 from ats_cli.core.source import Sources, gather_patches, source_sizes
 
 __all__ = ["ATSModel", "ATSOutput"]
@@ -46,9 +53,12 @@ class ATSModel(nn.Module):
     """Attention net + feature net + linear classifier, joined by attention sampling.
 
     ``n_patches`` of ``patch_size`` are sampled per image (``replace`` chooses with or
-    without replacement); ``scale`` is the low-res view's scale, kept here so that
-    prediction makes the same view as training; ``entropy_weight`` is lambda in
-    ``loss = CE - lambda * H(a)``; ``smoothing`` mixes uniform mass into the attention.
+    without replacement; ``estimator`` the unbiased estimator used without replacement,
+    ``auto``, ``threshold`` or ``sequential``: same expectation, different variance, see
+    :mod:`ats_cli.core.sampling`; it may be changed after training); ``scale`` is the
+    low-res view's scale, kept here so that prediction makes the same view as training;
+    ``entropy_weight`` is lambda in ``loss = CE - lambda * H(a)``; ``smoothing`` mixes
+    uniform mass into the attention.
 
     ``min_brightness`` > 0 removes dark background from the attention's support: a
     position whose low-res cell has no pixel brighter than it (max over channels) is
@@ -87,8 +97,11 @@ class ATSModel(nn.Module):
         smoothing: float = 0.0,
         min_brightness: float = 0.0,
         feature_scale: float = 1.0,
+        estimator: str = "auto",
     ):
         super().__init__()
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"unknown estimator {estimator!r}; choose from {', '.join(ESTIMATORS)}")
         self.attention_net = attention_net
         self.feature_net = feature_net
         self.classifier = nn.Linear(feature_net.out_features, n_classes)
@@ -100,6 +113,7 @@ class ATSModel(nn.Module):
         self.smoothing = float(smoothing)
         self.min_brightness = float(min_brightness)
         self.feature_scale = float(feature_scale)
+        self.estimator = estimator
 
     def support(
         self, low: torch.Tensor, att_shape: tuple[int, int], mask: torch.Tensor | None = None
@@ -140,7 +154,8 @@ class ATSModel(nn.Module):
         scores = self.attention_net(low)
         att_shape = tuple(scores.shape[-2:])
         probs = attention_distribution(scores, self.smoothing, self.support(low, att_shape, support_mask))
-        indices, sampled_probs = sample(probs, n, replace=self.replace, generator=generator)
+        draw = sample(probs, n, replace=self.replace, generator=generator)
+        indices, sampled_probs = draw.indices, draw.probs
 
         offsets = positions_to_offsets(
             indices,
@@ -155,7 +170,8 @@ class ATSModel(nn.Module):
         feats = self.feature_net(patches.flatten(0, 1)).view(B, n, -1)
         # equal norms make sampling from a optimal (thesis 3.3.4); the scale: see the class docstring
         feats = self.feature_scale * F.normalize(feats, dim=-1)
-        pooled = expectation(feats, sampled_probs, replace=self.replace)
+        threshold = estimator_threshold(self.estimator, draw, probs)
+        pooled = expectation(feats, sampled_probs, replace=self.replace, threshold=threshold)
         return ATSOutput(
             logits=self.classifier(pooled),
             attention=probs.view(B, *att_shape),
