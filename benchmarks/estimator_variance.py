@@ -9,13 +9,14 @@ report per (estimator, n):
 
 * ``rel_mse``: mean ||estimate - exact||^2 / ||exact||^2 of the pooled feature;
 * ``flip``: how often one sampling's predicted class differs from the exact one;
-* ``accuracy``: mean accuracy of one sampling, i.e. what ``ats predict --n-patches n``
-  scores on these images in expectation over seeds;
+* ``accuracy``: mean accuracy of one sampling, i.e. what ``ats predict --n-patches n
+  --estimator E`` scores on these images in expectation over seeds (``auto`` in
+  prediction is ``threshold``; its row here is its training rule);
 
 and the exact prediction's accuracy (the ceiling sampling noise cannot beat).
 
     python benchmarks/estimator_variance.py DATASET_DIR_OR_CSV --model models/megapixel-mnist-ats.pt \\
-        --images 300 --draws 64 --json benchmarks/estimator_variance.json
+        --images 200 --draws 16 --json benchmarks/estimator_variance.json
 """
 
 from __future__ import annotations
@@ -30,9 +31,13 @@ import torch.nn.functional as F
 
 from ats_cli.core.geometry import positions_to_offsets
 from ats_cli.core.model import _to_float
-from ats_cli.core.sampling import ESTIMATORS, attention_distribution, entropy, estimator_threshold, expectation, sample
+from ats_cli.core.sampling import attention_distribution, entropy, estimator_threshold, expectation, sample
 from ats_cli.core.source import gather_patches, source_sizes
 from ats_cli.predict import load_predictor, resolve_inputs
+
+# the two estimators, and auto's training rule (per image: threshold iff n >= perplexity);
+# in prediction auto IS threshold
+NAMES = ("threshold", "sequential", "auto")
 
 
 @torch.no_grad()
@@ -76,7 +81,7 @@ def main() -> None:
         raise SystemExit(f"{args.data}: no labelled images")
     open_one = predictor.opener()
     g = torch.Generator().manual_seed(args.seed)
-    stats = {(e, n): {"rel_mse": 0.0, "flip": 0.0, "correct": 0.0} for e in ESTIMATORS for n in args.n}
+    stats = {(e, n): {"rel_mse": 0.0, "flip": 0.0, "correct": 0.0} for e in NAMES for n in args.n}
     exact_correct, support_sizes, perplexities, t0 = 0, [], [], time.perf_counter()
     for count, item in enumerate(items, 1):
         opened = open_one(item.path, channels=predictor.channels, scale=model.scale, patch_size=model.patch_size)
@@ -91,7 +96,7 @@ def main() -> None:
             rows = probs.expand(args.draws, -1)
             draw = sample(rows, n, generator=g)  # one draw per row, shared by the estimators
             picked = feats[draw.indices]  # [draws, n, D]
-            for est in ESTIMATORS:
+            for est in NAMES:
                 threshold = estimator_threshold(est, draw, rows)
                 pooled = expectation(picked, draw.probs, threshold=threshold)
                 pred = model.classifier(pooled).argmax(1)
@@ -117,7 +122,7 @@ def main() -> None:
     print("| n | estimator | rel. MSE of pooled feature | P(class differs from exact) | mean accuracy |")
     print("|---:|---|---:|---:|---:|")
     for n in args.n:
-        for e in ESTIMATORS:
+        for e in NAMES:
             r = next(r for r in rows if r["estimator"] == e and r["n_patches"] == n)
             print(f"| {n} | {e} | {r['rel_mse']:.4f} | {r['flip_rate']:.2%} | {r['accuracy']:.2%} |")
     if args.json:

@@ -178,3 +178,25 @@ def test_more_patches_than_supported_cells_keeps_the_support():
     assert set(out.indices[0, :n_kept].tolist()) == set(torch.nonzero(keep[0].flatten()).flatten().tolist())
     assert bool((out.sampled_probs[0, n_kept:] == 0).all())
     assert bool((estimator_weights(out.sampled_probs[:1])[0, n_kept:] == 0).all())  # ... and weight 0
+
+
+def test_auto_estimator_is_the_per_image_rule_in_training_and_threshold_in_prediction():
+    """Same weights, same draws (same seed): in eval mode ``auto`` gives exactly the
+    ``threshold`` logits; in training mode it follows the per-image perplexity rule, which
+    for an untrained (flat) attention over 320 cells and 4 patches is ``sequential``."""
+    torch.manual_seed(0)
+    model = make_model()
+    images = torch.randint(0, 256, (2, 1, 64, 80), dtype=torch.uint8)
+    low = low_res_view(images, model.scale)
+
+    def logits(estimator, training):
+        model.estimator = estimator
+        model.train(training)
+        with torch.no_grad():
+            return model(low, images, generator=torch.Generator().manual_seed(3)).logits
+
+    torch.testing.assert_close(logits("auto", False), logits("threshold", False))
+    assert not torch.allclose(logits("auto", False), logits("sequential", False))
+    # batch norm behaves differently in train mode, so compare within train mode
+    torch.testing.assert_close(logits("auto", True), logits("sequential", True))
+    assert not torch.allclose(logits("auto", True), logits("threshold", True))

@@ -40,9 +40,9 @@ def predict(
         help="Patches sampled per image \\[default: the model's training value].")] = None,
     estimator: Annotated[str | None, typer.Option(
         "--estimator", show_default=False,
-        help="auto | threshold | sequential: the unbiased estimator (same expectation, different variance; "
-             "ats_cli/core/sampling.py) \\[default: the model's; auto for models saved before the choice "
-             "existed].")] = None,
+        help="auto | threshold | sequential: the unbiased estimator (same expectation, different noise; "
+             "in prediction auto = threshold; ats_cli/core/sampling.py) \\[default: the model's; auto for "
+             "models saved before the choice existed].")] = None,
     samples: Annotated[int, typer.Option(
         "--samples", min=1, help="Average this many independent samplings per image.")] = 1,
     batch_size: Annotated[int, typer.Option(

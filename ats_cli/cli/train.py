@@ -57,9 +57,10 @@ def train(
     scale: float = typer.Option(None, help="Scale of the low-res view \\[default: 0.12].", rich_help_panel=_METHOD),
     replace: bool = typer.Option(None, "--replace/--no-replace", help="Sample with replacement \\[default: no].",
                                  rich_help_panel=_METHOD),
-    estimator: str = typer.Option(None, help="Unbiased estimator without replacement: auto (per image: threshold "
-                                  "when n >= the attention's perplexity, else sequential) | threshold | sequential "
-                                  "(the thesis's, appendix B.3) \\[default: auto].",
+    estimator: str = typer.Option(None, help="Unbiased estimator without replacement: auto (training: per image, "
+                                  "threshold when n >= the attention's perplexity, else sequential; evaluation and "
+                                  "prediction: threshold) | threshold | sequential (the thesis's, appendix B.3) "
+                                  "\\[default: auto].",
                                   rich_help_panel=_METHOD),
     entropy: float = typer.Option(None, help="Entropy regulariser weight lambda \\[default: 0.01].",
                                   rich_help_panel=_METHOD),

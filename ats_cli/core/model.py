@@ -55,7 +55,8 @@ class ATSModel(nn.Module):
     ``n_patches`` of ``patch_size`` are sampled per image (``replace`` chooses with or
     without replacement; ``estimator`` the unbiased estimator used without replacement,
     ``auto``, ``threshold`` or ``sequential``: same expectation, different variance, see
-    :mod:`ats_cli.core.sampling`; it may be changed after training); ``scale`` is the
+    :mod:`ats_cli.core.sampling`; it may be changed after training, and ``auto`` means
+    ``threshold`` in eval mode); ``scale`` is the
     low-res view's scale, kept here so that prediction makes the same view as training;
     ``entropy_weight`` is lambda in ``loss = CE - lambda * H(a)``; ``smoothing`` mixes
     uniform mass into the attention.
@@ -170,7 +171,10 @@ class ATSModel(nn.Module):
         feats = self.feature_net(patches.flatten(0, 1)).view(B, n, -1)
         # equal norms make sampling from a optimal (thesis 3.3.4); the scale: see the class docstring
         feats = self.feature_scale * F.normalize(feats, dim=-1)
-        threshold = estimator_threshold(self.estimator, draw, probs)
+        # auto: the per-image rule in training, the threshold estimator for prediction
+        # (fewer changed decisions at every n measured; see ats_cli.core.sampling)
+        estimator = "threshold" if self.estimator == "auto" and not self.training else self.estimator
+        threshold = estimator_threshold(estimator, draw, probs)
         pooled = expectation(feats, sampled_probs, replace=self.replace, threshold=threshold)
         return ATSOutput(
             logits=self.classifier(pooled),
