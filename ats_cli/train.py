@@ -306,6 +306,7 @@ def _plot_curves(history: list[dict[str, Any]], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     epochs = [h["epoch"] for h in history]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
@@ -318,6 +319,7 @@ def _plot_curves(history: list[dict[str, Any]], path: Path) -> None:
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend()
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=100)
