@@ -21,7 +21,10 @@ def _estimator_note(model: object) -> str:
     """'estimator threshold, ' for a model that samples without replacement, else ''."""
     if getattr(model, "estimator", None) is None or getattr(model, "replace", True):
         return ""
-    return f"estimator {model.estimator}, "
+    name = model.estimator
+    if name == "auto":  # auto predicts with the threshold estimator (eval mode; ats_cli.core.model)
+        name = "auto (threshold)"
+    return f"estimator {name}, "
 
 
 @app.command()

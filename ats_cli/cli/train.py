@@ -134,7 +134,8 @@ def train(
             raise typer.Exit(2)
         overrides.update(data=str(data), out=str(out))
     try:
-        cfg = resolve_config(config, **overrides)
+        cfg = resolve_config(config, resumed=resume is not None and config == resume / "config.json",
+                             **overrides)
         ctx = distributed.from_env()
     except (ConfigError, ValueError) as e:
         console.print(f"[red]error:[/] {e}")

@@ -98,7 +98,7 @@ def sample(
     if replace:
         indices = torch.multinomial(p.float(), n, replacement=True, generator=generator)
     else:
-        # Uniforms on the generator's device; clamp keeps -log(-log(u)) finite.
+        # Uniforms on p's device (the generator must live there too); clamp keeps -log(-log(u)) finite.
         u = torch.rand(p.shape, generator=generator, device=p.device, dtype=torch.float64)
         u = u.clamp_(min=1e-300, max=1.0 - 1e-16)
         gumbel = -torch.log(-torch.log(u))
