@@ -21,10 +21,8 @@ def _estimator_note(model: object) -> str:
     """'estimator threshold, ' for a model that samples without replacement, else ''."""
     if getattr(model, "estimator", None) is None or getattr(model, "replace", True):
         return ""
-    name = model.estimator
-    if name == "auto":  # auto predicts with the threshold estimator (eval mode; ats_cli.core.model)
-        name = "auto (threshold)"
-    return f"estimator {name}, "
+    name, active = model.estimator, model.active_estimator
+    return f"estimator {name if name == active else f'{name} ({active})'}, "
 
 
 @app.command()

@@ -123,6 +123,7 @@ def train(
     from ats_cli.train import train as run_training
 
     console = Console()
+    from_run = resume is not None and config is None  # the run's own config.json: see RESUME_LEGACY
     if resume is not None:
         config = config or resume / "config.json"
         overrides["out"] = str(resume)
@@ -134,8 +135,7 @@ def train(
             raise typer.Exit(2)
         overrides.update(data=str(data), out=str(out))
     try:
-        cfg = resolve_config(config, resumed=resume is not None and config == resume / "config.json",
-                             **overrides)
+        cfg = resolve_config(config, resumed=from_run, **overrides)
         ctx = distributed.from_env()
     except (ConfigError, ValueError) as e:
         console.print(f"[red]error:[/] {e}")

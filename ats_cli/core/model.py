@@ -137,6 +137,13 @@ class ATSModel(nn.Module):
         blank = ~keep.flatten(1).any(1)
         return keep | blank[:, None, None]
 
+    @property
+    def active_estimator(self) -> str:
+        """The estimator the current mode uses: ``auto`` is the per-image rule in training and
+        the threshold estimator for prediction (fewer changed decisions at every n measured;
+        see ats_cli.core.sampling)."""
+        return "threshold" if self.estimator == "auto" and not self.training else self.estimator
+
     def forward(
         self,
         low: torch.Tensor,
@@ -171,10 +178,7 @@ class ATSModel(nn.Module):
         feats = self.feature_net(patches.flatten(0, 1)).view(B, n, -1)
         # equal norms make sampling from a optimal (thesis 3.3.4); the scale: see the class docstring
         feats = self.feature_scale * F.normalize(feats, dim=-1)
-        # auto: the per-image rule in training, the threshold estimator for prediction
-        # (fewer changed decisions at every n measured; see ats_cli.core.sampling)
-        estimator = "threshold" if self.estimator == "auto" and not self.training else self.estimator
-        threshold = estimator_threshold(estimator, draw, probs)
+        threshold = estimator_threshold(self.active_estimator, draw, probs)
         pooled = expectation(feats, sampled_probs, replace=self.replace, threshold=threshold)
         return ATSOutput(
             logits=self.classifier(pooled),
