@@ -105,7 +105,7 @@ def _inclusive_cumsum_estimator(features, sampled_probs, *, replace=False):
 
 
 class _ReferenceGradient(torch.autograd.Function):
-    """The 2019 reference's hand-written backward (anchors.md, section 1)."""
+    """The 2019 reference's hand-written backward (idiap/attention-sampling, ats/core/expectation.py)."""
 
     @staticmethod
     def forward(ctx, f, a):
@@ -152,8 +152,9 @@ def test_the_check_catches_known_wrong_estimators(wrong):
 
 
 def test_reference_control_has_unbiased_value_and_feature_gradient():
-    """anchors.md: the reference's forward and feature gradient are right; only its
-    attention gradient is biased. Our re-statement of it reproduces exactly that."""
+    """In the 2019 reference (idiap/attention-sampling, ats/core/expectation.py) the forward
+    and feature gradient are right; only its attention gradient is biased. Our re-statement
+    of it reproduces exactly that."""
     r = check_estimator(K=7, n=3, draws=60_000, seed=1, estimator=_reference_estimator)
     assert r.z_value < Z_MAX and r.z_grad_features < Z_MAX
     assert r.rel_err_grad_logits > 0.3, r

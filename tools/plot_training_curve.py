@@ -5,7 +5,8 @@
 
 Stages are drawn one after the other on a shared epoch axis (a curriculum: stage 2
 starts from stage 1's weights with ``ats train --init``). ``--reference`` marks the 2019
-reference's Megapixel MNIST plateau (test error near 90% until epoch ~210, anchors.md);
+reference's Megapixel MNIST plateau (test error near 90% until epoch ~210 in the curve
+published with the 2019 repository idiap/attention-sampling, docs/examples.md);
 ``--target 95`` draws the accuracy a released model is asked to reach.
 The per-epoch table (markdown, for a model card) is printed to stdout.
 """

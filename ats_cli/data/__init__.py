@@ -6,7 +6,11 @@
 * :mod:`ats_cli.data.megapixel_mnist` - the Megapixel MNIST generator.
 * :mod:`ats_cli.data.mnist` - where its digits come from (IDX/npz, torchvision, bundled).
 
-Nothing here imports torch; the optional MNIST download imports torchvision lazily.
+Importing this package (the modules above) does not import torch; the optional MNIST
+download imports torchvision lazily. These modules import torch and are not imported
+here: :mod:`~ats_cli.data.images`, :mod:`~ats_cli.data.inputs` and
+:mod:`~ats_cli.data.loader` (reading images for a model), :mod:`~ats_cli.data.slides`
+(lazy slide readers) and :mod:`~ats_cli.data.synthetic_slides` (the slide generator).
 """
 
 from ats_cli.data.dataset import Dataset, DatasetError, Problem, Record, load_dataset, write_dataset

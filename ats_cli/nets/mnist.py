@@ -1,4 +1,4 @@
-"""The paper's Megapixel MNIST networks (thesis B.8.1; anchors.md, training defaults)."""
+"""The paper's Megapixel MNIST networks (thesis B.8.1; defaults: idiap/attention-sampling, scripts/mnist.py)."""
 
 from __future__ import annotations
 
