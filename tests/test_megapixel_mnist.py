@@ -167,6 +167,9 @@ def test_presets_and_overrides() -> None:
     small = make_config("small", n_noise=None, seed=7)
     assert (small.width, small.n_train, small.n_noise, small.seed) == (500, 1000, 10, 7)
     assert PRESETS["paper"] == MegapixelMNISTConfig()
+    # both presets use the reference generator's noise, placed as it places it
+    for config in (paper, small):
+        assert (config.noise, config.noise_overlap, config.overlaps("reference")) == ("reference", None, True)
 
 
 @pytest.mark.parametrize(
@@ -174,7 +177,10 @@ def test_presets_and_overrides() -> None:
     [
         (dict(n_target=6), "n_target must be in 1..n_digits"),
         (dict(n_digits=30, n_target=3), "cannot all stay below"),
-        (dict(width=100, height=100, n_noise=20), "would cover over half"),
+        (dict(width=100, height=100, n_noise=20, noise="strokes"), "would cover over half"),
+        (dict(width=100, height=100, n_digits=9, n_target=5), "would cover over half"),
+        (dict(noise="fog"), "unknown noise family 'fog'"),
+        (dict(noise_overlap=1), "noise_overlap must be True, False or None"),
         (dict(width=20), "smaller than a digit"),
         (dict(n_test=0), "n_train and n_test must be at least 1"),
     ],
@@ -194,7 +200,9 @@ def test_unknown_preset() -> None:
 
 @pytest.mark.parametrize("n_digits, n_target", [(5, 3), (7, 2)])
 def test_image_content_matches_recorded_boxes(bundled: DigitSet, n_digits: int, n_target: int) -> None:
-    config = make_config("small", width=260, height=240, n_noise=12, n_digits=n_digits, n_target=n_target)
+    # non-overlapping noise (strokes); the reference's overlapping noise: tests/test_noise.py
+    config = make_config("small", width=260, height=240, n_noise=12, n_digits=n_digits, n_target=n_target,
+                         noise="strokes")
     targets = set()
     for split in ("train", "test"):
         images = bundled.x_train if split == "train" else bundled.x_test

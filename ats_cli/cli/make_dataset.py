@@ -15,8 +15,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ats_cli.data.dataset import DatasetError
 from ats_cli.data.folder import dataset_from_folder
 from ats_cli.data.generation import GenerationReport
-from ats_cli.data.megapixel_mnist import PlacementError, check_output, generate_megapixel_mnist, make_config
+from ats_cli.data.megapixel_mnist import (
+    MegapixelMNISTConfig,
+    PlacementError,
+    check_output,
+    generate_megapixel_mnist,
+    make_config,
+)
 from ats_cli.data.mnist import DigitSourceError, resolve_digits
+from ats_cli.data.noise import FAMILIES as NOISE_FAMILIES
 
 make_dataset_app = typer.Typer(
     help="Create a dataset in the ats format (train.csv / test.csv / dataset.json).",
@@ -60,6 +67,15 @@ def megapixel_mnist(
     = None,
     n_noise: Annotated[int | None, typer.Option("--n-noise", help="Noise patches per image (paper: 50).")] = None,
     seed: Annotated[int | None, typer.Option(help="Seed; train images use seed+1, test images seed (0).")] = None,
+    noise: Annotated[str | None, typer.Option(
+        "--noise", metavar="FAMILY[,FAMILY...]",
+        help=f"Noise family ({', '.join(NOISE_FAMILIES)}); several, comma-separated, are mixed (each noise "
+             "patch draws its family uniformly from the list). Both presets: reference, the paper's. "
+             "A clean set: --n-noise 0. See docs/datasets.md.")] = None,
+    noise_overlap: Annotated[bool | None, typer.Option(
+        "--noise-overlap/--no-noise-overlap", show_default=False,
+        help="May noise cover digits? Overlapping noise is placed independently of the digits and pasted "
+             "after them, as the reference does. \\[default: per family: reference yes, the others no]")] = None,
     mnist: Annotated[Path | None, typer.Option("--mnist", help="MNIST IDX directory (.gz or not) or .npz with "
                                                "x_train/y_train/x_test/y_test. Default: cached/downloaded MNIST, "
                                                "else the bundled sample digits.")] = None,
@@ -72,7 +88,8 @@ def megapixel_mnist(
     try:
         config = make_config(
             preset.value, n_train=n_train, n_test=n_test, width=width, height=height,
-            n_digits=n_digits, n_target=n_target, n_noise=n_noise, seed=seed,
+            n_digits=n_digits, n_target=n_target, n_noise=n_noise, seed=seed, noise=noise,
+            noise_overlap=noise_overlap,
         )
         digits = resolve_digits(
             mnist,
@@ -85,7 +102,7 @@ def megapixel_mnist(
     console.print(
         f"Megapixel MNIST -> [bold]{out}[/]: {config.n_train} train + {config.n_test} test images, "
         f"{config.width}x{config.height}, {config.n_digits} digits ({config.n_target} target), "
-        f"{config.n_noise} noise, seed {config.seed}, {workers} worker(s)",
+        f"{config.n_noise} noise ({_noise_text(config)}), seed {config.seed}, {workers} worker(s)",
         highlight=False,
     )
     console.print(f"digits: {digits.description}", highlight=False)
@@ -96,6 +113,13 @@ def megapixel_mnist(
 
     _generate(lambda progress: generate_megapixel_mnist(out, config, digits, workers=workers, progress=progress),
               {"train": config.n_train, "test": config.n_test})
+
+
+def _noise_text(config: MegapixelMNISTConfig) -> str:
+    """'reference, may cover digits' / 'strokes+blobs, never on digits' / mixed placement."""
+    rules = {config.overlaps(f) for f in config.families}
+    where = "may cover digits" if rules == {True} else "never on digits" if rules == {False} else "per family"
+    return f"{'+'.join(config.families)}, {where}"
 
 
 def _generate(run: Callable[[Callable[[str, int, int], None]], GenerationReport], totals: dict[str, int]) -> None:

@@ -1,11 +1,13 @@
 """Megapixel MNIST: the synthetic benchmark of attention sampling (thesis §3.4.2).
 
 Each image is a black ``height x width`` canvas with ``n_digits`` MNIST digits
-(``n_target`` of the target class, the rest of other classes) and ``n_noise`` noise
-patches of digit size, all at random, pairwise non-overlapping positions. The label is
-the majority digit. At the recommended low-resolution scale (0.12) a digit covers about
-3x3 pixels: the attention network can see *where* something is but has to fetch the
-full-resolution patch to read it, which is the point of the benchmark.
+(``n_target`` of the target class, the rest of other classes) at random, pairwise
+non-overlapping positions, and ``n_noise`` noise patches of digit size from one or more
+noise families (:mod:`ats_cli.data.noise`). The label is the majority digit. At the
+recommended low-resolution scale (0.12) a digit covers about 3x3 pixels: the attention
+network can see *where* something is but has to fetch the full-resolution patch to read
+it, which is the point of the benchmark. The low-resolution view is not made here:
+``ats train`` computes it from the PNG.
 
 Design choices, and why:
 
@@ -17,9 +19,17 @@ Design choices, and why:
   metadata of images it skips without re-rendering them.
 * **Disjoint digit pools.** Train images use only the source's train digits, test images
   only its test digits, so no test digit was ever seen in training.
-* **Noise never hides a digit.** Digits are placed first, then the noise patches
-  ("two-line scribbles": two random thick line segments in a digit-sized box, intensity
-  multiplied by U(0.8, 1)), and no two boxes overlap. Every pixel outside the boxes is 0.
+* **The paper's noise by default.** Both presets use the ``reference`` family: the 2019
+  reference generator's noise (idiap/attention-sampling, ``scripts/make_mnist.py``),
+  50 thin-line patterns per split, pasted after the digits at positions independent of
+  them, so a noise patch may cover part of a digit as in the paper's data. Other
+  families (``--noise``) are placed where they cannot cover a digit unless asked
+  (``--noise-overlap``); :mod:`ats_cli.data.noise` says why. Version 1 of this generator
+  drew the ``strokes`` family only; ``noise="strokes"`` still gives its images.
+* **Split-level noise patterns.** The reference's patterns belong to a split, not an
+  image: they come from ``SeedSequence(entropy=split_seed, spawn_key=(0, 1))`` (a
+  two-word key, which no image's one-word key can equal), so every worker and every
+  resumed run derives the same 50 patterns without sharing state.
 * **Atomic, resumable output.** Each PNG is written to a temporary file and renamed; a
   rerun skips PNGs that are already complete, refuses to mix in a run with different
   parameters (``.ats-generate.json`` records them while the run is in progress), and
@@ -28,6 +38,7 @@ Design choices, and why:
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -45,6 +56,7 @@ from ats_cli.data.dataset import (
 )
 from ats_cli.data.generation import SPLITS, GenerationReport, run_generation
 from ats_cli.data.mnist import DigitSet
+from ats_cli.data.noise import FAMILIES, REFERENCE_MARGIN, NoiseContext, parse_families, reference_patterns
 
 __all__ = [
     "GENERATOR_NAME",
@@ -63,11 +75,9 @@ __all__ = [
 GENERATOR_NAME = "megapixel-mnist"
 # Bump whenever the same parameters would produce different pixels or CSV rows, so a
 # resumed run never mixes images from two versions of the generator.
-GENERATOR_VERSION = 1
+# Version 2: noise families (default: the reference's); version 1 = noise="strokes".
+GENERATOR_VERSION = 2
 PNG_COMPRESS_LEVEL = 6  # fixed: the PNG bytes must not depend on Pillow's defaults
-NOISE_GAIN = (0.8, 1.0)  # scribble intensity is multiplied by U(0.8, 1)
-NOISE_MIN_LENGTH = 10.0  # shorter segments look like dots, not strokes
-STROKE_HALF_WIDTH = 1.0  # full intensity within 1 px of the segment, fading to 0 at 2 px
 MAX_PLACEMENT_TRIES = 10_000  # per object; beyond that the canvas is too crowded
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _PNG_IEND = b"\x00\x00\x00\x00IEND\xaeB`\x82"
@@ -89,12 +99,29 @@ class MegapixelMNISTConfig:
     n_target: int = 3
     n_noise: int = 50
     seed: int = 0
+    noise: str = "reference"  # family, or comma-separated families mixed per patch
+    noise_overlap: bool | None = None  # None: each family's default (reference: True, others: False)
+
+    @property
+    def families(self) -> tuple[str, ...]:
+        return parse_families(self.noise)
+
+    def overlaps(self, family: str) -> bool:
+        """Whether ``family``'s patches are placed independently of the digits (and may cover them)."""
+        return FAMILIES[family].overlap if self.noise_overlap is None else self.noise_overlap
 
     def validate(self, digit_shape: tuple[int, int] = (28, 28)) -> None:
         """Raise ``ValueError`` naming the first impossible parameter."""
         for f in fields(self):
             value = getattr(self, f.name)
-            if not isinstance(value, int) or isinstance(value, bool):
+            if f.name == "noise":
+                if not isinstance(value, str):
+                    raise ValueError(f"noise must be a string, got {value!r}")
+                parse_families(value)
+            elif f.name == "noise_overlap":
+                if value is not None and not isinstance(value, bool):
+                    raise ValueError(f"noise_overlap must be True, False or None, got {value!r}")
+            elif not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{f.name} must be an integer, got {value!r}")
         if self.n_train < 1 or self.n_test < 1:
             raise ValueError("n_train and n_test must be at least 1 (both splits are required)")
@@ -115,35 +142,52 @@ class MegapixelMNISTConfig:
             )
         if self.n_noise < 0:
             raise ValueError(f"n_noise must be >= 0, got {self.n_noise}")
-        objects = self.n_digits + self.n_noise
+        overlapping = [self.overlaps(f) for f in self.families]
+        if self.n_noise and any(overlapping) and min(self.height - h, self.width - w) < REFERENCE_MARGIN + 1:
+            raise ValueError(
+                f"overlapping noise is placed in [{REFERENCE_MARGIN}, size - {REFERENCE_MARGIN}) per axis, which "
+                f"is empty on a {self.width}x{self.height} canvas; enlarge it or use --n-noise 0"
+            )
+        # only digits and non-overlapping noise need room of their own
+        objects = self.n_digits + (self.n_noise if not all(overlapping) else 0)
         if objects * h * w > 0.5 * self.height * self.width:
             raise ValueError(
                 f"{objects} objects of {w}x{h} would cover over half of a {self.width}x{self.height} canvas; "
                 "random non-overlapping placement needs more room (enlarge the canvas or lower n_noise)"
             )
 
-    def params(self) -> dict[str, int]:
+    def params(self) -> dict[str, Any]:
         return asdict(self)
 
 
 PRESETS: dict[str, MegapixelMNISTConfig] = {
-    # Thesis §3.4.2 / the reference generator.
+    # Thesis §3.4.2 / the reference generator, its noise included.
     "paper": MegapixelMNISTConfig(),
     # Demo and CI: a quarter megapixel and 1,200 images, same digit size and the same
     # low-resolution scale, so a digit is still ~3x3 low-res pixels (unreadable there).
+    # Same (reference) noise as the paper, so a demo model meets the paper's distractors;
+    # with 10 patches on 500x500, few images have a digit partly covered.
     "small": MegapixelMNISTConfig(n_train=1000, n_test=200, width=500, height=500, n_noise=10),
 }
 
 
-def make_config(preset: str = "paper", **overrides: int | None) -> MegapixelMNISTConfig:
-    """The preset's parameters with every non-``None`` override applied, validated."""
+def make_config(preset: str = "paper", **overrides: Any) -> MegapixelMNISTConfig:
+    """The preset's parameters with every non-``None`` override applied, validated.
+
+    ``noise`` may be a comma-separated string or a list of family names; it is stored as
+    ``"a,b"``. ``noise_overlap=None`` keeps the per-family default (it cannot be
+    overridden back to ``None``, which is the presets' value anyway).
+    """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     known = {f.name for f in fields(MegapixelMNISTConfig)}
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise ValueError(f"unknown parameter(s) {unknown}")
-    config = replace(PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None})
+    values = {k: v for k, v in overrides.items() if v is not None}
+    if "noise" in values:
+        values["noise"] = ",".join(parse_families(values["noise"]))
+    config = replace(PRESETS[preset], **values)
     config.validate()
     return config
 
@@ -167,8 +211,9 @@ class Layout:
     """Every random choice for one image; rendering it is deterministic.
 
     ``digit_boxes``/``noise_boxes`` hold top-left corners (row, col); all boxes have the
-    digit's size ``box``. ``digit_index`` indexes the split's digit pool. ``noise_lines``
-    holds, per patch, two segments (r0, c0, r1, c1) in patch coordinates.
+    digit's size ``box``. ``digit_index`` indexes the split's digit pool. Noise patch ``k``
+    is ``noise_patches[k]`` (already rendered by its family ``noise_families[k]``), pasted
+    in order after the digits.
     """
 
     target: int
@@ -176,8 +221,8 @@ class Layout:
     digit_index: np.ndarray  # [n_digits] int, into the split's images
     digit_boxes: np.ndarray  # [n_digits, 2] int (row, col)
     noise_boxes: np.ndarray  # [n_noise, 2] int (row, col)
-    noise_lines: np.ndarray  # [n_noise, 2, 4] float
-    noise_gain: np.ndarray  # [n_noise] float
+    noise_families: tuple[str, ...]  # [n_noise]
+    noise_patches: np.ndarray  # [n_noise, h, w] uint8
     box: tuple[int, int]  # (h, w)
 
     def digits_json(self) -> str:
@@ -211,6 +256,20 @@ def _image_rng(seed: int, split: str, index: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence(entropy=_split_seed(seed, split), spawn_key=(index,)))
 
 
+@functools.lru_cache(maxsize=8)
+def split_patterns(seed: int, split: str) -> np.ndarray:
+    """The 50 ``reference`` noise patterns of ``split`` (read-only; depends on nothing but seed and split)."""
+    rng = np.random.default_rng(np.random.SeedSequence(entropy=_split_seed(seed, split), spawn_key=(0, 1)))
+    patterns = reference_patterns(rng)
+    patterns.flags.writeable = False
+    return patterns
+
+
+def _noise_context(config: MegapixelMNISTConfig, split: str, images: np.ndarray) -> NoiseContext:
+    needs_patterns = config.n_noise > 0 and "reference" in config.families
+    return NoiseContext(patterns=split_patterns(config.seed, split) if needs_patterns else None, digits=images)
+
+
 def _place(rng: np.random.Generator, n: int, placed: list[tuple[int, int]], config: MegapixelMNISTConfig,
            box: tuple[int, int]) -> list[tuple[int, int]]:
     """Rejection-sample ``n`` top-left corners whose boxes overlap neither each other nor ``placed``."""
@@ -234,7 +293,7 @@ def _place(rng: np.random.Generator, n: int, placed: list[tuple[int, int]], conf
 
 
 def _sample_layout(rng: np.random.Generator, pools: Sequence[np.ndarray], config: MegapixelMNISTConfig,
-                   box: tuple[int, int]) -> Layout:
+                   box: tuple[int, int], context: NoiseContext) -> Layout:
     target = int(rng.integers(10))
     classes = [target] * config.n_target
     counts = dict.fromkeys(range(10), 0)
@@ -253,41 +312,37 @@ def _sample_layout(rng: np.random.Generator, pools: Sequence[np.ndarray], config
         picks = rng.choice(len(pool), size=len(slots), replace=len(pool) < len(slots))
         digit_index[slots] = pool[picks]
     digit_boxes = _place(rng, config.n_digits, [], config, box)
-    noise_boxes = _place(rng, config.n_noise, digit_boxes, config, box)
-    h, w = box
-    lines = np.empty((config.n_noise, 2, 4), dtype=np.float64)
-    for i in range(config.n_noise):
-        for j in range(2):
-            while True:
-                r0, r1 = rng.uniform(1.0, h - 2.0, size=2)
-                c0, c1 = rng.uniform(1.0, w - 2.0, size=2)
-                if np.hypot(r1 - r0, c1 - c0) >= min(NOISE_MIN_LENGTH, 0.5 * min(h, w)):
-                    break
-            lines[i, j] = (r0, c0, r1, c1)
-    gain = rng.uniform(*NOISE_GAIN, size=config.n_noise)
+
+    # Noise, in a fixed draw order: each patch's family (only when several are mixed),
+    # the non-overlapping boxes, the overlapping boxes, then the patches. With the single
+    # family "strokes" this is exactly version 1's order, hence its exact images.
+    n, families = config.n_noise, config.families
+    if len(families) == 1:
+        chosen = [families[0]] * n
+    else:
+        chosen = [families[int(k)] for k in rng.integers(len(families), size=n)]
+    free = [k for k in range(n) if not config.overlaps(chosen[k])]
+    boxes = np.zeros((n, 2), dtype=np.int64)
+    boxes[free] = np.array(_place(rng, len(free), digit_boxes, config, box), dtype=np.int64).reshape(-1, 2)
+    over = [k for k in range(n) if config.overlaps(chosen[k])]
+    if over:
+        # the reference's rule: top-left corner uniform in [28, size - 28), digits ignored
+        boxes[over, 0] = rng.integers(REFERENCE_MARGIN, config.height - REFERENCE_MARGIN, size=len(over))
+        boxes[over, 1] = rng.integers(REFERENCE_MARGIN, config.width - REFERENCE_MARGIN, size=len(over))
+    if len(families) == 1:
+        patches = FAMILIES[families[0]].many(rng, context, n)
+    else:
+        patches = [FAMILIES[f].render(rng, context) for f in chosen]
     return Layout(
         target=target,
         digit_classes=digit_classes,
         digit_index=digit_index,
         digit_boxes=np.array(digit_boxes, dtype=np.int64).reshape(-1, 2),
-        noise_boxes=np.array(noise_boxes, dtype=np.int64).reshape(-1, 2),
-        noise_lines=lines,
-        noise_gain=gain,
+        noise_boxes=boxes,
+        noise_families=tuple(chosen),
+        noise_patches=np.array(patches, dtype=np.uint8).reshape(n, *box),
         box=box,
     )
-
-
-def _scribble(lines: np.ndarray, gain: float, box: tuple[int, int]) -> np.ndarray:
-    """Rasterise two thick segments (anti-aliased by distance) into a uint8 patch."""
-    h, w = box
-    rr, cc = np.mgrid[0:h, 0:w].astype(np.float64)
-    out = np.zeros((h, w), dtype=np.float64)
-    for r0, c0, r1, c1 in lines:
-        dr, dc = r1 - r0, c1 - c0
-        t = np.clip(((rr - r0) * dr + (cc - c0) * dc) / (dr * dr + dc * dc), 0.0, 1.0)
-        dist = np.hypot(rr - (r0 + t * dr), cc - (c0 + t * dc))
-        out = np.maximum(out, np.clip(2.0 * STROKE_HALF_WIDTH - dist, 0.0, 1.0))
-    return np.rint(out * (255.0 * gain)).astype(np.uint8)
 
 
 def _render(layout: Layout, images: np.ndarray, config: MegapixelMNISTConfig) -> np.ndarray:
@@ -295,8 +350,9 @@ def _render(layout: Layout, images: np.ndarray, config: MegapixelMNISTConfig) ->
     h, w = layout.box
     for (r, c), idx in zip(layout.digit_boxes, layout.digit_index, strict=True):
         canvas[r : r + h, c : c + w] = images[idx]
-    for (r, c), lines, gain in zip(layout.noise_boxes, layout.noise_lines, layout.noise_gain, strict=True):
-        canvas[r : r + h, c : c + w] = _scribble(lines, float(gain), layout.box)
+    # after the digits, whole boxes (black included), as the reference pastes its noise
+    for (r, c), patch in zip(layout.noise_boxes, layout.noise_patches, strict=True):
+        canvas[r : r + h, c : c + w] = patch
     return canvas
 
 
@@ -311,7 +367,8 @@ def _split_arrays(digits: DigitSet, split: str) -> tuple[np.ndarray, np.ndarray]
 def image_layout(config: MegapixelMNISTConfig, digits: DigitSet, split: str, index: int) -> Layout:
     """The layout of image ``index`` of ``split`` (what :func:`generate_megapixel_mnist` writes)."""
     images, labels = _split_arrays(digits, split)
-    return _sample_layout(_image_rng(config.seed, split, index), _pools(labels), config, images.shape[1:3])
+    return _sample_layout(_image_rng(config.seed, split, index), _pools(labels), config, images.shape[1:3],
+                          _noise_context(config, split, images))
 
 
 def render_image(config: MegapixelMNISTConfig, digits: DigitSet, split: str, index: int) -> tuple[np.ndarray, Layout]:
@@ -352,6 +409,7 @@ class _Job:
     out: Path
     arrays: dict[str, tuple[np.ndarray, list[np.ndarray]]]  # split -> (images, per-class pools)
     name_width: int
+    contexts: dict[str, NoiseContext]  # split -> its noise material (reference patterns, digits)
 
     def name(self, index: int) -> str:
         return f"{index:0{self.name_width}d}.png"
@@ -361,7 +419,8 @@ class _Job:
         box = images.shape[1:3]
         results = []
         for index in indices:
-            layout = _sample_layout(_image_rng(self.config.seed, split, index), pools, self.config, box)
+            layout = _sample_layout(_image_rng(self.config.seed, split, index), pools, self.config, box,
+                                    self.contexts[split])
             rel = f"{split}/{self.name(index)}"
             path = self.out / rel
             wrote = False
@@ -381,14 +440,26 @@ def fingerprint(config: MegapixelMNISTConfig, digits: DigitSet) -> dict[str, Any
         "version": GENERATOR_VERSION,
         "params": config.params(),
         "seeding": "image i of a split: numpy SeedSequence(entropy=seed+1 for train / seed for test, spawn_key=(i,))",
-        "noise": {
-            "kind": "two-line scribbles",
-            "gain": list(NOISE_GAIN),
-            "min_length": NOISE_MIN_LENGTH,
-            "stroke_half_width": STROKE_HALF_WIDTH,
-        },
+        "noise": noise_block(config),
         "png_compress_level": PNG_COMPRESS_LEVEL,
         "digits": digits.summary(),
+    }
+
+
+def noise_block(config: MegapixelMNISTConfig) -> dict[str, Any]:
+    """What ``dataset.json`` says about the noise: families, their parameters, placement, mixing."""
+    families = config.families
+    return {
+        "families": list(families),
+        "mixing": "one family per patch, uniform over the list" if len(families) > 1 else "single family",
+        "overlap": {f: config.overlaps(f) for f in families},
+        "placement": {
+            "overlapping": f"top-left corner uniform in [{REFERENCE_MARGIN}, size - {REFERENCE_MARGIN}) per axis, "
+                           "independent of the digits; the whole box pasted after the digits",
+            "non_overlapping": "rejection-sampled so the box meets no digit box and no other such noise box",
+        },
+        "params": {f: dict(FAMILIES[f].params) for f in families},
+        "pattern_seeding": "reference patterns of a split: numpy SeedSequence(entropy=split seed, spawn_key=(0, 1))",
     }
 
 
@@ -432,12 +503,15 @@ def generate_megapixel_mnist(
     digit_shape = digits.x_train.shape[1:3]
     if digits.x_test.shape[1:3] != digit_shape:
         raise ValueError(f"train digits are {digit_shape}, test digits {digits.x_test.shape[1:3]}")
+    if digit_shape != (28, 28):
+        raise ValueError(f"digits must be 28x28 like the noise patches, got {digit_shape}")
     config.validate(digit_shape)
     job = _Job(
         config=config,
         out=out,
         arrays={s: (_split_arrays(digits, s)[0], _pools(_split_arrays(digits, s)[1])) for s in SPLITS},
         name_width=max(5, len(str(max(config.n_train, config.n_test) - 1))),
+        contexts={s: _noise_context(config, s, _split_arrays(digits, s)[0]) for s in SPLITS},
     )
     return run_generation(
         out, fingerprint(config, digits), job, {"train": config.n_train, "test": config.n_test},
@@ -445,7 +519,8 @@ def generate_megapixel_mnist(
             "classes": [str(d) for d in range(10)],
             "hints": recommended_hints(config),
             "description": f"Megapixel MNIST ({config.width}x{config.height}, {config.n_digits} digits of which "
-            f"{config.n_target} of the target class, {config.n_noise} noise patches); label = majority digit",
+            f"{config.n_target} of the target class, {config.n_noise} noise patches ({config.noise})); "
+            "label = majority digit",
         },
         workers=workers, chunk_size=chunk_size, progress=progress, differences=_differences,
         source=digits.description,

@@ -1,0 +1,230 @@
+"""Megapixel MNIST noise families: the reference's noise recipe, placement, mixing, records.
+
+The ``reference`` family must be the 2019 reference generator's noise
+(idiap/attention-sampling, scripts/make_mnist.py): 50 patterns per split, each the union
+of two 1-px lines from a top corner, per-pixel gain U(0.8, 1), pasted after the digits
+anywhere in [28, H-28). Offline like tests/test_megapixel_mnist.py (bundled digits only).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ats_cli.data import DatasetError, load_dataset
+from ats_cli.data.megapixel_mnist import (
+    generate_megapixel_mnist,
+    make_config,
+    render_image,
+    split_patterns,
+)
+from ats_cli.data.mnist import DigitSet, load_bundled_digits
+from ats_cli.data.noise import parse_families
+
+TINY = dict(n_train=4, n_test=3, width=160, height=140, n_noise=6, seed=0)
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("ATS_OFFLINE", "1")
+    monkeypatch.setenv("ATS_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def bundled() -> DigitSet:
+    return load_bundled_digits()
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _connected_to_top_corners(lit: np.ndarray) -> np.ndarray:
+    """The lit pixels reachable (8-connectivity, through lit pixels) from a lit (0, 0) or (0, 27)."""
+    seen = np.zeros_like(lit)
+    stack = [(0, c) for c in (0, lit.shape[1] - 1) if lit[0, c]]
+    for r, c in stack:
+        seen[r, c] = True
+    while stack:
+        r, c = stack.pop()
+        for dr in (-1, 0, 1):
+            for dc in (-1, 0, 1):
+                rr, cc = r + dr, c + dc
+                if 0 <= rr < lit.shape[0] and 0 <= cc < lit.shape[1] and lit[rr, cc] and not seen[rr, cc]:
+                    seen[rr, cc] = True
+                    stack.append((rr, cc))
+    return seen
+
+
+# ---------------------------------------------------------------------------- reference: the patterns
+
+
+def test_reference_patterns_follow_the_recipe() -> None:
+    patterns = split_patterns(0, "test")
+    assert patterns.shape == (50, 28, 28) and patterns.dtype == np.uint8
+    assert len({p.tobytes() for p in patterns}) == 50, "50 distinct patterns per split"
+    for p in patterns:
+        lit = p > 0
+        assert lit[0, 0], "the pattern's own line starts at the top-left corner"
+        # gain U(0.8, 1) per lit pixel, times 255, drawn per pixel (so it varies inside a pattern)
+        assert p[lit].min() >= int(0.8 * 255) and p[lit].max() <= 255
+        assert len(np.unique(p[lit])) >= 5
+        # two lines of 28-56 pixels each, both 1 px wide: never a filled 3x3 block
+        assert 28 <= lit.sum() <= 112
+        blocks = np.lib.stride_tricks.sliding_window_view(lit, (3, 3)).all(axis=(2, 3))
+        assert not blocks.any(), "a 1-px line pair cannot fill a 3x3 block"
+        # every line touches (0, 0) or its mirror (0, 27): all ink is connected to those corners
+        assert (_connected_to_top_corners(lit) == lit).all()
+        # slopes up to tan(72 deg): on row 0 a line covers at most 3 pixels next to its corner
+        assert set(np.flatnonzero(lit[0])) <= {0, 1, 2, 25, 26, 27}
+
+
+def test_reference_partner_mirrored_about_four_ninths() -> None:
+    # two independent 1/3 mirrorings along the same axis: net 2 * 0.33 * 0.67 = 0.44
+    mirrored = [bool(p[0, 27]) for seed in range(20) for p in split_patterns(seed, "test")]
+    assert 0.38 <= np.mean(mirrored) <= 0.50
+
+
+def test_reference_patterns_per_split_and_seed() -> None:
+    train, test = split_patterns(0, "train"), split_patterns(0, "test")
+    assert not ({p.tobytes() for p in train} & {p.tobytes() for p in test}), "splits have their own patterns"
+    np.testing.assert_array_equal(split_patterns(0, "test"), test)
+    assert not np.array_equal(split_patterns(1, "test"), test)
+    # the reference's seeding: train of seed s draws what test of seed s+1 draws
+    np.testing.assert_array_equal(split_patterns(1, "test"), train)
+    with pytest.raises(ValueError):
+        test[0, 0, 0] = 1  # shared by every image of the split: read-only
+
+
+# ---------------------------------------------------------------------------- reference: the images
+
+
+def test_reference_images_use_the_split_patterns(bundled: DigitSet) -> None:
+    config = make_config("small", width=300, height=260, n_noise=20)
+    assert config.noise == "reference" and config.overlaps("reference")
+    for split in ("train", "test"):
+        patterns = {p.tobytes(): i for i, p in enumerate(split_patterns(0, split))}
+        used = set()
+        for index in range(12):
+            image, layout = render_image(config, bundled, split, index)
+            assert layout.noise_families == ("reference",) * 20
+            for k, ((r, c), patch) in enumerate(zip(layout.noise_boxes.tolist(), layout.noise_patches, strict=True)):
+                assert patch.tobytes() in patterns, "every noise patch is one of the split's 50 patterns"
+                used.add(patterns[patch.tobytes()])
+                assert 28 <= r < 260 - 28 and 28 <= c < 300 - 28
+                later = layout.noise_boxes[k + 1 :]
+                if not np.any((np.abs(later[:, 0] - r) < 28) & (np.abs(later[:, 1] - c) < 28)):
+                    np.testing.assert_array_equal(image[r : r + 28, c : c + 28], patch)
+        assert len(used) >= 40, "pattern indices are drawn uniformly from 0..49"
+
+
+def test_reference_noise_is_pasted_over_digits(bundled: DigitSet) -> None:
+    config = make_config("paper", n_train=1, n_test=1)
+    covered = 0
+    for index in range(40):
+        image, layout = render_image(config, bundled, "test", index)
+        for r, c in layout.digit_boxes.tolist():
+            rows, cols = layout.noise_boxes[:, 0], layout.noise_boxes[:, 1]
+            hits = np.flatnonzero((np.abs(rows - r) < 28) & (np.abs(cols - c) < 28))
+            if len(hits):
+                k = hits[-1]  # the last patch pasted over this digit box
+                nr, nc = layout.noise_boxes[k]
+                r0, r1, c0, c1 = max(r, nr), min(r, nr) + 28, max(c, nc), min(c, nc) + 28
+                np.testing.assert_array_equal(image[r0:r1, c0:c1],
+                                              layout.noise_patches[k][r0 - nr : r1 - nr, c0 - nc : c1 - nc])
+                covered += 1
+    # positions ignore the digits: with 50 patches on 1500x1500 about 3 in 10 images have a digit box hit
+    assert 3 <= covered <= 40
+
+
+def test_reference_images_are_deterministic(bundled: DigitSet) -> None:
+    config = make_config("small", **TINY)
+    a, _ = render_image(config, bundled, "test", 2)
+    b, _ = render_image(config, bundled, "test", 2)
+    np.testing.assert_array_equal(a, b)
+    other, _ = render_image(make_config("small", **{**TINY, "seed": 5}), bundled, "test", 2)
+    assert not np.array_equal(a, other)
+
+
+def test_strokes_reproduce_generator_version_1(bundled: DigitSet) -> None:
+    """``noise="strokes"`` keeps version 1's draw order: the same pixels as version 1 gave."""
+    expected = {  # sha256 of the raw pixels, recorded with generator version 1
+        ("tiny", "train", 0): "70011c1a8c69f3ee",
+        ("tiny", "test", 3): "6bce1fce19fa9eab",
+        ("small", "train", 0): "2743d46c439ad08d",
+        ("small", "test", 3): "10798c46c2f1dea7",
+    }
+    configs = {"tiny": make_config("small", **{**TINY, "n_train": 6, "n_test": 4}, noise="strokes"),
+               "small": make_config("small", noise="strokes")}
+    for (name, split, index), digest in expected.items():
+        image, layout = render_image(configs[name], bundled, split, index)
+        assert hashlib.sha256(image.tobytes()).hexdigest()[:16] == digest, (name, split, index)
+        assert not configs[name].overlaps("strokes")
+
+
+# ---------------------------------------------------------------------------- records and resume
+
+
+def test_dataset_json_records_the_noise(tmp_path: Path, bundled: DigitSet) -> None:
+    config = make_config("small", **TINY)
+    generate_megapixel_mnist(tmp_path / "ref", config, bundled, workers=1)
+    gen = load_dataset(tmp_path / "ref").meta["generator"]
+    assert gen["version"] == 2
+    assert gen["params"]["noise"] == "reference" and gen["params"]["noise_overlap"] is None
+    assert gen["noise"]["families"] == ["reference"] and gen["noise"]["overlap"] == {"reference": True}
+    assert gen["noise"]["params"]["reference"]["patterns_per_split"] == 50
+    assert "reference" in json.loads((tmp_path / "ref" / "dataset.json").read_text())["description"]
+
+
+def test_resume_with_other_noise_is_refused(tmp_path: Path, bundled: DigitSet) -> None:
+    config = make_config("small", **TINY)
+    out = tmp_path / "out"
+    generate_megapixel_mnist(out, config, bundled, workers=1)
+    before = _files(out)
+    with pytest.raises(DatasetError, match="noise: reference -> strokes"):
+        generate_megapixel_mnist(out, make_config("small", **TINY, noise="strokes"), bundled, workers=1)
+    with pytest.raises(DatasetError, match="noise_overlap: None -> False"):
+        generate_megapixel_mnist(out, make_config("small", **TINY, noise_overlap=False), bundled, workers=1)
+    assert _files(out) == before
+    again = generate_megapixel_mnist(out, config, bundled, workers=1)
+    assert (again.written, again.skipped) == (0, 7)
+
+
+def test_cli_noise_options(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from ats_cli.cli.make_dataset import make_dataset_app
+
+    runner = CliRunner()
+    flags = ["--preset", "small", "--n-train", "2", "--n-test", "1", "--width", "120", "--height", "120",
+             "--n-noise", "4", "--workers", "1", "--offline"]
+    result = runner.invoke(make_dataset_app, ["megapixel-mnist", str(tmp_path / "a"), *flags])
+    assert result.exit_code == 0, result.output
+    assert "reference, may cover digits" in " ".join(result.output.split())
+    result = runner.invoke(make_dataset_app, ["megapixel-mnist", str(tmp_path / "b"), *flags,
+                                              "--noise", "strokes", "--noise-overlap"])
+    assert result.exit_code == 0, result.output
+    gen = load_dataset(tmp_path / "b").meta["generator"]
+    assert gen["params"]["noise"] == "strokes" and gen["noise"]["overlap"] == {"strokes": True}
+    bad = runner.invoke(make_dataset_app, ["megapixel-mnist", str(tmp_path / "c"), *flags, "--noise", "fog"])
+    assert bad.exit_code == 1 and "unknown noise family 'fog'" in bad.output
+    refused = runner.invoke(make_dataset_app, ["megapixel-mnist", str(tmp_path / "b"), *flags])
+    assert refused.exit_code == 1 and "noise: strokes -> reference" in " ".join(refused.output.split())
+
+
+def test_noise_config_validation() -> None:
+    with pytest.raises(ValueError, match="listed twice"):
+        make_config("small", noise="strokes,strokes")
+    with pytest.raises(ValueError, match="overlapping noise is placed in"):
+        make_config("small", width=50, height=50, n_digits=1, n_target=1)
+    make_config("small", width=50, height=50, n_digits=1, n_target=1, n_noise=0)  # a clean set fits
+    # overlapping noise needs no room of its own; non-overlapping noise does
+    make_config("small", width=100, height=100, n_noise=20)
+    with pytest.raises(ValueError, match="would cover over half"):
+        make_config("small", width=100, height=100, n_noise=20, noise="strokes")
+    assert parse_families(" strokes , reference") == ("strokes", "reference")
+    assert make_config("small", noise=["strokes", "reference"]).noise == "strokes,reference"
