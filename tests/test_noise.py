@@ -18,12 +18,13 @@ import pytest
 from ats_cli.data import DatasetError, load_dataset
 from ats_cli.data.megapixel_mnist import (
     generate_megapixel_mnist,
+    image_layout,
     make_config,
     render_image,
     split_patterns,
 )
 from ats_cli.data.mnist import DigitSet, load_bundled_digits
-from ats_cli.data.noise import parse_families
+from ats_cli.data.noise import FAMILIES, NoiseContext, parse_families
 
 TINY = dict(n_train=4, n_test=3, width=160, height=140, n_noise=6, seed=0)
 
@@ -228,3 +229,82 @@ def test_noise_config_validation() -> None:
         make_config("small", width=100, height=100, n_noise=20, noise="strokes")
     assert parse_families(" strokes , reference") == ("strokes", "reference")
     assert make_config("small", noise=["strokes", "reference"]).noise == "strokes,reference"
+
+
+# ---------------------------------------------------------------------------- every family
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_every_family_renders_a_deterministic_patch(name: str, bundled: DigitSet) -> None:
+    family = FAMILIES[name]
+    context = NoiseContext(patterns=split_patterns(0, "test"), digits=bundled.x_test)
+    patches = []
+    for seed in range(6):
+        patch = family.render(np.random.default_rng(seed), context)
+        assert patch.shape == (28, 28) and patch.dtype == np.uint8
+        assert patch.max() >= 128 and 0 < (patch > 0).mean() < 0.6, "visible, and not a filled box"
+        np.testing.assert_array_equal(family.render(np.random.default_rng(seed), context), patch)
+        patches.append(patch.tobytes())
+    assert len(set(patches)) >= 4, "different seeds draw different patches"
+    many = family.many(np.random.default_rng(0), context, 3)
+    assert len(many) == 3 and all(p.shape == (28, 28) and p.dtype == np.uint8 for p in many)
+
+
+def test_families_needing_split_material_say_so() -> None:
+    with pytest.raises(ValueError, match="patterns"):
+        FAMILIES["reference"].render(np.random.default_rng(0), NoiseContext())
+    with pytest.raises(ValueError, match="digits"):
+        FAMILIES["fragments"].render(np.random.default_rng(0), NoiseContext())
+
+
+def test_fragments_are_small_pieces_of_the_given_digits() -> None:
+    digits = np.zeros((3, 28, 28), dtype=np.uint8)
+    digits[:, 4:24, 4:24] = 200  # a "digit" that is ink everywhere inside its 20x20 core
+    for seed in range(10):
+        patch = FAMILIES["fragments"].render(np.random.default_rng(seed), NoiseContext(digits=digits))
+        assert set(np.unique(patch)) <= {0, 200}, "pixels come from the given digits only"
+        assert 0 < (patch > 0).sum() <= 2 * 13 * 13, "two pieces of at most 13x13"
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_no_overlap_keeps_every_digit_intact(name: str, bundled: DigitSet) -> None:
+    config = make_config("small", width=200, height=180, n_noise=8, noise=name, noise_overlap=False)
+    for index in range(3):
+        image, layout = render_image(config, bundled, "test", index)
+        for (r, c), idx in zip(layout.digit_boxes.tolist(), layout.digit_index.tolist(), strict=True):
+            np.testing.assert_array_equal(image[r : r + 28, c : c + 28], bundled.x_test[idx])
+            assert not np.any((np.abs(layout.noise_boxes[:, 0] - r) < 28) & (np.abs(layout.noise_boxes[:, 1] - c) < 28))
+
+
+def test_overlap_forced_on_places_any_family_like_the_reference(bundled: DigitSet) -> None:
+    config = make_config("small", width=200, height=180, n_noise=30, noise="blobs", noise_overlap=True)
+    boxes = np.concatenate([image_layout(config, bundled, "train", i).noise_boxes for i in range(4)])
+    assert boxes[:, 0].min() >= 28 and boxes[:, 0].max() < 180 - 28
+    assert boxes[:, 1].min() >= 28 and boxes[:, 1].max() < 200 - 28
+
+
+def test_mixing_draws_each_patch_family_uniformly(tmp_path: Path, bundled: DigitSet) -> None:
+    mix = "reference,strokes,blobs,glyphs"
+    config = make_config("small", width=300, height=300, n_noise=20, noise=mix)
+    patterns = {p.tobytes() for p in split_patterns(0, "test")}
+    chosen: list[str] = []
+    for index in range(10):
+        image, layout = render_image(config, bundled, "test", index)
+        chosen += layout.noise_families
+        for (r, c), fam, patch in zip(layout.noise_boxes.tolist(), layout.noise_families, layout.noise_patches,
+                                      strict=True):
+            if fam == "reference":  # the paper's noise keeps the paper's placement inside a mix
+                assert patch.tobytes() in patterns and 28 <= r < 300 - 28
+            else:  # the others keep theirs: never on a digit
+                assert not np.any((np.abs(layout.digit_boxes[:, 0] - r) < 28)
+                                  & (np.abs(layout.digit_boxes[:, 1] - c) < 28))
+    counts = {f: chosen.count(f) for f in parse_families(mix)}
+    assert all(35 <= n <= 65 for n in counts.values()), counts  # 200 draws, 50 expected each
+    again = [render_image(config, bundled, "test", 4)[0] for _ in range(2)]
+    np.testing.assert_array_equal(*again)
+
+    generate_megapixel_mnist(tmp_path / "mix", make_config("small", **TINY, noise=mix), bundled, workers=1)
+    noise = load_dataset(tmp_path / "mix").meta["generator"]["noise"]
+    assert noise["families"] == list(parse_families(mix)) and set(noise["params"]) == set(parse_families(mix))
+    assert noise["overlap"] == {"reference": True, "strokes": False, "blobs": False, "glyphs": False}
+    assert "uniform" in noise["mixing"]

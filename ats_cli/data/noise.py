@@ -26,8 +26,21 @@ split's reference patterns, the split's digit images). Families:
 * ``strokes`` -- version 1 of this generator's noise: two random segments (each at least
   10 px long) drawn as ~3 px anti-aliased strokes, intensity times ``U(0.8, 1)``. Kept
   on the exact same code path, so ``--noise strokes`` reproduces version-1 images.
+* ``fragments`` -- two pieces (at most 13x13, rotated by a multiple of 90 degrees) cut from
+  random digits of the split: real pen strokes that are not a digit. Under half a digit
+  box per side, and rotated, so a patch never holds a readable whole digit (which would
+  change the label); test images only cut test digits.
+* ``blobs`` -- one to three filled ellipses with soft edges: bright mass without strokes.
+* ``rings`` -- two to four small, nearly circular outlines (radius 2-4.5 px, at most half
+  a digit's height, so they read as bubbles rather than zeros or eights).
+* ``grid`` -- a patch of parallel 1-px lines at a random angle, crossed into a grid half of
+  the time: texture instead of shape.
+* ``glyphs`` -- one or two printed letters or symbols (side by side) in Pillow's built-in
+  font (no font file to download); characters that resemble digits (O, I, l, f, t, S, Z, B, g, ...) are
+  left out. The pixels depend on the FreeType that Pillow was built with, so this family is
+  the one whose bytes may differ between machines.
 
-**Mixing.** A comma-separated list (``--noise reference,strokes``) gives each noise
+**Mixing.** A comma-separated list (``--noise strokes,blobs,rings``) gives each noise
 patch of an image a family drawn uniformly from the list (one draw per patch, from the
 image's own generator), so every image mixes the families in random proportions.
 
@@ -45,6 +58,7 @@ true answer instead and blur that measurement. ``--noise-overlap`` /
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +87,13 @@ REFERENCE_MARGIN = 28  # overlapping noise: top-left corner uniform in [28, H - 
 STROKES_GAIN = (0.8, 1.0)
 STROKES_MIN_LENGTH = 10.0  # shorter segments look like dots, not strokes
 STROKES_HALF_WIDTH = 1.0  # full intensity within 1 px of the segment, fading to 0 at 2 px
+
+FRAGMENT_SIDE = (8, 13)  # piece height and width, inclusive: under half a digit box per side
+FRAGMENT_MIN_INK = 20  # pixels above 127: a piece of stroke, not blank margin
+RING_COUNT = (2, 4)  # inclusive
+RING_RADIUS = (2.0, 4.5)  # at most 9 px across, half a digit's height: bubbles, not zeros
+GLYPH_CHARS = "ACEFHKMNPRUVWXYachkmnpruvwxy#%&@*+=?<>"  # no digit look-alikes
+GLYPH_SIZE = (14, 22)  # font size in pixels, inclusive
 
 
 @dataclass(frozen=True)
@@ -169,6 +190,118 @@ def _strokes(rng: np.random.Generator, context: NoiseContext) -> np.ndarray:
     return _strokes_many(rng, context, 1)[0]
 
 
+# ---------------------------------------------------------------------------- other families
+
+
+def _grid() -> tuple[np.ndarray, np.ndarray]:
+    rr, cc = np.mgrid[0 : PATCH[0], 0 : PATCH[1]].astype(np.float64)
+    return rr, cc
+
+
+def _fragments(rng: np.random.Generator, context: NoiseContext) -> np.ndarray:
+    if context.digits is None or len(context.digits) == 0:
+        raise ValueError("the fragments noise needs the split's digits (NoiseContext.digits)")
+    h, w = PATCH
+    out = np.zeros(PATCH, dtype=np.uint8)
+    for _ in range(2):
+        for _ in range(100):  # a blank crop (margin of the digit) is retried
+            digit = context.digits[int(rng.integers(len(context.digits)))]
+            ph, pw = (int(v) for v in rng.integers(FRAGMENT_SIDE[0], FRAGMENT_SIDE[1] + 1, size=2))
+            r0, c0 = int(rng.integers(h - ph + 1)), int(rng.integers(w - pw + 1))
+            piece = digit[r0 : r0 + ph, c0 : c0 + pw]
+            if int((piece > 127).sum()) >= FRAGMENT_MIN_INK:
+                break
+        piece = np.rot90(piece, int(rng.integers(4)))
+        ph, pw = piece.shape
+        r, c = int(rng.integers(h - ph + 1)), int(rng.integers(w - pw + 1))
+        out[r : r + ph, c : c + pw] = np.maximum(out[r : r + ph, c : c + pw], piece)
+    return out
+
+
+def _ellipse_radius(rng: np.random.Generator, centre: tuple[float, float], axes: tuple[float, float]
+                    ) -> np.ndarray:
+    """Normalised elliptic radius (1 on the outline) of every pixel, for a randomly rotated ellipse."""
+    rr, cc = _grid()
+    theta = rng.uniform(0.0, np.pi)
+    dr, dc = rr - centre[0], cc - centre[1]
+    u = dr * np.cos(theta) + dc * np.sin(theta)
+    v = -dr * np.sin(theta) + dc * np.cos(theta)
+    return np.hypot(u / axes[0], v / axes[1])
+
+
+def _blobs(rng: np.random.Generator, context: NoiseContext) -> np.ndarray:
+    out = np.zeros(PATCH, dtype=np.float64)
+    for _ in range(int(rng.integers(1, 4))):
+        centre = (rng.uniform(7.0, 20.0), rng.uniform(7.0, 20.0))
+        axes = (rng.uniform(2.5, 7.0), rng.uniform(2.5, 7.0))
+        rho = _ellipse_radius(rng, centre, axes)
+        # full inside, fading to 0 over the outer ~third of the radius: a soft edge
+        out = np.maximum(out, np.clip((1.0 - rho) * 3.0, 0.0, 1.0) * rng.uniform(0.6, 1.0))
+    return np.rint(out * 255.0).astype(np.uint8)
+
+
+def _rings(rng: np.random.Generator, context: NoiseContext) -> np.ndarray:
+    out = np.zeros(PATCH, dtype=np.float64)
+    for _ in range(int(rng.integers(RING_COUNT[0], RING_COUNT[1] + 1))):
+        centre = (rng.uniform(5.0, 22.0), rng.uniform(5.0, 22.0))
+        radius = rng.uniform(*RING_RADIUS)
+        axes = (radius, radius * rng.uniform(0.85, 1.15))  # near-circles: an elongated ring reads as a 0
+        rho = _ellipse_radius(rng, centre, axes)
+        dist = np.abs(rho - 1.0) * np.sqrt(axes[0] * axes[1])  # ~ pixels from the outline
+        out = np.maximum(out, np.clip(1.2 - dist, 0.0, 1.0) * rng.uniform(0.7, 1.0))
+    return np.rint(out * 255.0).astype(np.uint8)
+
+
+def _parallel_lines(rng: np.random.Generator, context: NoiseContext) -> np.ndarray:
+    rr, cc = _grid()
+    spacing = rng.uniform(4.0, 7.0)
+    angles = [rng.uniform(0.0, np.pi)]
+    if rng.random() < 0.5:
+        angles.append(angles[0] + np.pi / 2)
+    out = np.zeros(PATCH, dtype=np.float64)
+    for a in angles:
+        t = rr * np.cos(a) + cc * np.sin(a) + rng.uniform(0.0, spacing)
+        dist = np.abs(t - spacing * np.round(t / spacing))  # to the nearest line of the family
+        out = np.maximum(out, np.clip(1.0 - dist, 0.0, 1.0))
+    # a random rectangle of the patch, so the texture does not always fill the box
+    h, w = PATCH
+    ph, pw = (int(v) for v in rng.integers(14, 29, size=2))
+    r0, c0 = int(rng.integers(h - ph + 1)), int(rng.integers(w - pw + 1))
+    mask = np.zeros(PATCH, dtype=bool)
+    mask[r0 : r0 + ph, c0 : c0 + pw] = True
+    return np.rint(np.where(mask, out, 0.0) * 255.0 * rng.uniform(0.7, 1.0)).astype(np.uint8)
+
+
+@functools.lru_cache(maxsize=16)
+def _font(size: int) -> Any:
+    from PIL import ImageFont
+
+    return ImageFont.load_default(size=size)
+
+
+def _glyphs(rng: np.random.Generator, context: NoiseContext) -> np.ndarray:
+    from PIL import Image, ImageDraw
+
+    h, w = PATCH
+    out = np.zeros(PATCH, dtype=np.uint8)
+    count = int(rng.integers(1, 3))
+    for k in range(count):
+        char = GLYPH_CHARS[int(rng.integers(len(GLYPH_CHARS)))]
+        font = _font(int(rng.integers(GLYPH_SIZE[0], GLYPH_SIZE[1] + 1)))
+        gain = rng.uniform(0.7, 1.0)
+        canvas = Image.new("L", (w, h), 0)
+        draw = ImageDraw.Draw(canvas)
+        left, top, right, bottom = draw.textbbox((0, 0), char, font=font)
+        # glyph k of `count` sits in its own vertical strip (clamped when the glyph is wider),
+        # so two glyphs stay two readable symbols rather than one tangle
+        lo, hi = k * w / count, (k + 1) * w / count
+        x = rng.uniform(lo, max(lo, hi - (right - left))) - left
+        y = rng.uniform(0.0, max(0.0, h - (bottom - top))) - top
+        draw.text((round(x), round(y)), char, fill=255, font=font)
+        out = np.maximum(out, np.rint(np.asarray(canvas, dtype=np.float64) * gain).astype(np.uint8))
+    return out
+
+
 # ---------------------------------------------------------------------------- registry
 
 
@@ -189,6 +322,30 @@ FAMILIES: dict[str, NoiseFamily] = {
             params={"gain": list(STROKES_GAIN), "min_length": STROKES_MIN_LENGTH,
                     "stroke_half_width": STROKES_HALF_WIDTH},
         ),
+        NoiseFamily(
+            "fragments", _fragments, overlap=False,
+            looks="two rotated pieces (<= 13x13) cut from the split's own digits",
+            params={"pieces": 2, "side": list(FRAGMENT_SIDE), "min_ink": FRAGMENT_MIN_INK,
+                    "rotation": "multiple of 90 degrees"},
+        ),
+        NoiseFamily(
+            "blobs", _blobs, overlap=False, looks="1-3 filled soft ellipses",
+            params={"count": [1, 3], "semi_axes": [2.5, 7.0], "gain": [0.6, 1.0]},
+        ),
+        NoiseFamily(
+            "rings", _rings, overlap=False, looks="2-4 small circle outlines (radius 2-4.5 px)",
+            params={"count": list(RING_COUNT), "radius": list(RING_RADIUS), "aspect": [0.85, 1.15],
+                    "gain": [0.7, 1.0]},
+        ),
+        NoiseFamily(
+            "grid", _parallel_lines, overlap=False, looks="parallel 1-px lines, crossed half of the time",
+            params={"spacing": [4.0, 7.0], "crossed_p": 0.5, "rectangle_side": [14, 28], "gain": [0.7, 1.0]},
+        ),
+        NoiseFamily(
+            "glyphs", _glyphs, overlap=False, looks="1-2 printed letters or symbols (Pillow's built-in font)",
+            params={"count": [1, 2], "chars": GLYPH_CHARS, "font": "PIL.ImageFont.load_default(size)",
+                    "size": list(GLYPH_SIZE), "gain": [0.7, 1.0]},
+        ),
     )
 }
 
@@ -206,3 +363,64 @@ def parse_families(spec: str | Sequence[str]) -> tuple[str, ...]:
     if repeated:
         raise ValueError(f"noise family {repeated[0]!r} is listed twice")
     return tuple(names)
+
+
+# ---------------------------------------------------------------------------- the docs' picture
+
+
+def _montage(path: str, examples: int = 5, zoom: int = 3) -> None:
+    """Draw docs/img/noise-families.png: ``examples`` patches per family (upscaled) and a
+    crop of a paper-spec test image with the reference noise (bundled digits, seed 0)."""
+    from PIL import Image, ImageDraw
+
+    from ats_cli.data.megapixel_mnist import make_config, render_image, split_patterns
+    from ats_cli.data.mnist import load_bundled_digits
+
+    digits = load_bundled_digits()
+    context = NoiseContext(patterns=split_patterns(0, "test"), digits=digits.x_test)
+    cell, label_w, pad = PATCH[0] * zoom, 90, 6
+    firsts = [int(np.flatnonzero(digits.y_test == d)[0]) for d in (2, 3, 5, 7, 8, 9)[:examples]]
+    rows = [("digits", [digits.x_test[i] for i in firsts])]  # for scale
+    for name, family in FAMILIES.items():
+        rng = np.random.default_rng(2)
+        rows.append((name, [family.render(rng, context) for _ in range(examples)]))
+    # the crop: among the first test images, the window around a digit holding the most
+    # digits, then the most noise patches
+    config = make_config("paper")
+    crop, best = 300, ((-1, -1), None)
+    for index in range(20):
+        image, layout = render_image(config, digits, "test", index)
+        for r, c in layout.digit_boxes.tolist():
+            r0 = min(max(0, r + 14 - crop // 2), config.height - crop)
+            c0 = min(max(0, c + 14 - crop // 2), config.width - crop)
+
+            def inside(boxes: np.ndarray) -> int:
+                return int(np.sum((boxes[:, 0] >= r0) & (boxes[:, 0] <= r0 + crop - 28)  # noqa: B023
+                                  & (boxes[:, 1] >= c0) & (boxes[:, 1] <= c0 + crop - 28)))  # noqa: B023
+
+            score = (inside(layout.digit_boxes), inside(layout.noise_boxes))
+            if score > best[0]:
+                best = (score, image[r0 : r0 + crop, c0 : c0 + crop])
+    view = Image.fromarray(best[1]).resize((crop * 2, crop * 2), Image.NEAREST)
+
+    grid_w = label_w + examples * (cell + pad)
+    title_h = 22
+    height = max(title_h + len(rows) * (cell + pad), title_h + view.height)
+    out = Image.new("L", (grid_w + 2 * pad + view.width, height), 40)
+    draw = ImageDraw.Draw(out)
+    draw.text((pad, 4), "28x28 patches, upscaled x3", fill=230)
+    draw.text((grid_w + 2 * pad, 4), "paper-spec image, reference noise: 300x300 crop, x2", fill=230)
+    for i, (name, patches) in enumerate(rows):
+        y = title_h + i * (cell + pad)
+        draw.text((pad, y + cell // 2 - 6), name, fill=255)
+        for j, patch in enumerate(patches):
+            tile = Image.fromarray(patch).resize((cell, cell), Image.NEAREST)
+            out.paste(tile, (label_w + j * (cell + pad), y))
+    out.paste(view, (grid_w + 2 * pad, title_h))
+    out.save(path, optimize=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    _montage(sys.argv[1] if len(sys.argv) > 1 else "docs/img/noise-families.png")
