@@ -308,3 +308,34 @@ def test_mixing_draws_each_patch_family_uniformly(tmp_path: Path, bundled: Digit
     assert noise["families"] == list(parse_families(mix)) and set(noise["params"]) == set(parse_families(mix))
     assert noise["overlap"] == {"reference": True, "strokes": False, "blobs": False, "glyphs": False}
     assert "uniform" in noise["mixing"]
+
+
+# ---------------------------------------------------------------------------- the robustness benchmark
+
+
+def test_noise_robustness_benchmark(tmp_path: Path) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("noise_robustness", "benchmarks/noise_robustness.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    lines: list[str] = []
+    result = bench.run(["--model", "models/megapixel-mnist-ats.pt", "--n", "6", "--families", "all",
+                        "--width", "200", "--height", "200", "--n-noise", "8", "--workers", "1", "--offline",
+                        "--work", str(tmp_path / "work"), "--json", str(tmp_path / "r.json")], log=lines.append)
+    names = [*FAMILIES, "clean"]
+    assert [r["family"] for r in result["rows"]] == names
+    table = [line for line in "\n".join(lines).splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + len(names) and [line.split(" | ")[0][2:] for line in table[1:]] == names
+    for r in result["rows"]:
+        assert r["images"] == 6 and 0.0 <= r["accuracy"] <= 1.0 and r["failed"] == 0
+        assert r["ci95"][0] <= r["accuracy"] <= r["ci95"][1]
+        assert (r["config"]["n_noise"], r["config"]["noise"]) == ((0, "reference") if r["family"] == "clean"
+                                                                  else (8, r["family"]))
+    clean = result["rows"][-1]
+    assert clean["correct"] >= 5, "the released model reads clean images"
+    assert json.loads((tmp_path / "r.json").read_text())["rows"] == result["rows"]
+    # only the test split is measured; the sets stay in --work for a rerun
+    assert (tmp_path / "work" / "blobs" / "test.csv").is_file()
+    assert bench.wilson(0, 10)[0] == 0.0 and abs(sum(bench.wilson(5, 10)) - 1.0) < 1e-9
