@@ -39,6 +39,7 @@ from ats_cli.data.dataset import atomic_write_text, load_dataset
 from ats_cli.data.loader import Batch, ImageDataset, collate, readable, single_thread_worker
 from ats_cli.distributed import Dist, all_reduce, broadcast_buffers, from_main, process_group, shard_batches
 from ats_cli.inference import predict_probs
+from ats_cli.rundir import RunDirError, append_metrics, claim, make_dirs, rewrite_metrics
 from ats_cli.runtime import peak_memory_mb, reset_peak_memory
 
 __all__ = ["train", "evaluate", "TrainingInterrupted"]
@@ -130,7 +131,8 @@ def train(
     rank 0 only. Under torchrun (``WORLD_SIZE`` > 1) this joins the process group itself,
     unless the caller already did.
     """
-    with process_group(cfg.device) as (ctx, device):
+    # the run directory is this run's alone while it trains (ats_cli.rundir): rank 0 holds its lock
+    with process_group(cfg.device) as (ctx, device), claim(cfg.out, resume=resume, enabled=ctx.is_main):
         return _train(cfg, ctx, device, resume=resume, progress=progress if ctx.is_main else None,
                       log=log if ctx.is_main else lambda s: None)
 
@@ -160,7 +162,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool,
            progress: Callable[[str, int, int, dict], None] | None, log: Callable[[str], None]) -> list[dict[str, Any]]:
     run = Path(cfg.out)
     if ctx.is_main:  # other ranks write nothing, anywhere
-        (run / "epochs").mkdir(parents=True, exist_ok=True)
+        make_dirs(run / "epochs")
     amp = cfg.amp if device.type == "cuda" else "none"
     if amp != cfg.amp:
         log(f"warning: --amp {cfg.amp} needs a CUDA device; training in float32 on {device}")
@@ -196,6 +198,8 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool,
         # position in images (survives a change of world size); old checkpoints count steps
         start_done = ckpt.get("samples", ckpt["step"] * cfg.batch_size)
         running = ckpt.get("running", {})
+        if ctx.is_main:  # metrics.jsonl := the epochs last.pt vouches for (no duplicates, none lost)
+            rewrite_metrics(run, history)
         log(f"resuming {run} at epoch {start_epoch + 1}, image {start_done} of {len(train_set)}"
             + (f", {ctx.world_size} processes" if ctx.enabled else ""))
     if ctx.is_main:
@@ -265,7 +269,13 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool,
                                       f"{run / 'last.pt'}; continue with --resume") from None
 
         broadcast_buffers(model, ctx)  # e.g. batch-norm statistics: evaluate and save rank 0's
-        test = evaluate(model, test_loader, device, n_patches=cfg.eval_n_patches or None, ctx=ctx)
+        try:
+            test = evaluate(model, test_loader, device, n_patches=cfg.eval_n_patches or None, ctx=ctx)
+        except KeyboardInterrupt:  # the epoch's steps are done: keep them, --resume evaluates
+            if ctx.is_main:
+                save(run / "last.pt", epoch, step, done, acc)
+            raise TrainingInterrupted(f"interrupted while evaluating epoch {epoch + 1}; its {step} training steps are "
+                                      f"saved to {run / 'last.pt'}; continue with --resume") from None
         (peak_mb,) = all_reduce([peak_memory_mb(device)], ctx, device, op="max")
         record = {
             "epoch": epoch + 1,
@@ -284,15 +294,18 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool,
             "amp": amp,
         }
         history.append(record)
-        if ctx.is_main:
-            with open(run / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
-            save_checkpoint(run / "epochs" / f"epoch_{epoch + 1:03d}.pt", spec=spec, classes=data.classes,
-                            model=model, epoch=epoch + 1)
-            save(run / "last.pt", epoch + 1, 0, 0, {})
-            if test["acc"] > best_acc:
-                save(run / "best.pt", epoch + 1, 0, 0, {})
-            _plot_curves(history, run / "curves.png")
+        if ctx.is_main:  # checkpoints first, last.pt marks the epoch done, its metrics line last (ats_cli.rundir)
+            try:
+                save_checkpoint(run / "epochs" / f"epoch_{epoch + 1:03d}.pt", spec=spec, classes=data.classes,
+                                model=model, epoch=epoch + 1)
+                if test["acc"] > best_acc:
+                    save(run / "best.pt", epoch + 1, 0, 0, {})
+                save(run / "last.pt", epoch + 1, 0, 0, {})
+                append_metrics(run, record)
+                _plot_curves(history, run / "curves.png")
+            except OSError as e:  # a full disk, a directory gone read-only: one line, then --resume
+                raise RunDirError(f"{run}: cannot save epoch {epoch + 1} ({e.strerror or e}); make room or fix the "
+                                  f"directory, then continue with --resume {run}") from None
         best_acc = max(best_acc, test["acc"])
         log(f"epoch {epoch + 1}/{cfg.epochs}: train loss {record['train_loss']:.4f} acc {record['train_acc']:.3f} | "
             f"test loss {record['test_loss']:.4f} acc {record['test_acc']:.3f} | entropy {record['entropy']:.2f} | "

@@ -49,6 +49,9 @@ def train(
     out: Path = typer.Option(None, "--out", "-o", help="Run directory for checkpoints, metrics and plots."),
     config: Path = typer.Option(None, "--config", help="TOML file of the same keys as the flags; flags override it."),
     resume: Path = typer.Option(None, "--resume", help="Continue the run in this directory where it stopped."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Start a new run in an --out that holds one: the old "
+                                   "run is moved aside to RUN.old-YYYYmmdd-HHMMSS (nothing is deleted). Without it "
+                                   "such an --out is refused.", show_default=False),
     method: str = typer.Option(None, help="ats | uniform (fixed uniform attention) | deepmil (gated attention "
                                "over all grid patches) | cnn (ResNet-18 on the low-res view) \\[default: ats].",
                                rich_help_panel=_METHOD),
@@ -111,12 +114,16 @@ def train(
 
     Every flag can also be set in a TOML --config file; the resolved configuration is
     saved as RUN_DIR/config.json. Ctrl-C saves the state; --resume RUN_DIR continues.
+    A RUN_DIR that holds a run is refused unless --resume or --overwrite is given, and
+    one that another ats train is writing is always refused (docs/training.md).
     Several GPUs or nodes: --devices N, or run this same command under torchrun.
     """
     overrides = dict(locals())  # every flag; None = not given
-    for key in ("data", "out", "config", "resume", "devices"):
+    for key in ("data", "out", "config", "resume", "overwrite", "devices"):
         overrides.pop(key)
-    from ats_cli import distributed
+    from rich.markup import escape
+
+    from ats_cli import distributed, rundir
     from ats_cli.config import ConfigError, resolve_config
     from ats_cli.data.dataset import DatasetError
     from ats_cli.train import TrainingInterrupted
@@ -140,6 +147,14 @@ def train(
     except (ConfigError, ValueError) as e:
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
+    if ctx.is_main:  # one run per directory, one writer at a time (ats_cli/rundir.py)
+        try:
+            moved = rundir.prepare(cfg.out, resume=resume is not None, overwrite=overwrite)
+        except rundir.RunDirError as e:
+            console.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)
+            raise typer.Exit(2) from None
+        if moved is not None:
+            console.print(f"moved the old run in {cfg.out} to {moved}", soft_wrap=True, highlight=False)
 
     if devices is not None and devices > 1:
         if ctx.enabled:
