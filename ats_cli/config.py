@@ -38,9 +38,14 @@ class TrainConfig:
     estimator: str = "auto"
     entropy: float = 0.01
     smoothing: float = 0.0
-    min_brightness: float = 0.0  # > 0: never sample low-res cells darker than this (black backgrounds)
+    # > 0: never sample low-res cells darker than this (black backgrounds); 0 = off; -1 = auto:
+    # AUTO_MIN_BRIGHTNESS when the training images have a black background (ats_cli.train)
+    min_brightness: float = -1.0
     eval_n_patches: int = 0  # 0 = same as n_patches
-    feature_scale: float = 1.0  # multiplies the L2-normalised features (1 = the paper; see ATSModel)
+    feature_scale: float = 10.0  # multiplies the L2-normalised features (1 = the paper; see ATSModel)
+    # auxiliary training signals (ats_cli.core.model.auxiliary_losses; 0 = off = the thesis's loss)
+    patch_loss: float = 1.0
+    attention_loss: float = 1.0
     # reading slides and TIFFs (ats predict's options; saved in the model, so predict reads alike)
     reader: str = "auto"  # auto | openslide | tifffile | pillow
     level: int = 0  # pyramid level patches are read from
@@ -48,14 +53,14 @@ class TrainConfig:
     tissue_mask: str = "auto"  # auto (on for slides/TIFFs, off for other images) | on | off
     # networks (names from ats_cli.nets)
     attention_net: str = "mnist-attention"
-    feature_net: str = "mnist-features"
+    feature_net: str = "small-cnn"
     attention_width: int = 8
     feature_width: int = 32
     # optimisation
     optimizer: str = "adam"
     lr: float = 1e-3
     weight_decay: float = 0.0
-    schedule: str = "constant"  # constant | cosine
+    schedule: str = "cosine"  # constant | cosine
     warmup_epochs: int = 0
     clip_norm: float = 1.0  # 0 = no clipping
     batch_size: int = 32
@@ -71,9 +76,11 @@ class TrainConfig:
         problems = []
         positive = ("n_patches", "patch_size", "batch_size", "epochs", "lr", "scale", "feature_scale")
         problems += [f"{k} must be > 0 (got {getattr(self, k)})" for k in positive if not getattr(self, k) > 0]
-        non_negative = ("entropy", "weight_decay", "clip_norm", "workers", "min_brightness", "warmup_epochs",
-                        "eval_n_patches", "level", "mpp")
+        non_negative = ("entropy", "weight_decay", "clip_norm", "workers", "warmup_epochs",
+                        "eval_n_patches", "level", "mpp", "patch_loss", "attention_loss")
         problems += [f"{k} must be >= 0" for k in non_negative if getattr(self, k) < 0]
+        if self.min_brightness < 0 and self.min_brightness != -1:
+            problems.append(f"min_brightness must be >= 0, or -1 for auto (got {self.min_brightness})")
         if self.scale > 1:
             problems.append(f"scale is the low-res view's scale and must be <= 1 (got {self.scale})")
         if self.level and self.mpp:
@@ -121,7 +128,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 # Keys added after runs were already being saved, with the value those runs actually used.
 # Resuming an old run must continue it as it was trained ("exactly where it stopped"), not
 # switch it to a newer default half-way; a new run from a hand-written file gets the default.
-RESUME_LEGACY: dict[str, Any] = {"estimator": "sequential"}
+RESUME_LEGACY: dict[str, Any] = {"estimator": "sequential", "patch_loss": 0.0, "attention_loss": 0.0}
 
 
 def resolve_config(file: str | Path | None = None, *, resumed: bool = False, **overrides: Any) -> TrainConfig:

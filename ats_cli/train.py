@@ -35,8 +35,9 @@ from torch.utils.data import DataLoader
 
 from ats_cli.checkpoint import CheckpointError, build_model, load_checkpoint, model_spec, save_checkpoint
 from ats_cli.config import TrainConfig
+from ats_cli.core.model import ATSModel
 from ats_cli.data.dataset import atomic_write_text, load_dataset
-from ats_cli.data.loader import Batch, ImageDataset, collate, readable, single_thread_worker
+from ats_cli.data.loader import Batch, ImageDataset, Unreadable, collate, readable, single_thread_worker
 from ats_cli.distributed import Dist, all_reduce, broadcast_buffers, from_main, process_group, shard_batches
 from ats_cli.inference import predict_probs
 from ats_cli.rundir import RunDirError, append_metrics, claim, make_dirs, rewrite_metrics
@@ -158,6 +159,34 @@ def _init_from(model: torch.nn.Module, path: str, spec: dict[str, Any], classes:
         raise CheckpointError(f"{path}: weights do not fit this run's model ({str(e).splitlines()[0]})") from None
 
 
+AUTO_MIN_BRIGHTNESS = 0.15  # what --min-brightness auto sets on a black background (docs/training.md)
+AUTO_PROBE_IMAGES = 16  # training images looked at to decide
+
+
+def _resolve_auto(cfg: TrainConfig, train_set: ImageDataset, log: Callable[[str], None]) -> None:
+    """Settle the configuration values left to the data (``-1`` = auto), in place, before
+    the model is built and ``config.json`` written (a resumed run reads them from there).
+
+    ``min_brightness``: a black background (most low-res pixels of the first training images
+    at or below 0.05, as in Megapixel MNIST, astronomy or fluorescence) gets a brightness
+    support of ``AUTO_MIN_BRIGHTNESS``, so the attention never wastes draws on empty canvas;
+    anything else (photographs, slides on white glass, which the tissue mask handles) none.
+    Deterministic (the same first images), so every process of a run decides alike."""
+    if cfg.min_brightness != -1:
+        return
+    dark = []
+    for i in range(min(AUTO_PROBE_IMAGES, len(train_set))):
+        item = train_set[i]
+        if isinstance(item, Unreadable):
+            continue
+        dark.append(float((item[0].amax(0) <= 0.05).float().mean()))
+    black = bool(dark) and sorted(dark)[len(dark) // 2] > 0.5
+    cfg.min_brightness = AUTO_MIN_BRIGHTNESS if black else 0.0
+    if black:
+        log(f"black background (median {100 * sorted(dark)[len(dark) // 2]:.0f}% dark low-res pixels): "
+            f"sampling only cells brighter than {AUTO_MIN_BRIGHTNESS} (--min-brightness)")
+
+
 def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool,
            progress: Callable[[str, int, int, dict], None] | None, log: Callable[[str], None]) -> list[dict[str, Any]]:
     run = Path(cfg.out)
@@ -174,6 +203,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool,
                **cfg.input_options()}
     train_set = ImageDataset(data["train"], **reading)
     test_set = ImageDataset(data["test"], **reading)
+    _resolve_auto(cfg, train_set, log)
     # whole test batches, dealt round-robin to the ranks (evaluate() explains why whole ones)
     test_batches = shard_batches(range(len(test_set)), 0, cfg.batch_size, Dist())[ctx.rank::ctx.world_size]
     test_loader = _loader(test_set, test_batches, cfg, device)
@@ -216,6 +246,9 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool,
                         scaler=scaler.state_dict(), epoch=epoch, step=step, samples=done,
                         world_size=ctx.world_size, history=history, running=running_state, config=cfg.to_dict())
 
+    # the auxiliary terms exist for models that sample patches (ats, uniform); see auxiliary_losses
+    aux = {"patch_loss": cfg.patch_loss, "attention_loss": cfg.attention_loss} \
+        if isinstance(model, ATSModel) else {}
     global_batch = cfg.batch_size * ctx.world_size
     sampling_gen = torch.Generator(device=device)
     net.train()
@@ -240,7 +273,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool,
                 with _autocast(cfg, device):
                     out = net(batch.low.to(device, non_blocking=True), batch.sources, generator=sampling_gen,
                               support_mask=batch.support_on(device))
-                    loss = model.loss(out, labels)
+                    loss = model.loss(out, labels, **aux)
                 opt.zero_grad(set_to_none=True)
                 scaler.scale(loss).backward()  # DDP averages the gradients over the ranks here
                 n = len(labels)

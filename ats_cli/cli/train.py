@@ -69,11 +69,18 @@ def train(
                                   rich_help_panel=_METHOD),
     smoothing: float = typer.Option(None, help="Uniform mass mixed into the attention \\[default: 0].",
                                     rich_help_panel=_METHOD),
-    min_brightness: float = typer.Option(None, help="Never sample low-res cells darker than this; for black "
-                                         "backgrounds \\[default: 0 = off].", rich_help_panel=_METHOD),
+    min_brightness: float = typer.Option(None, help="Never sample low-res cells darker than this; 0 = off; -1 = "
+                                         "auto: 0.15 when the training images have a black background, else off "
+                                         "\\[default: -1 = auto].", rich_help_panel=_METHOD),
     feature_scale: float = typer.Option(None, help="Multiplies the L2-normalised features; >1 lets the classifier "
-                                        "become confident sooner (docs/training.md) \\[default: 1 = the paper].",
-                                        rich_help_panel=_METHOD),
+                                        "become confident sooner (docs/training.md; 1 = the paper) "
+                                        "\\[default: 10].", rich_help_panel=_METHOD),
+    patch_loss: float = typer.Option(None, help="Weight of the auxiliary per-patch loss: each sampled patch alone "
+                                     "predicts the label (0 = off, the thesis's loss; docs/training.md) "
+                                     "\\[default: 1].", rich_help_panel=_METHOD),
+    attention_loss: float = typer.Option(None, help="Weight of the attention critic: the attention learns which "
+                                         "sampled patches were informative (0 = off; docs/training.md) "
+                                         "\\[default: 1].", rich_help_panel=_METHOD),
     eval_n_patches: int = typer.Option(None, help="Patches at test time \\[default: same as training].",
                                        rich_help_panel=_METHOD),
     reader: str = typer.Option(None, help="Slides/TIFFs: auto | openslide | tifffile | pillow \\[default: auto].",
@@ -86,14 +93,15 @@ def train(
                                     "(Otsu on saturation) \\[default: auto].", rich_help_panel=_READ),
     attention_net: str = typer.Option(None, help="Attention network name \\[default: mnist-attention].",
                                       rich_help_panel=_NET),
-    feature_net: str = typer.Option(None, help="Feature network name \\[default: mnist-features].",
+    feature_net: str = typer.Option(None, help="Feature network name (mnist-features: the paper's) "
+                                    "\\[default: small-cnn].",
                                     rich_help_panel=_NET),
     attention_width: int = typer.Option(None, help="Attention net channels \\[default: 8].", rich_help_panel=_NET),
     feature_width: int = typer.Option(None, help="Feature net channels \\[default: 32].", rich_help_panel=_NET),
     optimizer: str = typer.Option(None, help="adam | adamw | sgd \\[default: adam].", rich_help_panel=_OPT),
     lr: float = typer.Option(None, help="Learning rate \\[default: 1e-3].", rich_help_panel=_OPT),
     weight_decay: float = typer.Option(None, help="Weight decay \\[default: 0].", rich_help_panel=_OPT),
-    schedule: str = typer.Option(None, help="constant | cosine \\[default: constant].", rich_help_panel=_OPT),
+    schedule: str = typer.Option(None, help="constant | cosine \\[default: cosine].", rich_help_panel=_OPT),
     warmup_epochs: int = typer.Option(None, help="Linear warm-up epochs \\[default: 0].", rich_help_panel=_OPT),
     clip_norm: float = typer.Option(None, help="Gradient norm clip, 0 = off \\[default: 1].", rich_help_panel=_OPT),
     batch_size: int = typer.Option(None, help="Images per step, per process \\[default: 32].",

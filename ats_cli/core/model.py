@@ -11,6 +11,7 @@ The full-resolution image is only ever touched through a patch source (see
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,9 @@ from ats_cli.core.sampling import (
 )
 from ats_cli.core.source import Sources, gather_patches, source_sizes
 
-__all__ = ["ATSModel", "ATSOutput"]
+__all__ = ["ATSModel", "ATSOutput", "auxiliary_losses"]
+
+CRITIC_FLOOR = 0.1  # nats added to every draw's information in the attention critic's target
 
 
 @dataclass
@@ -41,6 +44,7 @@ class ATSOutput:
     offsets: torch.Tensor  # [B, n, 2] top-left (row, col) of each patch at full resolution
     sampled_probs: torch.Tensor  # [B, n] attention at the sampled positions
     entropy: torch.Tensor  # [B] entropy of the attention distribution (nats)
+    patch_logits: torch.Tensor | None = None  # [B, n, classes]: the classifier on each sampled patch alone
     patches: torch.Tensor | None = None  # [B, n, C, ph, pw] when asked for (visualisation)
 
 
@@ -187,9 +191,74 @@ class ATSModel(nn.Module):
             offsets=offsets,
             sampled_probs=sampled_probs,
             entropy=entropy(probs),
+            # read by the auxiliary losses only; the pooled estimate above does not use it
+            patch_logits=self.classifier(feats),
             patches=patches if return_patches else None,
         )
 
-    def loss(self, out: ATSOutput, target: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy minus the entropy bonus (thesis eq. 3.21), averaged over the batch."""
-        return F.cross_entropy(out.logits, target) - self.entropy_weight * out.entropy.mean()
+    def loss(self, out: ATSOutput, target: torch.Tensor, *, patch_loss: float = 0.0,
+             attention_loss: float = 0.0) -> torch.Tensor:
+        """Cross-entropy minus the entropy bonus (thesis eq. 3.21), averaged over the batch,
+        plus the two optional auxiliary terms of :func:`auxiliary_losses` with these weights.
+
+        The classification term is the thesis's, untouched: the auxiliary terms are added
+        to it, they do not enter the pooled feature, so its estimate and its gradient stay
+        unbiased (tests/test_auxiliary_losses.py). What they change is the direction the
+        networks are pushed in besides it: see :func:`auxiliary_losses`.
+        """
+        loss = F.cross_entropy(out.logits, target) - self.entropy_weight * out.entropy.mean()
+        if patch_loss or attention_loss:
+            p_term, a_term = auxiliary_losses(out, target)
+            loss = loss + patch_loss * p_term + attention_loss * a_term
+        return loss
+
+
+def auxiliary_losses(out: ATSOutput, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two training signals that get a model off the initial plateau without a curriculum.
+
+    Why: the attention network learns only through differences between the sampled
+    patches' features, and the features learn only from the pooled estimate, where the few
+    informative patches are diluted among the many drawn from background or noise. At
+    initialisation neither network has anything to learn from the other, which is the
+    long plateau of the reference (its Megapixel MNIST test error sits near chance for
+    ~210 epochs) and why our earlier models needed a hand-made curriculum.
+
+    * ``patch`` (multiple-instance "instance loss"): the classifier applied to each sampled
+      patch alone must predict the image's label; mean cross-entropy over the drawn patches
+      (draws of probability 0, past the end of a small support, excluded). Patches that
+      show the class (a target digit, a tumour nest) learn it directly, from the first
+      step, instead of through a weight of ~1/n in the pooled feature; patches that appear
+      under every label (empty canvas, noise, normal tissue) can only learn the label
+      prior, i.e. an unconfident prediction. Gradient: feature net and classifier.
+    * ``attention`` (a critic of the attention): how informative was each sampled patch?
+      ``u_k = log C - H(softmax(patch_logits_k))``, the information in the patch's own
+      prediction (0 for a uniform one, log C for a certain one; no label used), detached.
+      The attention restricted to the sampled positions, ``a_k / sum_j a_j``, is fitted to
+      ``(u_k + c) / sum_j (u_j + c)`` (``c = CRITIC_FLOOR``) by cross-entropy: among the
+      positions it drew, the attention learns to give more mass to those that turned out
+      informative. Gradient: attention net only (``u`` is a constant). Early on all ``u``
+      are ~0 and the term only keeps the sampled attention flat.
+
+    Neither term changes the classification term's estimate or its gradient (they are
+    added beside it); they change what the sum of the terms is minimised towards, as the
+    entropy bonus already does. Both return a scalar averaged over the batch.
+    """
+    logits = out.patch_logits
+    valid = (out.sampled_probs > 0).float()  # [B, n]
+    n_valid = valid.sum(1).clamp_min(1.0)
+    ce = F.cross_entropy(logits.flatten(0, 1), target.repeat_interleave(logits.shape[1]), reduction="none")
+    patch = ((ce.view_as(valid) * valid).sum(1) / n_valid).mean()
+
+    with torch.no_grad():
+        log_p = torch.log_softmax(logits.float(), dim=-1)
+        info = (math.log(logits.shape[-1]) + (log_p.exp() * log_p).sum(-1)).clamp_min(0.0)
+        # + CRITIC_FLOOR: while no patch says anything yet (all u ~ 0) the teacher is flat
+        # instead of amplifying tiny differences; later a patch with u = 2 nats outweighs
+        # an uninformative one ~20 to 1
+        teacher = (info + CRITIC_FLOOR) * valid
+        teacher = teacher / teacher.sum(1, keepdim=True).clamp_min(1e-12)
+    log_a = torch.log(out.sampled_probs.clamp_min(1e-30))
+    log_a = log_a.masked_fill(valid == 0, -math.inf)
+    log_share = torch.log_softmax(log_a, dim=1).masked_fill(valid == 0, 0.0)
+    attention = -(teacher * log_share).sum(1).mean()
+    return patch, attention
