@@ -68,8 +68,10 @@ __all__ = [
     "generate_megapixel_mnist",
     "image_layout",
     "make_config",
+    "noise_block",
     "recommended_hints",
     "render_image",
+    "split_patterns",
 ]
 
 GENERATOR_NAME = "megapixel-mnist"
