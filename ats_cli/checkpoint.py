@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -77,13 +78,40 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.devi
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # torch raises many types for foreign or corrupt files
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path}: not an ats checkpoint (cannot be read safely: {first})") from None
+        raise CheckpointError(f"{path}: not an ats checkpoint ({_load_problem(e)})") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not an ats checkpoint (no '{FORMAT}' marker)")
     if ckpt.get("version", 0) > VERSION:
         raise CheckpointError(f"{path}: checkpoint version {ckpt['version']} is newer than this ats ({VERSION})")
+    _check_finite(path, ckpt.get("model"))
     return ckpt
+
+
+def _load_problem(e: Exception) -> str:
+    """Why ``torch.load(weights_only=True)`` refused a file, without PyTorch's advice to
+    load it with ``weights_only=False``: for a file from elsewhere that advice means
+    running whatever code it carries, which is exactly what the refusal prevented."""
+    text = str(e).strip()
+    blocked = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text) or re.search(r"Unsupported operand (\d+)", text)
+    if blocked or "Weights only load failed" in text:
+        what = f" ({blocked.group(1)})" if blocked else ""
+        return (f"it holds a Python object{what} where a checkpoint holds only tensors and plain values; it was "
+                "refused without running anything. Use checkpoints written by ats train")
+    lines = [line.strip() for line in text.splitlines() if line.strip() and "weights_only" not in line]
+    return f"cannot be read safely: {lines[0] if lines else type(e).__name__}"
+
+
+def _check_finite(path: Path, weights: Any) -> None:
+    """A model whose weights hold NaN or infinity predicts nonsense (every probability NaN)
+    without failing: refuse it by name."""
+    if not isinstance(weights, dict):
+        return
+    for name, value in weights.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            bad = int((~torch.isfinite(value)).sum())
+            if bad:
+                raise CheckpointError(f"{path}: weight {name} holds {bad} NaN/infinite value(s) of {value.numel()}; "
+                                      "the file is damaged or its training diverged, and it cannot be used")
 
 
 def load_model(path: str | os.PathLike[str], device: str | torch.device = "cpu") -> tuple[ATSModel, dict[str, Any]]:

@@ -257,6 +257,17 @@ def test_2_a_lock_left_by_a_killed_process_is_taken_over(squares, tmp_path):
 # ---------------------------------------------------------------------------- 5. non-finite weights and outputs
 
 
+def test_5_a_checkpoint_with_a_nan_weight_is_refused_naming_the_file(tmp_path):
+    ckpt = load_checkpoint(_model(tmp_path / "m.pt"))
+    name = next(k for k, v in ckpt["model"].items() if v.is_floating_point() and v.numel() > 1)
+    ckpt["model"][name].view(-1)[3] = float("nan")
+    torch.save(ckpt, tmp_path / "nan.pt")
+    with pytest.raises(CheckpointError, match=rf"nan\.pt.*{name}.*NaN"):
+        load_checkpoint(tmp_path / "nan.pt")
+    result = runner.invoke(app, ["predict", str(_png(tmp_path / "g.png")), "-m", str(tmp_path / "nan.pt")])
+    assert result.exit_code == 2 and "nan.pt" in result.output and "NaN" in result.output, result.output
+
+
 # ---------------------------------------------------------------------------- 6. an epoch's record is atomic
 
 
@@ -374,3 +385,15 @@ class _Evil:
         return (print, ("this must never run",))
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_7_a_blocked_checkpoint_never_advises_weights_only_false(tmp_path, capsys):
+    evil = tmp_path / "evil.pt"
+    torch.save({"format": "ats-checkpoint", "payload": _Evil()}, evil)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(evil)
+    message = str(err.value)
+    assert "evil.pt" in message and "print" in message
+    assert "weights_only" not in message and "trust" not in message, message
+    assert "this must never run" not in capsys.readouterr().out
+    result = runner.invoke(app, ["predict", str(_png(tmp_path / "g.png")), "-m", str(evil)])
+    assert result.exit_code == 2 and "weights_only" not in result.output, result.output
