@@ -20,9 +20,11 @@ The pieces, in the order ``ats predict`` uses them:
 from __future__ import annotations
 
 import csv
+import errno
 import functools
 import glob
 import io
+import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,8 +45,10 @@ __all__ = [
     "Evaluation",
     "InputItem",
     "OpenedImage",
+    "PredictionInterrupted",
     "PredictionRow",
     "Predictor",
+    "check_writable",
     "evaluate",
     "load_predictor",
     "open_input",
@@ -85,11 +89,14 @@ class Predictor:
     input_options: Mapping[str, object] = field(default_factory=dict)  # how training read its inputs
 
     def opener(self, *, reader: str | None = None, level: int | None = None, mpp: float | None = None,
-               tissue: bool | None = None) -> Callable[..., OpenedImage]:
+               tissue: bool | None = None, max_pixels: int | None = None) -> Callable[..., OpenedImage]:
         """:func:`open_input` with the reading options training used (saved in the model:
         reader, level or mpp, tissue mask), each overridden by the caller's when given;
-        a given level replaces a saved mpp and vice versa."""
+        a given level replaces a saved mpp and vice versa. ``max_pixels``: the pixel
+        budget (:mod:`ats_cli.data.slides`; default ``ATS_MAX_PIXELS``, else 64 M)."""
         opts = dict(self.input_options)
+        if max_pixels is not None:
+            opts["max_pixels"] = max_pixels
         if level is not None or mpp is not None:
             opts["level"], opts["mpp"] = level, mpp
         if reader is not None:
@@ -118,6 +125,9 @@ class Predictor:
         ``batch_size=1`` (the default) a file's probabilities do not depend on which other
         files were predicted with it. ``reader`` replaces :func:`open_input` (e.g. a
         whole-slide reader); ``progress(done, total)`` is called as items finish.
+
+        A model output that is not finite (NaN, inf) is an error row for that image, never
+        a prediction. Ctrl-C raises :class:`PredictionInterrupted` holding the rows done.
         """
         if samples < 1:
             raise ValueError(f"samples must be >= 1, got {samples}")
@@ -140,7 +150,7 @@ class Predictor:
         def run(batch: list[tuple[int, OpenedImage]]) -> None:
             try:
                 probs = self._probs([img for _, img in batch], n_patches, samples, seed)
-            except (ValueError, RuntimeError) as e:
+            except Exception as e:  # a patch that cannot be read, a model error: this input fails, not the run
                 if len(batch) > 1:  # find out which image it was: retry one by one
                     for one in batch:
                         run([one])
@@ -149,28 +159,38 @@ class Predictor:
                 finish(index, _failed(items[index], f"{items[index].path}: prediction failed ({_first_line(e)})"))
                 return
             for (index, _), p in zip(batch, probs.tolist(), strict=True):
+                if not all(math.isfinite(v) for v in p):
+                    finish(index, _failed(items[index], f"{items[index].path}: the model's output is not finite "
+                                                        f"(probabilities {', '.join(f'{v:g}' for v in p)}); no "
+                                                        "prediction"))
+                    continue
                 finish(index, PredictionRow(path=items[index].path, label=items[index].label,
                                             prediction=self.classes[max(range(len(p)), key=p.__getitem__)],
                                             probs=tuple(p)))
 
-        for index, item in enumerate(items):
-            if item.error is not None:
-                finish(index, _failed(item, item.error))
-                continue
-            try:
-                opened = read(item.path, channels=self.channels, scale=self.model.scale,
-                              patch_size=self.model.patch_size)
-            except (ImageReadError, OSError, ValueError) as e:
-                message = str(e) if str(item.path) in str(e) else f"{item.path}: {e}"
-                finish(index, _failed(item, message))
-                continue
-            key = (tuple(opened.low.shape), tuple(opened.source.size))
-            group = pending.setdefault(key, [])
-            group.append((index, opened))
-            if len(group) >= batch_size:
+        try:
+            for index, item in enumerate(items):
+                if item.error is not None:
+                    finish(index, _failed(item, item.error))
+                    continue
+                try:
+                    opened = read(item.path, channels=self.channels, scale=self.model.scale,
+                                  patch_size=self.model.patch_size)
+                except Exception as e:  # whatever a reader raises: this file fails, the others go on
+                    text = _first_line(e)
+                    if not isinstance(e, (ImageReadError, OSError, ValueError)):
+                        text = f"{type(e).__name__}: {text}"
+                    finish(index, _failed(item, text if str(item.path) in text else f"{item.path}: {text}"))
+                    continue
+                key = (tuple(opened.low.shape), tuple(opened.source.size))
+                group = pending.setdefault(key, [])
+                group.append((index, opened))
+                if len(group) >= batch_size:
+                    run(pending.pop(key))
+            for key in list(pending):
                 run(pending.pop(key))
-        for group in pending.values():
-            run(group)
+        except KeyboardInterrupt:
+            raise PredictionInterrupted([row for row in rows if row is not None], len(items)) from None
         return [row for row in rows if row is not None]
 
     def _probs(self, images: list[OpenedImage], n_patches: int | None, samples: int, seed: int) -> torch.Tensor:
@@ -181,6 +201,30 @@ class Predictor:
         probs, _ = predict_probs(self.model, low, sources, n_patches=n_patches, samples=samples, generator=generator,
                                  support_mask=masks)
         return probs.cpu()
+
+
+class PredictionInterrupted(KeyboardInterrupt):
+    """Ctrl-C during :meth:`Predictor.predict`: ``rows`` are the inputs finished before it
+    (in input order), ``total`` how many there were. A KeyboardInterrupt, so a caller that
+    does not handle it stops as on any Ctrl-C."""
+
+    def __init__(self, rows: list[PredictionRow], total: int):
+        super().__init__(f"interrupted after {len(rows)} of {total} input(s)")
+        self.rows, self.total = rows, total
+
+
+def check_writable(path: str | os.PathLike[str]) -> None:
+    """Raise OSError (with the reason) unless a file can be written at ``path``: checked
+    before any work, so that an unwritable output is not found out after hours of it.
+    Creates the parent directory (the write would), writes and removes a probe file."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "is a directory", str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    probe = path.with_name(f".{path.name}.{os.getpid()}.probe")
+    with open(probe, "wb") as fh:
+        fh.write(b"\0")
+    probe.unlink()
 
 
 def load_predictor(model: str | os.PathLike[str], device: str = "auto", *, estimator: str | None = None
@@ -305,8 +349,15 @@ def read_inputs_csv(path: str | os.PathLike[str]) -> list[InputItem]:
             if "path" not in header:
                 return [InputItem(path, error=f"{path}: a CSV needs a 'path' column (header: {header})")]
             out = []
+            first = reader.line_num + 1  # the line the next row starts on
             for row in reader:
                 raw = (row.get("path") or "").strip()
+                if "\n" in raw or "\n" in (row.get("label") or ""):  # no path or label holds a line break
+                    out.append(InputItem(path, error=f"{path}:{first}: a quote opened on this line is never closed "
+                                                     f"(the field runs on to line {reader.line_num})"))
+                    first = reader.line_num + 1
+                    continue
+                first = reader.line_num + 1
                 if not raw:
                     out.append(InputItem(path, error=f"{path}:{reader.line_num}: empty path"))
                     continue

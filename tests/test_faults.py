@@ -251,7 +251,78 @@ def test_2_a_lock_left_by_a_killed_process_is_taken_over(squares, tmp_path):
 # ---------------------------------------------------------------------------- 3. bounded memory for every reader
 
 
+def test_3_a_tiff_strip_over_the_pixel_budget_is_refused_naming_the_limit_and_the_flag(tmp_path):
+    model = _model(tmp_path / "m.pt")
+    tif = _strip_tiff(tmp_path / "strip.tif", 1200, 1000)
+    result = runner.invoke(app, ["predict", str(tif), "-m", str(model), "--max-pixels", "1000000"])
+    assert result.exit_code == 1, result.output
+    assert "strip.tif" in result.output and "1,200,000" in result.output and "1,000,000" in result.output
+    assert "--max-pixels" in result.output and "ATS_MAX_PIXELS" in result.output, result.output
+    assert "Traceback" not in result.output
+    # the header alone is fine to show, and within the budget the file predicts
+    assert runner.invoke(app, ["info", str(tif), "--max-pixels", "1000000"]).exit_code == 0
+    ok = runner.invoke(app, ["predict", str(tif), "-m", str(model), "--max-pixels", "2000000"])
+    assert ok.exit_code == 0, ok.output
+    # PNG and JPEG: checked from the header, before decoding
+    big = _png(tmp_path / "big.png", size=1100)
+    res = runner.invoke(app, ["predict", str(big), "-m", str(model), "--max-pixels", "1000000"])
+    assert res.exit_code == 1 and "1,210,000" in res.output and "--max-pixels" in res.output, res.output
+
+
+def test_3_the_environment_variable_sets_the_budget(tmp_path, monkeypatch):
+    tif = _strip_tiff(tmp_path / "strip.tif", 1200, 1000)
+    monkeypatch.setenv("ATS_MAX_PIXELS", "1000000")
+    with pytest.raises(SlideReadError, match="over the limit of 1,000,000"):
+        open_image(tif).low_res((10, 10))
+
+
+def test_3_a_tiff_bomb_is_refused_in_bounded_memory(tmp_path):
+    model = _model(tmp_path / "m.pt")
+    bomb = _strip_tiff(tmp_path / "bomb.tif", 20_000, 20_000)
+    assert bomb.stat().st_size < 2_000_000
+    started = time.perf_counter()
+    p, rss = _peak_rss_mb([ATS, "predict", str(bomb), "-m", str(model)])
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "bomb.tif" in p.stderr and "--max-pixels" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert rss < 1500, rss
+    assert time.perf_counter() - started < 30
+
+
+def test_3_the_low_res_view_read_in_bands_equals_the_whole_read(monkeypatch):
+    import torch.nn.functional as F
+
+    import ats_cli.data.images as images
+    from ats_cli.core.geometry import low_res_view
+    from ats_cli.data.inputs import low_res_view as banded_view
+    from ats_cli.data.slides import ArrayReader
+
+    rng = np.random.default_rng(0)
+    for shape, size in (((301, 257, 3), (37, 31)), ((200, 300, 1), (25, 38)), ((64, 64, 3), (64, 64))):
+        image = rng.integers(0, 256, shape, dtype=np.uint8)
+        x = torch.from_numpy(image).permute(2, 0, 1)
+        whole = F.interpolate(x[None].float(), size=size, mode="bilinear", align_corners=False, antialias=True)[0]
+        whole = whole.permute(1, 2, 0).round().clamp(0, 255).to(torch.uint8).numpy()  # how slides did it
+        for band_bytes in (images.BAND_BYTES, 4096):  # one band, many bands
+            monkeypatch.setattr(images, "BAND_BYTES", band_bytes)
+            assert np.array_equal(ArrayReader(image).low_res(size), whole), (shape, band_bytes)
+            assert torch.equal(banded_view(x, 0.125), low_res_view(x, 0.125)), (shape, band_bytes)
+
+
 # ---------------------------------------------------------------------------- 4. ats info goes on past a bad file
+
+
+def test_4_info_goes_on_past_a_decompression_bomb_png(tmp_path):
+    good, good2 = _png(tmp_path / "good.png"), _png(tmp_path / "good2.png", 1)
+    bomb = _bomb_png(tmp_path / "bomb.png")
+    result = runner.invoke(app, ["info", str(good), str(bomb), str(good2)])
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert "good2.png" in result.output and "good.png" in result.output
+    assert "bomb.png" in result.output and "10,000,000,000" in result.output, result.output
+    assert "1 of 3 file(s) failed" in result.output, result.output
+    model = _model(tmp_path / "m.pt")
+    pred = runner.invoke(app, ["predict", str(good), str(bomb), "-m", str(model)])
+    assert pred.exit_code == 1 and "bomb.png" in pred.output and "1 predicted, 1 failed" in pred.output, pred.output
 
 
 # ---------------------------------------------------------------------------- 5. non-finite weights and outputs
@@ -266,6 +337,20 @@ def test_5_a_checkpoint_with_a_nan_weight_is_refused_naming_the_file(tmp_path):
         load_checkpoint(tmp_path / "nan.pt")
     result = runner.invoke(app, ["predict", str(_png(tmp_path / "g.png")), "-m", str(tmp_path / "nan.pt")])
     assert result.exit_code == 2 and "nan.pt" in result.output and "NaN" in result.output, result.output
+
+
+def test_5_a_nan_probability_is_an_error_for_that_image(tmp_path):
+    ckpt = load_checkpoint(_model(tmp_path / "m.pt"))
+    for v in ckpt["model"].values():  # finite weights whose products overflow to inf, then NaN
+        if v.is_floating_point():
+            v.mul_(1e30)
+    torch.save(ckpt, tmp_path / "huge.pt")
+    image = _png(tmp_path / "g.png")
+    result = runner.invoke(app, ["predict", str(image), "-m", str(tmp_path / "huge.pt"), "--out",
+                                 str(tmp_path / "p.csv")])
+    assert result.exit_code == 1, result.output
+    assert "g.png" in result.output and "not finite" in result.output, result.output
+    assert "nan" not in (tmp_path / "p.csv").read_text()
 
 
 # ---------------------------------------------------------------------------- 6. an epoch's record is atomic
@@ -356,6 +441,40 @@ def test_6_a_full_disk_is_one_line_naming_the_run(squares, tmp_path, monkeypatch
 # ---------------------------------------------------------------------------- 7. the weaker ones
 
 
+def test_7_an_unwritable_predict_out_fails_before_any_prediction(tmp_path, monkeypatch):
+    model, image = _model(tmp_path / "m.pt"), _png(tmp_path / "g.png")
+    (tmp_path / "file").write_text("not a directory")
+    called = []
+    monkeypatch.setattr(predict_mod.Predictor, "predict", lambda self, *a, **kw: called.append(1) or [])
+    result = runner.invoke(app, ["predict", str(image), "-m", str(model), "--out", str(tmp_path / "file" / "p.csv")])
+    assert result.exit_code == 2, result.output
+    assert "cannot write" in result.output and "p.csv" in result.output and not called, result.output
+    vis = runner.invoke(app, ["visualize", str(image), "-m", str(model), "--out", str(tmp_path / "file" / "v.png")])
+    assert vis.exit_code == 2 and "cannot write" in vis.output, vis.output
+
+
+def test_7_ctrl_c_in_predict_saves_the_rows_done_and_says_so(tmp_path, monkeypatch):
+    model = _model(tmp_path / "m.pt")
+    images = [_png(tmp_path / f"g{i}.png", i) for i in range(3)]
+    real = predict_mod.open_input
+
+    def interrupt_second(path, **kw):
+        if Path(path) == images[1]:
+            raise KeyboardInterrupt
+        return real(path, **kw)
+
+    monkeypatch.setattr(predict_mod, "open_input", interrupt_second)
+    out = tmp_path / "p.csv"
+    try:
+        result = runner.invoke(app, ["predict", *map(str, images), "-m", str(model), "--out", str(out)])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped ats predict")
+    assert result.exit_code == 130, result.output
+    assert "interrupted" in result.output and str(out) in result.output, result.output
+    rows = out.read_text().splitlines()
+    assert len(rows) == 2 and "g0.png" in rows[1]
+
+
 def test_7_ctrl_c_during_evaluation_saves_the_epochs_steps(squares, straight, tmp_path, monkeypatch):
     real, calls = train_mod.evaluate, []
 
@@ -378,6 +497,37 @@ def test_7_ctrl_c_during_evaluation_saves_the_epochs_steps(squares, straight, tm
     history = train(_cfg(squares, run, epochs=3), resume=True, log=_quiet)
     assert [h["epoch"] for h in history] == [1, 2, 3] and _epochs(run) == [1, 2, 3]
     _same_weights(run / "last.pt", straight / "last.pt")
+
+
+def test_7_a_truncated_tiff_is_reported_as_truncated(tmp_path):
+    rng = np.random.default_rng(0)
+    tif = tmp_path / "t.tif"
+    tifffile.imwrite(tif, rng.integers(0, 256, (256, 256, 3), dtype=np.uint8), tile=(64, 64), compression="zlib")
+    data = tif.read_bytes()
+    cut = tmp_path / "cut.tif"
+    cut.write_bytes(data[: len(data) // 2])
+    model = _model(tmp_path / "m.pt", channels=1)
+    result = runner.invoke(app, ["predict", str(cut), "-m", str(model)])
+    assert result.exit_code == 1, result.output
+    assert "cut.tif" in result.output and "truncated" in result.output, result.output
+    assert "channels" not in result.output
+    with pytest.raises(SlideReadError, match="truncated"):
+        open_image(cut)
+
+
+def test_7_a_tile_decode_error_names_the_file_and_the_tile(tmp_path):
+    rng = np.random.default_rng(0)
+    tif = tmp_path / "t.tif"
+    tifffile.imwrite(tif, rng.integers(0, 256, (256, 256), dtype=np.uint8), tile=(64, 64), compression="zlib")
+    with tifffile.TiffFile(tif) as t:
+        offset, n = int(t.pages[0].dataoffsets[5]), int(t.pages[0].databytecounts[5])
+    data = bytearray(tif.read_bytes())
+    data[offset:offset + n] = bytes(rng.integers(0, 256, n, dtype=np.uint8))
+    tif.write_bytes(bytes(data))
+    with open_image(tif) as slide:
+        slide.read_region(0, 0, 64, 64)  # a region away from the corrupt tile reads fine
+        with pytest.raises(SlideReadError, match=r"t\.tif: cannot decode tile 5 \(row 64, column 64\) of level 0"):
+            slide.read_region(64, 64, 64, 64)
 
 
 class _Evil:

@@ -6,40 +6,70 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ats_cli.cli import app
+from ats_cli.cli.options import MaxPixelsOption
 
 
 @app.command()
 def info(
     paths: list[Path] = typer.Argument(..., help="Image or slide files."),
     reader: str = typer.Option("auto", help="Force a reader: auto, openslide, tifffile, pillow."),
+    max_pixels: MaxPixelsOption = None,
 ) -> None:
     """Show the reader, dimensions, pyramid levels, microns per pixel and vendor of each file.
 
-    Keeps going past unreadable files (each is reported with the problem) and exits 1 if any failed.
+    Keeps going past unreadable files (each is reported on one line, by name, with the
+    problem) and exits 1 at the end, with the count, if any failed; Ctrl-C stops with 130.
     """
-    from ats_cli.data.images import ImageReadError
+    from ats_cli.data.images import max_pixels_limit
+    from ats_cli.data.slides import READERS
+
+    console = Console(highlight=False)
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    if reader not in READERS:
+        err.print(f"[red]error:[/] unknown reader {escape(repr(reader))}; choose from {', '.join(READERS)}")
+        raise typer.Exit(2)
+    try:
+        max_pixels_limit(max_pixels)  # a bad ATS_MAX_PIXELS is a usage error, not one per file
+    except ValueError as e:
+        err.print(f"[red]error:[/] {escape(str(e))}")
+        raise typer.Exit(2) from None
+    failed = done = 0
+    try:
+        for path in paths:
+            failed += not _show(path, reader, max_pixels, console, err)
+            done += 1
+    except KeyboardInterrupt:
+        err.print(f"[yellow]interrupted[/] after {done} of {len(paths)} file(s)")
+        raise typer.Exit(130) from None
+    if failed:
+        err.print(f"[red]{failed} of {len(paths)} file(s) failed[/]")
+        raise typer.Exit(1)
+
+
+def _show(path: Path, reader: str, max_pixels: int | None, console: Console, err: Console) -> bool:
+    """Print one file's table; False (after one error line naming it) if it cannot be read."""
     from ats_cli.data.slides import open_image
 
-    console, err = Console(), Console(stderr=True)
-    failed = 0
-    for path in paths:
-        try:
-            with open_image(path, reader=reader) as slide:
-                i = slide.info()
-        except (ImageReadError, ValueError) as e:
-            err.print(f"[red]error[/]: {e}")
-            failed += 1
-            continue
-        mpp = f"{i.mpp[1]:.4g} x {i.mpp[0]:.4g} µm (x, y)" if i.mpp else "not recorded"
-        table = Table(title=str(path), show_header=True)
-        for col in ("level", "height", "width", "downsample"):
-            table.add_column(col, justify="right")
-        for k, ((h, w), d) in enumerate(zip(i.levels, i.downsamples, strict=True)):
-            table.add_row(str(k), f"{h:,}", f"{w:,}", f"{d:g}")
-        console.print(f"reader: {i.reader}   vendor: {i.vendor}   channels: {i.channels}   mpp: {mpp}")
-        console.print(table)
-    if failed:
-        raise typer.Exit(1)
+    try:
+        with open_image(path, reader=reader, max_pixels=max_pixels) as slide:
+            i = slide.info()
+    except Exception as e:  # any reader, any failure: report it by name and go on to the next file
+        text = str(e).strip()
+        text = text.splitlines()[0] if text else type(e).__name__
+        if str(path) not in text:
+            text = f"{path}: {type(e).__name__}: {text}"
+        err.print(f"[red]error:[/] {escape(text)}")
+        return False
+    mpp = f"{i.mpp[1]:.4g} x {i.mpp[0]:.4g} µm (x, y)" if i.mpp else "not recorded"
+    table = Table(title=escape(str(path)), show_header=True)
+    for col in ("level", "height", "width", "downsample"):
+        table.add_column(col, justify="right")
+    for k, ((h, w), d) in enumerate(zip(i.levels, i.downsamples, strict=True)):
+        table.add_row(str(k), f"{h:,}", f"{w:,}", f"{d:g}")
+    console.print(f"reader: {i.reader}   vendor: {i.vendor}   channels: {i.channels}   mpp: {mpp}")
+    console.print(table)
+    return True

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-__all__ = ["ReaderOption", "LevelOption", "MppOption", "TissueOption"]
+__all__ = ["ReaderOption", "LevelOption", "MppOption", "TissueOption", "MaxPixelsOption"]
 
 # How an input is read (ats predict, ats visualize). Unset = what the model was trained
 # with (saved in its checkpoint), else the default in brackets.
@@ -25,3 +25,8 @@ TissueOption = Annotated[bool | None, typer.Option(
     "--tissue-mask/--no-tissue-mask", show_default=False,
     help="Sample only tissue (Otsu on saturation) \\[default: the model's training setting, else on for slides "
          "and TIFFs, off for other images].")]
+MaxPixelsOption = Annotated[int | None, typer.Option(
+    "--max-pixels", min=1, show_default=False,
+    help="The most pixels decoded at once from one input: a whole PNG/JPEG, the slide level the low-res view is "
+         "made from, one TIFF strip or tile; larger inputs are refused by name, before decoding \\[default: "
+         "ATS_MAX_PIXELS, else 64000000 (8000 x 8000), which keeps memory under about 1.5 GB].")]

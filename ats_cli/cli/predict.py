@@ -8,10 +8,11 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ats_cli.cli import app
-from ats_cli.cli.options import LevelOption, MppOption, ReaderOption, TissueOption
+from ats_cli.cli.options import LevelOption, MaxPixelsOption, MppOption, ReaderOption, TissueOption
 
 MAX_ROWS_SHOWN = 20  # rows of the terminal table; the CSV has them all
 MAX_CONFUSION_CLASSES = 20  # wider confusion matrices do not fit a terminal
@@ -58,15 +59,21 @@ def predict(
     level: LevelOption = None,
     mpp: MppOption = None,
     tissue_mask: TissueOption = None,
+    max_pixels: MaxPixelsOption = None,
 ) -> None:
     """Predict the class of images with a trained model.
 
-    Unreadable or too-small images are reported on stderr (by file name) and left out of
-    the CSV; the others are still predicted, and the exit status is then 1. A model file
-    that cannot be used exits with status 2 before any image is read.
+    Unreadable, too-small or too-large images (and any whose prediction is not a finite
+    number) are reported on stderr (by file name) and left out of the CSV; the others are
+    still predicted, and the exit status is then 1. A model file that cannot be used, or
+    an --out that cannot be written, exits with status 2 before any image is read. Ctrl-C
+    writes the rows finished so far to --out, says so and exits with status 130.
     """
     from ats_cli.checkpoint import CheckpointError
+    from ats_cli.data.images import max_pixels_limit
     from ats_cli.predict import (
+        PredictionInterrupted,
+        check_writable,
         evaluate,
         load_predictor,
         predictions_csv_text,
@@ -79,10 +86,18 @@ def predict(
     console = Console(stderr=to_stdout, highlight=False, soft_wrap=True)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     try:
+        max_pixels_limit(max_pixels)  # a bad ATS_MAX_PIXELS is a usage error, not one per image
         predictor = load_predictor(model, device, estimator=estimator)
     except (CheckpointError, ValueError, RuntimeError) as e:
-        err.print(f"[red]error:[/] {e}", soft_wrap=True)
+        err.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(2) from None
+    if out is not None and not to_stdout:
+        try:
+            check_writable(out)
+        except OSError as e:
+            err.print(f"[red]error:[/] cannot write {escape(out)}: {escape(e.strerror or str(e))} (nothing was "
+                      "predicted)", soft_wrap=True)
+            raise typer.Exit(2) from None
 
     items = resolve_inputs(inputs, recursive=recursive)
     n_ok_inputs = sum(item.error is None for item in items)
@@ -92,9 +107,13 @@ def predict(
     if level is not None and mpp is not None:
         err.print("[red]error:[/] give --level or --mpp, not both")
         raise typer.Exit(2)
-    opener = predictor.opener(reader=reader, level=level, mpp=mpp, tissue=tissue_mask)
-    rows = _run_with_progress(predictor, items, err, n_patches=n_patches, samples=samples,
-                              batch_size=batch_size, seed=seed, reader=opener)
+    opener = predictor.opener(reader=reader, level=level, mpp=mpp, tissue=tissue_mask, max_pixels=max_pixels)
+    try:
+        rows = _run_with_progress(predictor, items, err, n_patches=n_patches, samples=samples,
+                                  batch_size=batch_size, seed=seed, reader=opener)
+    except PredictionInterrupted as stop:
+        _save_interrupted(stop, out, to_stdout, predictor.classes, err)
+        raise typer.Exit(130) from None
     good = [r for r in rows if r.ok]
     failed = [r for r in rows if not r.ok]
 
@@ -132,6 +151,26 @@ def predict(
         for r in failed:
             err.print(f"  {r.error}", soft_wrap=True, markup=False)
         raise typer.Exit(1)
+
+
+def _save_interrupted(stop, out: str | None, to_stdout: bool, classes: list[str], err: Console) -> None:
+    """Ctrl-C: write the rows finished so far where the full CSV would have gone, and say so."""
+    from ats_cli.predict import predictions_csv_text, write_predictions_csv
+
+    good = sum(r.ok for r in stop.rows)
+    where = "not saved (no --out)"
+    try:
+        if to_stdout:
+            sys.stdout.write(predictions_csv_text(stop.rows, classes))
+            sys.stdout.flush()
+            where = "written to stdout"
+        elif out is not None:
+            write_predictions_csv(out, stop.rows, classes)
+            where = f"written to {out}"
+    except OSError as e:
+        where = f"not saved: cannot write {out}: {e.strerror or e}"
+    err.print(f"[yellow]interrupted[/] after {len(stop.rows)} of {stop.total} input(s): the {good} predicted are "
+              f"{escape(where)}", soft_wrap=True)
 
 
 def _run_with_progress(predictor, items, console: Console, **options):

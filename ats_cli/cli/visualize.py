@@ -7,9 +7,10 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from ats_cli.cli import app
-from ats_cli.cli.options import LevelOption, MppOption, ReaderOption, TissueOption
+from ats_cli.cli.options import LevelOption, MaxPixelsOption, MppOption, ReaderOption, TissueOption
 
 
 @app.command()
@@ -40,6 +41,7 @@ def visualize(
     level: LevelOption = None,
     mpp: MppOption = None,
     tissue_mask: TissueOption = None,
+    max_pixels: MaxPixelsOption = None,
 ) -> None:
     """Draw what the model attends to.
 
@@ -50,22 +52,29 @@ def visualize(
     [bold]ats visualize RUN_DIR --image IMAGE --out evolution.png[/]: the attention after
     successive epochs (RUN_DIR/epochs/epoch_NNN.pt) side by side, on one shared colour scale.
 
-    Exit status 2 for a bad model, run directory or option; 1 for an unusable image.
+    Exit status 2 for a bad model, run directory or option, or an --out that cannot be
+    written (checked before any work); 1 for an unusable image; 130 for Ctrl-C (nothing
+    is written).
     """
     from ats_cli.checkpoint import CheckpointError
-    from ats_cli.data.images import ImageReadError
+    from ats_cli.data.images import ImageReadError, max_pixels_limit
+    from ats_cli.predict import check_writable
     from ats_cli.visualize import render_attention, render_evolution
 
     console = Console(highlight=False, soft_wrap=True)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
 
     def usage(message: str) -> typer.Exit:
-        err.print(f"[red]error:[/] {message}", soft_wrap=True)
+        err.print(f"[red]error:[/] {escape(message)}", soft_wrap=True)
         return typer.Exit(2)
 
     if level is not None and mpp is not None:
         raise usage("give --level or --mpp, not both")
-    reading = {"reader": reader, "level": level, "mpp": mpp, "tissue": tissue_mask}
+    try:
+        max_pixels_limit(max_pixels)
+    except ValueError as e:
+        raise usage(str(e)) from None
+    reading = {"reader": reader, "level": level, "mpp": mpp, "tissue": tissue_mask, "max_pixels": max_pixels}
     evolution = target.is_dir()
     if evolution and image is None:
         raise usage(f"{target} is a directory: give --image IMAGE to draw its attention across epochs "
@@ -75,6 +84,10 @@ def visualize(
     if not evolution and model is None:
         raise usage(f"give --model MODEL to draw {target}'s attention (or a run directory and --image)")
     try:
+        check_writable(out)
+    except OSError as e:
+        raise usage(f"cannot write {out}: {e.strerror or e} (nothing was drawn)") from None
+    try:
         if evolution:
             summary = render_evolution(target, image, out, epochs=epochs, data=data, device=device,
                                        reading=reading)
@@ -82,13 +95,16 @@ def visualize(
             summary = render_attention(model, target, out, n_patches=n_patches, seed=seed, data=data, device=device,
                                        reading=reading)
     except ImageReadError as e:
-        err.print(f"[red]error:[/] {e}", soft_wrap=True)
+        err.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(1) from None
     except (CheckpointError, ValueError, RuntimeError) as e:
         raise usage(str(e)) from None
-    except OSError as e:
-        err.print(f"[red]error:[/] cannot write {out}: {e}", soft_wrap=True)
+    except OSError as e:  # reading or writing: name the file the system names
+        err.print(f"[red]error:[/] {escape(str(e.filename or out))}: {escape(e.strerror or str(e))}", soft_wrap=True)
         raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        err.print(f"[yellow]interrupted[/]: nothing written to {escape(str(out))}", soft_wrap=True)
+        raise typer.Exit(130) from None
 
     what = (f"epochs {', '.join(map(str, summary.epochs))}" if evolution
             else f"predicted {summary.prediction} (p = {summary.probability:.2f})")

@@ -3,21 +3,38 @@ name the file.
 
 Images stay uint8 on the host: a 1500x1500 grayscale image is 2.25 MB as uint8 and 9 MB
 as float32, and only the low-res view and the sampled patches are ever converted.
+
+Memory is bounded by a pixel budget (:func:`max_pixels_limit`: ``--max-pixels``, else
+``ATS_MAX_PIXELS``, else ``DEFAULT_MAX_PIXELS``) checked from the file's header before
+anything is decoded: a PNG or JPEG is decoded whole, so one larger than the budget is
+refused by name (it replaces PIL's decompression-bomb guard, which raised an exception
+of its own). The slide readers apply the same budget to what they decode at once.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-__all__ = ["ImageReadError", "read_image", "IMAGE_SUFFIXES"]
+__all__ = ["DEFAULT_MAX_PIXELS", "ImageReadError", "read_image", "IMAGE_SUFFIXES", "max_pixels_limit",
+           "open_pil", "over_budget", "resize_in_bands"]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp")
 _MODES = {1: "L", 3: "RGB"}
+# The most pixels decoded at once from one input. 64 M (8000 x 8000) keeps the peak memory
+# of ats predict / info / visualize on any input under about 1.5 GB (measured: an RGB PNG
+# that size, a model with a 0.25 low-res scale: 1.4-1.5 GB, of which ~0.6 GB is PyTorch
+# itself; a 0.12 scale: 1.15 GB). PIL holds RGB in 4 bytes a pixel while it decodes.
+DEFAULT_MAX_PIXELS = 64_000_000
+MAX_PIXELS_ENV = "ATS_MAX_PIXELS"
+BAND_BYTES = 64 << 20  # float32 bytes converted at once by resize_in_bands
+_PIL_GUARD = threading.Lock()  # Image.MAX_IMAGE_PIXELS is process-wide
 
 
 class ImageReadError(ValueError):
@@ -29,20 +46,95 @@ class ImageReadError(ValueError):
         super().__init__(f"{self.path}: {problem}")
 
 
-def read_image(path: str | os.PathLike[str], channels: int | None = None) -> torch.Tensor:
+def max_pixels_limit(max_pixels: int | None = None) -> int:
+    """The pixel budget: ``max_pixels`` when given, else ``$ATS_MAX_PIXELS``, else
+    ``DEFAULT_MAX_PIXELS``."""
+    if max_pixels is not None:
+        return int(max_pixels)
+    text = os.environ.get(MAX_PIXELS_ENV, "").strip()
+    if not text:
+        return DEFAULT_MAX_PIXELS
+    try:
+        value = int(text.replace("_", "").replace(",", ""))
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{MAX_PIXELS_ENV}={text!r}: give a positive number of pixels, e.g. 400000000")
+    return value
+
+
+def over_budget(path: str | os.PathLike[str], what: str, pixels: int, limit: int) -> ImageReadError:
+    """The refusal of a read larger than the pixel budget: names the file, the size, the
+    limit and how to raise it."""
+    return ImageReadError(path, f"{what}: {pixels:,} pixels to decode at once, over the limit of {limit:,} pixels; "
+                          f"raise it with --max-pixels N or {MAX_PIXELS_ENV}=N if this machine has the memory "
+                          "(a tiled pyramidal TIFF is read without such large decodes)")
+
+
+def open_pil(path: str | os.PathLike[str], max_pixels: int | None = None) -> Image.Image:
+    """``Image.open`` with the pixel budget in place of PIL's decompression-bomb guard:
+    only the header is read, and an image larger than the budget is refused by name
+    before anything is decoded. Raises what ``Image.open`` raises for unreadable files."""
+    limit = max_pixels_limit(max_pixels)
+    with _PIL_GUARD:
+        saved, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+        try:
+            im = Image.open(path)
+        finally:
+            Image.MAX_IMAGE_PIXELS = saved
+    if im.width * im.height > limit:
+        im.close()
+        raise over_budget(path, f"{im.width}x{im.height} (width x height)", im.width * im.height, limit)
+    return im
+
+
+def resize_in_bands(rows: Callable[[int, int], torch.Tensor], shape: tuple[int, int, int], size: tuple[int, int],
+                    *, divide: float = 1.0, align: int = 1) -> torch.Tensor:
+    """``F.interpolate(x.float() / divide, size, bilinear, antialias=True)`` of an image
+    [C, H, W] whose uint8 rows ``rows(r0, r1)`` ([C, r1 - r0, W]) are read on demand, bit
+    for bit, while holding only one band of rows in float32 (``BAND_BYTES``).
+
+    PyTorch's antialiased resize is separable, width first: resizing the width of each
+    band of rows (rows are independent) and then the height of the [C, H, w] result gives
+    exactly its output. ``align``: read the rows in multiples of this (a TIFF's strip or
+    tile height), so that no segment is decoded twice.
+    """
+    import torch.nn.functional as F
+
+    C, H, W = shape
+    th, tw = int(size[0]), int(size[1])
+    band = max(1, BAND_BYTES // (4 * max(C, 1) * max(W, 1)))
+    read = max(align, band // align * align)
+    wide = torch.empty((1, C, H, tw), dtype=torch.float32)  # the width-resized image, filled band by band
+    for r0 in range(0, H, read):
+        block = rows(r0, min(H, r0 + read))
+        for s0 in range(0, block.shape[1], band):
+            x = block[:, s0:s0 + band].float()
+            if divide != 1.0:
+                x = x / divide
+            wide[0, :, r0 + s0:r0 + s0 + x.shape[1]] = F.interpolate(
+                x[None], size=(x.shape[1], tw), mode="bilinear", align_corners=False, antialias=True)[0]
+        del block
+    return F.interpolate(wide, size=(th, tw), mode="bilinear", align_corners=False, antialias=True)[0]
+
+
+def read_image(path: str | os.PathLike[str], channels: int | None = None, *,
+               max_pixels: int | None = None) -> torch.Tensor:
     """Read ``path`` as a uint8 tensor [C, H, W].
 
     ``channels`` (1 or 3) is what the model expects. Grayscale and RGB are converted
     into each other on purpose only when the conversion loses nothing a user would miss
     (gray -> RGB replicates; RGB whose three planes are equal -> gray); a colour image
     given to a grayscale model is an error rather than a silent conversion, since the
-    model never saw colour. Alpha is dropped.
+    model never saw colour. Alpha is dropped. An image of more than ``max_pixels`` pixels
+    (:func:`max_pixels_limit`) is refused from its header, before decoding.
     """
     path = Path(path)
     if not path.exists():
         raise ImageReadError(path, "file not found")
+    limit = max_pixels_limit(max_pixels)
     try:
-        with Image.open(path) as im:
+        with open_pil(path, limit) as im:
             im.load()
             mode = im.mode
             if mode in ("I;16", "I;16B", "I;16L", "I"):
@@ -54,9 +146,7 @@ def read_image(path: str | os.PathLike[str], channels: int | None = None) -> tor
             arr = np.array(im)  # a writable copy owned by the tensor
     except ImageReadError:
         raise
-    except Image.DecompressionBombError as e:
-        raise ImageReadError(path, f"{e} (very large images need the whole-slide readers)") from e
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise ImageReadError(path, f"cannot decode image ({type(e).__name__}: {e})") from e
     if arr.ndim == 2:
         arr = arr[:, :, None]

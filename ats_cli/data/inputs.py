@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from ats_cli.core.geometry import low_res_view
+from ats_cli.core.geometry import low_res_size
 from ats_cli.core.source import PatchSource, TensorSource
-from ats_cli.data.images import ImageReadError, read_image
+from ats_cli.data.images import ImageReadError, read_image, resize_in_bands
 
 __all__ = ["OpenedImage", "open_input", "is_lazy", "batch_sources", "batch_support"]
 
@@ -40,9 +40,17 @@ class OpenedImage:
     support: torch.Tensor | None = None  # bool [h, w] over ``low``: where sampling may go (tissue mask)
 
 
+def low_res_view(image: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`ats_cli.core.geometry.low_res_view` of a uint8 image [C, H, W], bit for bit,
+    converting one band of rows to float at a time: the whole image in float32 would be
+    four times its size (1.2 GB for a 10000x10000 RGB image), twice over."""
+    C, H, W = image.shape
+    return resize_in_bands(lambda r0, r1: image[:, r0:r1], (C, H, W), low_res_size((H, W), scale), divide=255.0)
+
+
 def open_input(path: str | os.PathLike[str], *, channels: int, scale: float,
                patch_size: tuple[int, int], reader: str | None = None, level: int | None = None,
-               mpp: float | None = None, tissue: bool | None = None) -> OpenedImage:
+               mpp: float | None = None, tissue: bool | None = None, max_pixels: int | None = None) -> OpenedImage:
     """Read one input file into (low-res view, patch source): the only function that
     knows how files are read.
 
@@ -52,6 +60,8 @@ def open_input(path: str | os.PathLike[str], *, channels: int, scale: float,
     with the slide. ``level``/``mpp`` choose the level patches are read from. ``tissue``
     (default: on for slides read lazily, off for ordinary images) restricts sampling to
     the Otsu tissue mask. Other files are read whole with :func:`read_image`, as before.
+    ``max_pixels`` is the pixel budget of :mod:`ats_cli.data.slides` (default
+    ``ATS_MAX_PIXELS``, else 64 M): larger reads are refused from the file's header.
 
     An image smaller than a patch in either dimension is refused: zero padding would make
     it run, but every patch would then be mostly padding the model never saw in training,
@@ -62,12 +72,12 @@ def open_input(path: str | os.PathLike[str], *, channels: int, scale: float,
 
     lazy = is_lazy(path, reader, level, mpp)
     if lazy:
-        slide = open_image(path, reader=reader or "auto").as_channels(channels)
+        slide = open_image(path, reader=reader or "auto", max_pixels=max_pixels).as_channels(channels)
         slide.set_level(level, mpp)
         low = slide.low_res_view(scale)
         source: PatchSource = slide
     else:
-        image = read_image(path, channels)
+        image = read_image(path, channels, max_pixels=max_pixels)
         low, source = low_res_view(image, scale), TensorSource(image)
     H, W = source.size
     ph, pw = patch_size

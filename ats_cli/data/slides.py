@@ -18,21 +18,36 @@ Backends, chosen by ``open_image`` unless ``reader=`` forces one:
 - ``pillow``: PNG/JPEG/BMP, read whole but with an explicit pixel limit
   (``max_pixels``) instead of switching the decompression-bomb guard off.
 - ``array``: an in-memory [H, W, C] uint8 array (tests, generated data).
+
+Bounded memory: every reader has a pixel budget (``max_pixels``: ``--max-pixels``, else
+``ATS_MAX_PIXELS``, else 64 M pixels; :func:`ats_cli.data.images.max_pixels_limit`)
+checked from the header before decoding: a PNG/JPEG decoded whole, the pyramid level
+the low-res view is made from, and one TIFF strip or tile must each fit in it, or the
+read is refused with a message naming the file, the size, the limit and how to raise
+it. The level read for the low-res view is decoded and resized band by band, so it is
+never held in float whole.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 
-from ats_cli.data.images import ImageReadError
+from ats_cli.data.images import (
+    DEFAULT_MAX_PIXELS,
+    ImageReadError,
+    max_pixels_limit,
+    open_pil,
+    over_budget,
+    resize_in_bands,
+)
 
 __all__ = ["SlideReadError", "SlideInfo", "SlideReader", "open_image", "tissue_mask", "READERS", "SLIDE_SUFFIXES"]
 
@@ -40,11 +55,15 @@ READERS = ("auto", "openslide", "tifffile", "pillow")
 # Suffixes only OpenSlide understands; generic TIFFs go to OpenSlide only when it says so.
 SLIDE_SUFFIXES = (".svs", ".ndpi", ".mrxs", ".scn", ".vms", ".vmu", ".bif", ".dcm", ".svslide")
 TIFF_SUFFIXES = (".tif", ".tiff", ".btf", ".ome.tif", ".ome.tiff")
-DEFAULT_MAX_PIXELS = 200_000_000  # pillow backend: ~600 MB RGB; larger files need a tiled format
+PARALLEL_SEGMENT_PIXELS = 4_000_000  # larger strips/tiles are decoded one patch at a time (memory)
 
 
 class SlideReadError(ImageReadError):
     """A slide or large image that cannot be read; the message names the file and the problem."""
+
+
+def _too_big(path, what: str, pixels: int, limit: int) -> SlideReadError:
+    return SlideReadError(path, over_budget(path, what, pixels, limit).problem)
 
 
 @dataclass(frozen=True)
@@ -69,6 +88,7 @@ class SlideReader:
     """
 
     name = "base"
+    max_pixels = DEFAULT_MAX_PIXELS  # the pixel budget (module docstring); open_image sets it
 
     def __init__(self, path: Path, levels: list[tuple[int, int]], channels: int, vendor: str, mpp=None):
         self.path = Path(path)
@@ -103,7 +123,8 @@ class SlideReader:
         the GIL), each touching only the tiles it overlaps."""
         h, w = int(size[0]), int(size[1])
         offs = [(int(r), int(c)) for r, c in offsets.tolist()]
-        with ThreadPoolExecutor(max_workers=min(8, max(1, len(offs)))) as pool:
+        threads = 1 if self._segment_pixels(self.level) > PARALLEL_SEGMENT_PIXELS else min(8, max(1, len(offs)))
+        with ThreadPoolExecutor(max_workers=threads) as pool:
             parts = list(pool.map(lambda rc: self.read_region(rc[0], rc[1], h, w, self.level), offs))
         if not parts:
             return torch.zeros((0, self.channels, h, w), dtype=torch.uint8)
@@ -135,10 +156,15 @@ class SlideReader:
 
     def read_region(self, row: int, col: int, h: int, w: int, level: int = 0) -> np.ndarray:
         """[h, w, C] uint8 of ``level`` starting at (row, col) in that level's pixels;
-        zeros where the region leaves the image."""
+        zeros where the region leaves the image. May be a read-only view (of a decoded
+        strip or tile): copy it before writing to it."""
         H, W = self.levels[level]
-        out = np.zeros((h, w, self.channels), dtype=np.uint8)
         r0, c0, r1, c1 = max(row, 0), max(col, 0), min(row + h, H), min(col + w, W)
+        if (r0, c0, r1, c1) == (row, col, row + h, col + w):  # inside the image: no second copy
+            region = self._read_region(row, col, h, w, level)
+            if region.shape[2] == self.channels:
+                return region
+        out = np.zeros((h, w, self.channels), dtype=np.uint8)
         if r1 > r0 and c1 > c0:
             out[r0 - row : r1 - row, c0 - col : c1 - col] = self._read_region(r0, c0, r1 - r0, c1 - c0, level)
         return out  # a 1-channel region broadcasts into 3 channels when as_channels(3) asked for it
@@ -147,19 +173,27 @@ class SlideReader:
         """The whole image resized to ``size`` (H, W), [H, W, C] uint8, read from the smallest
         level at least that large (never level 0 unless nothing smaller suffices). Resizing is
         the core's antialiased bilinear (as ``low_res_view``), so a slide's view matches what
-        the model saw in training on in-memory images."""
-        import torch.nn.functional as F
-
+        the model saw in training on in-memory images. That level must fit in the pixel
+        budget; it is read and resized band by band (``resize_in_bands``: bit for bit the
+        same as resizing it whole)."""
         th, tw = int(size[0]), int(size[1])
         ok = [i for i, (h, w) in enumerate(self.levels) if h >= th and w >= tw]
         level = min(ok, key=lambda i: self.levels[i][0] * self.levels[i][1]) if ok else 0
         H, W = self.levels[level]
-        img = self.read_region(0, 0, H, W, level)
+        if H * W > self.max_pixels:
+            raise _too_big(self.path, f"level {level} ({W}x{H}, the smallest the {tw}x{th} low-res view can be made "
+                           "from)", H * W, self.max_pixels)
         if (H, W) == (th, tw):
-            return img
-        x = torch.from_numpy(img).permute(2, 0, 1)[None].float()
-        small = F.interpolate(x, size=(th, tw), mode="bilinear", align_corners=False, antialias=True)
-        return small[0].permute(1, 2, 0).round().clamp(0, 255).to(torch.uint8).numpy()
+            return np.require(self.read_region(0, 0, H, W, level), requirements="W")
+
+        def rows(r0: int, r1: int) -> torch.Tensor:
+            band = self.read_region(r0, 0, r1 - r0, W, level)  # may be a read-only view of a decoded strip
+            with warnings.catch_warnings():  # only read (converted to float), never written: no copy needed
+                warnings.simplefilter("ignore", UserWarning)
+                return torch.from_numpy(band).permute(2, 0, 1)
+
+        small = resize_in_bands(rows, (self.channels, H, W), (th, tw), align=self._segment_rows(level))
+        return small.permute(1, 2, 0).round().clamp(0, 255).to(torch.uint8).numpy()
 
     def low_res_view(self, scale: float) -> torch.Tensor:
         """The model's low-res view [C, h, w] float in [0, 1] of the patch level at ``scale``,
@@ -189,7 +223,7 @@ class SlideReader:
         low-res view and hands the reader to the training process, which cannot receive an
         open file handle. The receiving process reopens the file once and keeps it open
         (:func:`_reopen` caches readers per process), so later batches pay nothing."""
-        return _reopen, (self.name, str(self.path), self.level, self._out_channels)
+        return _reopen, (self.name, str(self.path), self.level, self._out_channels, self.max_pixels)
 
     def __enter__(self):
         return self
@@ -199,6 +233,14 @@ class SlideReader:
 
     def _read_region(self, row: int, col: int, h: int, w: int, level: int) -> np.ndarray:
         raise NotImplementedError
+
+    def _segment_rows(self, level: int) -> int:
+        """Rows of the unit the file is decoded in at ``level`` (a TIFF strip or tile)."""
+        return 1
+
+    def _segment_pixels(self, level: int) -> int:
+        """Pixels of one such unit (0: no units, e.g. in memory)."""
+        return 0
 
 
 def _to_rgb_or_gray(arr: np.ndarray) -> np.ndarray:
@@ -225,7 +267,7 @@ class ArrayReader(SlideReader):
         super().__init__(Path(path), [d.shape[:2] for d in self._data], image.shape[2], "array")
 
     def _read_region(self, row, col, h, w, level):
-        return self._data[level][row : row + h, col : col + w]
+        return self._data[level][row : row + h, col : col + w].copy()
 
     def __reduce__(self):
         raise TypeError(f"{self.name} readers hold their pixels in memory; pass the image tensor instead")
@@ -236,30 +278,25 @@ class PillowReader(ArrayReader):
 
     name = "pillow"
 
-    def __init__(self, path: Path, max_pixels: int = DEFAULT_MAX_PIXELS):
+    def __init__(self, path: Path, max_pixels: int | None = None):
+        limit = max_pixels_limit(max_pixels)
         try:
-            with Image.open(path) as im:
-                if im.width * im.height > max_pixels:
-                    raise SlideReadError(
-                        path, f"{im.width}x{im.height} exceeds the pillow reader's limit of {max_pixels:,} pixels; "
-                        "raise --max-pixels or convert it to a tiled pyramidal TIFF",
-                    )
+            with open_pil(path, limit) as im:  # the budget is checked from the header, before decoding
                 if im.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
                     raise SlideReadError(path, f"{im.mode} (16/32-bit) images are not supported; convert to 8-bit")
-                saved, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # our own limit was checked above
-                try:
-                    im.load()
-                finally:
-                    Image.MAX_IMAGE_PIXELS = saved
+                im.load()
                 if im.mode not in ("L", "RGB"):
                     im = im.convert("L" if im.mode in ("1", "LA") else "RGB")
                 arr = np.array(im)
         except SlideReadError:
             raise
+        except ImageReadError as e:  # over the budget
+            raise SlideReadError(path, e.problem) from None
         except (OSError, SyntaxError, ValueError) as e:
             raise SlideReadError(path, f"cannot decode image ({type(e).__name__}: {e})") from e
         super().__init__(arr, path)
         self.vendor = "image"
+        self.max_pixels = limit
 
 
 class TiffReader(SlideReader):
@@ -269,7 +306,7 @@ class TiffReader(SlideReader):
 
     name = "tifffile"
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, max_pixels: int | None = None):
         import tifffile
 
         try:
@@ -286,6 +323,7 @@ class TiffReader(SlideReader):
         self._pages = pages
         self._lock = threading.Lock()
         fh = self._tif.filehandle
+        self._check_complete(path, pages, fh.size)
         # Positional reads (pread) when the TIFF is a plain file: they neither use nor move
         # the file offset, which a forked DataLoader worker shares with this process (a
         # buffered file object finalised there seeks the shared offset: measured as tiles
@@ -295,29 +333,61 @@ class TiffReader(SlideReader):
         channels = _to_rgb_or_gray(np.zeros((1, 1, pages[0].samplesperpixel), np.uint8)).shape[2]
         vendor = "ome" if self._tif.is_ome else ("aperio" if self._tif.is_svs else "generic-tiff")
         super().__init__(path, [(p.imagelength, p.imagewidth) for p in pages], channels, vendor, _tiff_mpp(self._tif))
+        self.max_pixels = max_pixels_limit(max_pixels)
+
+    def _check_complete(self, path: Path, pages, size: int) -> None:
+        """Refuse a file cut short (an interrupted copy or download) by name, before its
+        channels or anything else are looked at: every strip/tile must lie inside it."""
+        for level, page in enumerate(pages):
+            offsets = np.asarray(page.dataoffsets, dtype=np.int64)
+            counts = np.asarray(page.databytecounts, dtype=np.int64)
+            past = np.flatnonzero((counts > 0) & (offsets + counts > size))
+            if len(past):
+                i, kind = int(past[0]), "tile" if page.is_tiled else "strip"
+                raise SlideReadError(path, f"truncated: {kind} {i} of level {level} ends at byte "
+                                     f"{int(offsets[i] + counts[i]):,} but the file has {size:,} bytes "
+                                     f"({len(past)} of {len(counts)} {kind}s missing); the file is incomplete")
+
+    def _segment_rows(self, level: int) -> int:
+        return int(self._pages[level].chunks[0])
+
+    def _segment_pixels(self, level: int) -> int:
+        page = self._pages[level]
+        return int(page.chunks[0]) * int(page.chunks[1])
 
     def _read_region(self, row, col, h, w, level):
         page = self._pages[level]
         ch, cw = page.chunks[0], page.chunks[1]
         n_across = page.chunked[1]
-        out = np.zeros((h, w, page.samplesperpixel), dtype=np.uint8)
-        for ty in range(row // ch, (row + h - 1) // ch + 1):
-            for tx in range(col // cw, (col + w - 1) // cw + 1):
-                index = ty * n_across + tx
-                nbytes = page.databytecounts[index]
-                if nbytes == 0:  # sparse tile: background
-                    continue
+        kind = "tile" if page.is_tiled else "strip"
+        if ch * cw > self.max_pixels:  # from the header, before decoding: one segment is decoded whole
+            raise _too_big(self.path, f"{kind}s of level {level} are {cw}x{ch}", ch * cw, self.max_pixels)
+        tiles = [(ty, tx) for ty in range(row // ch, (row + h - 1) // ch + 1)
+                 for tx in range(col // cw, (col + w - 1) // cw + 1)]
+        out = None
+        for ty, tx in tiles:
+            index = ty * n_across + tx
+            nbytes = page.databytecounts[index]
+            if nbytes == 0:  # sparse tile: background
+                continue
+            try:
                 data = self._read_bytes(int(page.dataoffsets[index]), int(nbytes))
-                try:
-                    seg, (_, _, y0, x0, _), _ = page.decode(data, index, jpegtables=page.jpegtables)
-                except Exception as e:
-                    raise SlideReadError(self.path, f"cannot decode tile {index} of level {level} ({e})") from e
+                seg, (_, _, y0, x0, _), _ = page.decode(data, index, jpegtables=page.jpegtables)
                 seg = seg.reshape(seg.shape[-3:])
                 ys, xs = max(row, y0), max(col, x0)
                 ye = min(row + h, y0 + seg.shape[0], page.imagelength)
                 xe = min(col + w, x0 + seg.shape[1], page.imagewidth)
-                out[ys - row : ye - row, xs - col : xe - col] = seg[ys - y0 : ye - y0, xs - x0 : xe - x0]
-        return _to_rgb_or_gray(out)
+                part = seg[ys - y0 : ye - y0, xs - x0 : xe - x0]
+                if len(tiles) == 1 and part.shape[:2] == (h, w):  # one strip/tile covers it: no new array,
+                    # but no view either that would keep a large decoded strip alive for a small patch
+                    return _to_rgb_or_gray(part if 2 * part.size >= seg.size else part.copy())
+                if out is None:
+                    out = np.zeros((h, w, page.samplesperpixel), dtype=np.uint8)
+                out[ys - row : ye - row, xs - col : xe - col] = part
+            except Exception as e:  # whatever the codec raises: name the file and where
+                raise SlideReadError(self.path, f"cannot decode {kind} {index} (row {ty * ch}, column {tx * cw}) of "
+                                     f"level {level} ({type(e).__name__}: {e})") from e
+        return _to_rgb_or_gray(out if out is not None else np.zeros((h, w, page.samplesperpixel), dtype=np.uint8))
 
     def _read_bytes(self, offset: int, n: int) -> bytes:
         if self._fd is not None:
@@ -360,9 +430,10 @@ class OpenSlideReader(SlideReader):
 
     name = "openslide"
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, max_pixels: int | None = None):
         import openslide
 
+        self.max_pixels = max_pixels_limit(max_pixels)
         try:
             self._slide = openslide.OpenSlide(str(path))
         except (openslide.OpenSlideError, openslide.OpenSlideUnsupportedFormatError) as e:
@@ -384,7 +455,8 @@ class OpenSlideReader(SlideReader):
         try:  # OpenSlide takes the location in level-0 pixels, the size in level pixels
             rgba = np.asarray(self._slide.read_region((round(col * d), round(row * d)), level, (w, h)))
         except openslide.OpenSlideError as e:
-            raise SlideReadError(self.path, f"OpenSlide read failed ({e})") from e
+            raise SlideReadError(self.path, f"OpenSlide cannot read the {w}x{h} region at row {row}, column {col} of "
+                                 f"level {level} ({e})") from e
         return rgba[:, :, :3]
 
     def close(self):
@@ -392,27 +464,30 @@ class OpenSlideReader(SlideReader):
 
 
 def open_image(
-    path: str | os.PathLike[str], reader: str = "auto", max_pixels: int = DEFAULT_MAX_PIXELS
+    path: str | os.PathLike[str], reader: str = "auto", max_pixels: int | None = None
 ) -> SlideReader:
     """Open ``path`` with the right lazy reader (or the one ``reader`` names).
 
     auto: vendor suffixes -> OpenSlide; TIFFs -> OpenSlide if it recognises a vendor
     format (Aperio, Philips, ...), else tifffile; everything else -> pillow.
+    ``max_pixels``: the pixel budget (module docstring; default ``ATS_MAX_PIXELS``, else
+    64 M). Only the pillow reader decodes anything here; the others check on reading.
     """
     path = Path(path)
     if reader not in READERS:
         raise ValueError(f"unknown reader {reader!r}; choose from {', '.join(READERS)}")
     if not path.exists():
         raise SlideReadError(path, "file not found")
+    max_pixels = max_pixels_limit(max_pixels)
     if reader == "openslide":
-        return OpenSlideReader(path)
+        return OpenSlideReader(path, max_pixels)
     if reader == "tifffile":
-        return TiffReader(path)
+        return TiffReader(path, max_pixels)
     if reader == "pillow":
         return PillowReader(path, max_pixels)
     name = path.name.lower()
     if name.endswith(SLIDE_SUFFIXES):
-        return OpenSlideReader(path)
+        return OpenSlideReader(path, max_pixels)
     if name.endswith(TIFF_SUFFIXES):
         import openslide
 
@@ -421,8 +496,8 @@ def open_image(
         except openslide.OpenSlideError:
             vendor = None
         if vendor and vendor != "generic-tiff":
-            return OpenSlideReader(path)
-        return TiffReader(path)
+            return OpenSlideReader(path, max_pixels)
+        return TiffReader(path, max_pixels)
     return PillowReader(path, max_pixels)
 
 
@@ -431,7 +506,7 @@ _REOPEN_LIMIT = 256  # readers kept open per process (a file handle and a few ti
 _REOPEN_LOCK = threading.Lock()
 
 
-def _reopen(name: str, path: str, level: int, channels: int) -> SlideReader:
+def _reopen(name: str, path: str, level: int, channels: int, max_pixels: int | None = None) -> SlideReader:
     """The unpickling side of :meth:`SlideReader.__reduce__`: one open reader per file,
     level and channel count in each process.
 
@@ -439,11 +514,11 @@ def _reopen(name: str, path: str, level: int, channels: int) -> SlideReader:
     prefetched by the DataLoader may still hold it; it closes when the last one is done
     with it (garbage collection). The process id is part of the key so that a forked
     child (e.g. a DataLoader worker) never shares its parent's file offsets."""
-    key = (os.getpid(), name, path, level, channels)
+    key = (os.getpid(), name, path, level, channels, max_pixels)
     with _REOPEN_LOCK:
         reader = _REOPENED.get(key)
         if reader is None:
-            reader = open_image(path, reader=name).as_channels(channels)
+            reader = open_image(path, reader=name, max_pixels=max_pixels).as_channels(channels)
             reader.set_level(level)
             if len(_REOPENED) >= _REOPEN_LIMIT:
                 _REOPENED.pop(next(iter(_REOPENED)))
