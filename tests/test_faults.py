@@ -530,6 +530,60 @@ def test_7_a_tile_decode_error_names_the_file_and_the_tile(tmp_path):
             slide.read_region(64, 64, 64, 64)
 
 
+def test_7_make_dataset_workers_do_not_outlive_a_killed_parent(tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "from ats_cli.data.generation import run_generation\n"
+        "class SlowJob:\n"
+        "    def __init__(self, d):\n"
+        "        self.d = d\n"
+        "    def run_chunk(self, split, indices):\n"
+        "        open(os.path.join(self.d, f'worker-{os.getpid()}'), 'w').close()\n"
+        "        time.sleep(120)\n"
+        "        return []\n"
+        "if __name__ == '__main__':\n"
+        "    run_generation(os.path.join(sys.argv[1], 'out'), {'name': 'slow', 'version': 1, 'params': {}},\n"
+        "                   SlowJob(sys.argv[1]), {'train': 4, 'test': 4}, dataset={'classes': ['a']},\n"
+        "                   workers=2, chunk_size=1)\n")
+    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)])
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(workers) < 2 and time.monotonic() < deadline:
+            workers = [int(p.name.split("-")[1]) for p in tmp_path.glob("worker-*")]
+            time.sleep(0.1)
+        assert len(workers) == 2
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    try:
+        deadline = time.monotonic() + 10
+        while any(map(_pid_alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(_pid_alive, workers)), "workers outlived their parent"
+    finally:
+        for pid in workers:
+            if _pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_7_a_csv_with_an_unclosed_quote_is_named_as_such(tmp_path):
+    root = tmp_path / "d"
+    root.mkdir()
+    _png(root / "a.png")
+    _png(root / "b.png", 1)
+    (root / "dataset.json").write_text(json.dumps({"classes": ["cat", "dog"]}))
+    (root / "train.csv").write_text('path,label\n"a.png,cat\nb.png,dog\n')
+    (root / "test.csv").write_text("path,label\nb.png,dog\n")
+    with pytest.raises(DatasetError, match=r"train\.csv:2: .*quote") as err:
+        load_dataset(root)
+    assert "missing file" not in str(err.value)
+    model = _model(tmp_path / "m.pt")
+    result = runner.invoke(app, ["predict", str(root / "train.csv"), "-m", str(model)])
+    assert result.exit_code == 1 and "quote" in result.output and "not found" not in result.output, result.output
+
+
 class _Evil:
     def __reduce__(self):
         return (print, ("this must never run",))

@@ -300,11 +300,16 @@ def load_dataset(root: str | os.PathLike[str], *, check_files: bool = True) -> D
                 continue
             records: list[Record] = []
             n_rows = 0
-            for row in reader:
+            rows = _rows(reader, name, problems)
+            for row in rows:
                 n_rows += 1
                 line = reader.line_num
                 raw_path = (row.get("path") or "").strip()
                 label_name = (row.get("label") or "").strip()
+                if "\n" in raw_path or "\n" in label_name:  # a quote left open swallows the lines after it
+                    problems.append(Problem(name, rows.start, "a quote opened on this line is never closed (the "
+                                            f"field runs on to line {line}); close or remove it"))
+                    continue
                 if None in row:  # more fields than the header has
                     n_fields = len(header) + len(row[None])
                     problems.append(Problem(name, line, f"{n_fields} fields, the header has {len(header)}"))
@@ -334,6 +339,28 @@ def load_dataset(root: str | os.PathLike[str], *, check_files: bool = True) -> D
         raise DatasetError(root, problems)
     hints = dict(meta.get("hints") or {})
     return Dataset(root=root, classes=classes, splits=splits, hints=hints, meta=meta)
+
+
+class _rows:
+    """The rows of a ``csv.DictReader`` with the line each starts on (``start``); a CSV
+    syntax error (a NUL byte, an over-long field) becomes a problem naming the line
+    instead of an exception."""
+
+    def __init__(self, reader: csv.DictReader, name: str, problems: list[Problem]):
+        self.reader, self.name, self.problems = reader, name, problems
+        self.start = reader.line_num + 1
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        while True:
+            self.start = self.reader.line_num + 1
+            try:
+                row = next(self.reader)
+            except StopIteration:
+                return
+            except csv.Error as e:
+                self.problems.append(Problem(self.name, self.reader.line_num, f"not valid CSV ({e})"))
+                return
+            yield row
 
 
 def _short(items: Sequence[str], limit: int = 12) -> str:

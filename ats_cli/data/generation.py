@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -118,6 +119,21 @@ def _init_worker(job: ChunkJob) -> None:
     # Ctrl-C goes to the whole process group; the parent alone handles it (cancels the
     # queue, lets running chunks finish their atomic writes) so workers ignore it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True, name="ats-parent-watch").start()
+
+
+PARENT_POLL_S = 0.5
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A worker must not outlive the run: after a kill -9 of ``ats make-dataset`` (no
+    Ctrl-C handling runs) the pool's workers would go on rendering chunks nobody collects,
+    then wait forever. When the parent is gone (this process is re-parented) exit at
+    once; an image half written is a temporary file the rerun sweeps away."""
+    while True:
+        time.sleep(PARENT_POLL_S)
+        if os.getppid() != parent:
+            os._exit(1)
 
 
 def _worker_chunk(split: str, indices: Sequence[int]) -> list[Result]:
