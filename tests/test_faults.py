@@ -370,8 +370,7 @@ def _arm_at_epoch_end(epoch: int, monkeypatch, fault):
     state = {"armed": False, "k": 0}
 
     def progress(phase, step, total, info):
-        if info["epoch"] == epoch and step == total:
-            state["armed"] = True
+        state["armed"] = info["epoch"] == epoch and step == total  # off again once the next epoch starts
 
     for name in _epoch_end_writers():
         real = getattr(train_mod, name)
@@ -402,7 +401,7 @@ def test_6_a_kill_or_full_disk_at_every_point_of_the_epoch_end_never_duplicates_
         squares, straight, tmp_path, monkeypatch, fault):
     with monkeypatch.context() as m:  # how many writes does epoch 2's end make?
         progress, state = _arm_at_epoch_end(2, m, lambda k, when: None)
-        train(_cfg(squares, tmp_path / "count", epochs=2), progress=progress, log=_quiet)
+        train(_cfg(squares, tmp_path / "count", epochs=3), progress=progress, log=_quiet)
     points = [(k, "before") for k in range(state["k"])] + [(state["k"] - 1, "after")]
     assert len(points) >= 4
     for point in points:

@@ -123,7 +123,7 @@ def train(
     Every flag can also be set in a TOML --config file; the resolved configuration is
     saved as RUN_DIR/config.json. Ctrl-C saves the state; --resume RUN_DIR continues.
     A RUN_DIR that holds a run is refused unless --resume or --overwrite is given, and
-    one that another ats train is writing is always refused (docs/training.md).
+    one that another ats train is writing is always refused (docs/runs-and-inputs.md).
     Several GPUs or nodes: --devices N, or run this same command under torchrun.
     """
     overrides = dict(locals())  # every flag; None = not given
