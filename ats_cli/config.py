@@ -27,9 +27,10 @@ class TrainConfig:
     out: str = ""
     # the method
     method: str = "ats"  # ats | uniform | deepmil | cnn (see ats_cli.methods)
-    n_patches: int = 10
-    patch_size: int = 50
-    scale: float = 0.12
+    # 0 = the dataset's hint (dataset.json "hints"), else DATA_DEFAULTS (the paper's Megapixel MNIST)
+    n_patches: int = 0
+    patch_size: int = 0
+    scale: float = 0.0
     replace: bool = False
     # auto | threshold | sequential: the unbiased estimator without replacement (same expectation,
     # different variance: ats_cli.core.sampling). Runs and checkpoints from before the choice
@@ -74,10 +75,11 @@ class TrainConfig:
 
     def validate(self) -> TrainConfig:
         problems = []
-        positive = ("n_patches", "patch_size", "batch_size", "epochs", "lr", "scale", "feature_scale")
+        positive = ("batch_size", "epochs", "lr", "feature_scale")
         problems += [f"{k} must be > 0 (got {getattr(self, k)})" for k in positive if not getattr(self, k) > 0]
         non_negative = ("entropy", "weight_decay", "clip_norm", "workers", "warmup_epochs",
-                        "eval_n_patches", "level", "mpp", "patch_loss", "attention_loss")
+                        "eval_n_patches", "level", "mpp", "patch_loss", "attention_loss",
+                        "n_patches", "patch_size", "scale")  # 0: from the data
         problems += [f"{k} must be >= 0" for k in non_negative if getattr(self, k) < 0]
         if self.min_brightness < 0 and self.min_brightness != -1:
             problems.append(f"min_brightness must be >= 0, or -1 for auto (got {self.min_brightness})")
@@ -98,6 +100,22 @@ class TrainConfig:
             raise ConfigError("invalid configuration: " + "; ".join(problems))
         return self
 
+    def from_data(self, hints: dict[str, Any]) -> list[str]:
+        """Settle ``n_patches``, ``patch_size`` and ``scale`` left at 0 from the dataset's
+        hints (a generator knows its images: Megapixel MNIST's 0.12 and 50x50, synthetic
+        slides' 1/32 and 64x64), else from DATA_DEFAULTS; in place. Returns what was set,
+        for the log. ``image_size``-like hints are lists; the first value is taken."""
+        settled = []
+        for key, fallback in DATA_DEFAULTS.items():
+            if getattr(self, key):
+                continue
+            hint = hints.get(key)
+            hint = hint[0] if isinstance(hint, list) and hint else hint
+            usable = isinstance(hint, int | float) and not isinstance(hint, bool) and hint > 0
+            setattr(self, key, type(fallback)(hint) if usable else fallback)
+            settled.append(f"{key} {getattr(self, key)} ({'dataset.json' if usable else 'default'})")
+        return settled
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -105,6 +123,10 @@ class TrainConfig:
         """:func:`ats_cli.data.inputs.open_input`'s reading options (None = its default)."""
         return {"reader": None if self.reader == "auto" else self.reader, "level": self.level or None,
                 "mpp": self.mpp or None, "tissue": {"auto": None, "on": True, "off": False}[self.tissue_mask]}
+
+
+# what n_patches, patch_size and scale become when neither the user nor the dataset says
+DATA_DEFAULTS: dict[str, Any] = {"n_patches": 10, "patch_size": 50, "scale": 0.12}
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:

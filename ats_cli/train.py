@@ -198,6 +198,9 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool,
 
     # ---- data: every rank reads the dataset (same path on every node)
     data = load_dataset(cfg.data)
+    settled = cfg.from_data(data.hints)
+    if settled:
+        log("from the data: " + ", ".join(settled))
     channels = int(data.hints.get("channels", 1))
     reading = {"channels": channels, "scale": cfg.scale, "patch_size": (cfg.patch_size, cfg.patch_size),
                **cfg.input_options()}

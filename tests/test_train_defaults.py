@@ -73,3 +73,35 @@ def test_auto_min_brightness_is_settled_from_the_data_and_recorded(hidden_square
     train(cfg, log=lambda s: None)
     saved = json.loads((tmp_path / "r" / "config.json").read_text())
     assert saved["min_brightness"] == 0.15  # a black background
+
+
+def test_sizes_left_at_zero_come_from_the_dataset_hints_then_the_paper():
+    from ats_cli.config import DATA_DEFAULTS
+
+    cfg = resolve_config(None, data="d", out="o", n_patches=7)
+    assert (cfg.n_patches, cfg.patch_size, cfg.scale) == (7, 0, 0.0)
+    settled = cfg.from_data({"scale": 1 / 32, "patch_size": [64, 64], "n_patches": 12})
+    assert (cfg.n_patches, cfg.patch_size, cfg.scale) == (7, 64, 1 / 32)  # a flag beats a hint
+    assert len(settled) == 2 and all("dataset.json" in s for s in settled)
+    bare = resolve_config(None, data="d", out="o")
+    bare.from_data({"patch_size": "big"})  # an unusable hint is ignored
+    assert (bare.n_patches, bare.patch_size, bare.scale) == tuple(DATA_DEFAULTS.values())
+
+
+def test_auto_min_brightness_stays_off_on_a_light_background(tmp_path):
+    from ats_cli.data.dataset import load_dataset
+    from ats_cli.data.loader import ImageDataset
+    from ats_cli.train import _resolve_auto
+
+    rng = np.random.default_rng(0)
+    rows = {}
+    for split in ("train", "test"):
+        (tmp_path / split).mkdir()
+        rows[split] = []
+        for i in range(4):  # bright tissue-like noise on white
+            Image.fromarray((200 + 55 * rng.random((64, 64))).astype(np.uint8)).save(tmp_path / split / f"{i}.png")
+            rows[split].append({"path": f"{split}/{i}.png", "label": "a"})
+    write_dataset(tmp_path, ["a"], rows, hints={"channels": 1})
+    cfg = resolve_config(None, data=str(tmp_path), out="o")
+    _resolve_auto(cfg, ImageDataset(load_dataset(tmp_path)["train"], channels=1, scale=0.25), lambda s: None)
+    assert cfg.min_brightness == 0.0

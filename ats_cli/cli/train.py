@@ -55,9 +55,12 @@ def train(
     method: str = typer.Option(None, help="ats | uniform (fixed uniform attention) | deepmil (gated attention "
                                "over all grid patches) | cnn (ResNet-18 on the low-res view) \\[default: ats].",
                                rich_help_panel=_METHOD),
-    n_patches: int = typer.Option(None, help="Patches sampled per image \\[default: 10].", rich_help_panel=_METHOD),
-    patch_size: int = typer.Option(None, help="Patch side, full-res pixels \\[default: 50].", rich_help_panel=_METHOD),
-    scale: float = typer.Option(None, help="Scale of the low-res view \\[default: 0.12].", rich_help_panel=_METHOD),
+    n_patches: int = typer.Option(None, help="Patches sampled per image \\[default: the dataset's hint, else 10].",
+                                  rich_help_panel=_METHOD),
+    patch_size: int = typer.Option(None, help="Patch side, full-res pixels \\[default: the dataset's hint, else "
+                                   "50].", rich_help_panel=_METHOD),
+    scale: float = typer.Option(None, help="Scale of the low-res view \\[default: the dataset's hint, else 0.12].",
+                                rich_help_panel=_METHOD),
     replace: bool = typer.Option(None, "--replace/--no-replace", help="Sample with replacement \\[default: no].",
                                  rich_help_panel=_METHOD),
     estimator: str = typer.Option(None, help="Unbiased estimator without replacement: auto (training: per image, "
