@@ -220,7 +220,11 @@ def check_writable(path: str | os.PathLike[str]) -> None:
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(errno.EISDIR, "is a directory", str(path))
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # a file where a directory must be
+        blocker = next((p for p in [path.parent, *path.parent.parents] if p.exists() and not p.is_dir()), path.parent)
+        raise NotADirectoryError(errno.ENOTDIR, f"{blocker} is a file, not a directory", str(path)) from None
     probe = path.with_name(f".{path.name}.{os.getpid()}.probe")
     with open(probe, "wb") as fh:
         fh.write(b"\0")
