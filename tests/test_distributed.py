@@ -48,7 +48,10 @@ def one_thread():
 def _cfg(data, out, **kw):
     base = dict(data=str(data), out=str(out), n_patches=2, patch_size=16, scale=0.125, feature_width=8,
                 batch_size=8, epochs=2, workers=0, optimizer="sgd", lr=0.05, entropy=0.01, seed=0,
-                device="cpu")  # gloo and the CPU float32 fallback, also on a machine with GPUs
+                device="cpu",  # gloo and the CPU float32 fallback, also on a machine with GPUs
+                # equal weights need a feature net without batch norm (each rank normalises its
+                # own half of the batch) and a schedule that extending 1 epoch to 2 leaves alone
+                feature_net="mnist-features", schedule="constant")
     base.update(kw)
     return resolve_config(None, **base)
 
