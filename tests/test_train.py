@@ -22,12 +22,16 @@ from ats_cli.train import TrainingInterrupted, train
 cli_train = importlib.import_module("ats_cli.cli.train")  # the module; the package exports the command
 
 
-def _write_squares_dataset(root, n_train=48, n_test=16, size=64, box=16, seed=0):
+def _write_squares_dataset(root, n_train=48, n_test=16, size=64, box=16, seed=0, *, period=2, floor=80,
+                           n_noise=0):
     """A bright square at a random place whose stripe direction (class) is invisible at
-    low resolution: the model must find it with the attention and read it in a patch."""
+    low resolution: the model must find it with the attention and read it in a patch.
+    ``n_noise`` decoy squares of random dots (as bright on average, so alike at low
+    resolution; none overlapping) make finding it harder; ``period`` and ``floor`` set the
+    stripes (every ``period``-th row or column at 255, the others at ``floor``)."""
     rng = np.random.default_rng(seed)
     yy, xx = np.mgrid[:box, :box]
-    patterns = [(yy % 2 == 0), (xx % 2 == 0)]
+    patterns = [(yy % period == 0), (xx % period == 0)]
     rows = {}
     for split, n in (("train", n_train), ("test", n_test)):
         (root / split).mkdir(parents=True)
@@ -35,8 +39,17 @@ def _write_squares_dataset(root, n_train=48, n_test=16, size=64, box=16, seed=0)
         for i in range(n):
             label = int(rng.integers(2))
             img = np.zeros((size, size), np.uint8)
-            r, c = rng.integers(0, size - box, 2)
-            img[r:r + box, c:c + box] = 80 + 175 * patterns[label]
+            taken: list[tuple[int, int]] = []
+            for k in range(1 + n_noise):
+                while True:
+                    r, c = (int(v) for v in rng.integers(0, size - box, 2))
+                    if all(abs(r - a) >= box or abs(c - b) >= box for a, b in taken):
+                        break
+                taken.append((r, c))
+                if k == 0:
+                    img[r:r + box, c:c + box] = floor + (255 - floor) * patterns[label]
+                else:
+                    img[r:r + box, c:c + box] = 255 * (rng.random((box, box)) < 1 / period)
             Image.fromarray(img).save(root / split / f"{i}.png")
             rows[split].append({"path": f"{split}/{i}.png", "label": ["horizontal", "vertical"][label]})
     write_dataset(root, ["horizontal", "vertical"], rows, hints={"channels": 1})

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from PIL import Image
+from test_train import _write_squares_dataset
 
 from ats_cli.config import resolve_config
 from ats_cli.data.dataset import write_dataset
@@ -24,35 +25,10 @@ THESIS = dict(feature_net="mnist-features", feature_scale=1.0, schedule="constan
               patch_loss=0.0, attention_loss=0.0)
 
 
-def _write_hidden_squares(root, n_train=256, n_test=128, size=96, box=12, n_noise=4, seed=0):
-    rng = np.random.default_rng(seed)
-    yy, xx = np.mgrid[:box, :box]
-    stripes = [(yy % 3 == 0), (xx % 3 == 0)]
-    rows = {}
-    for split, n in (("train", n_train), ("test", n_test)):
-        (root / split).mkdir(parents=True)
-        rows[split] = []
-        for i in range(n):
-            label = int(rng.integers(2))
-            img = np.zeros((size, size), np.uint8)
-            taken: list[tuple[int, int]] = []
-            for k in range(1 + n_noise):
-                while True:
-                    r, c = (int(v) for v in rng.integers(0, size - box, 2))
-                    if all(abs(r - a) >= box or abs(c - b) >= box for a, b in taken):
-                        break
-                taken.append((r, c))
-                pattern = stripes[label] if k == 0 else rng.random((box, box)) < 1 / 3
-                img[r:r + box, c:c + box] = 255 * pattern
-            Image.fromarray(img).save(root / split / f"{i}.png")
-            rows[split].append({"path": f"{split}/{i}.png", "label": ["horizontal", "vertical"][label]})
-    write_dataset(root, ["horizontal", "vertical"], rows, hints={"channels": 1})
-    return root
-
-
 @pytest.fixture(scope="module")
 def hidden_squares(tmp_path_factory):
-    return _write_hidden_squares(tmp_path_factory.mktemp("hidden"))
+    return _write_squares_dataset(tmp_path_factory.mktemp("hidden"), n_train=256, n_test=128, size=96, box=12,
+                                  period=3, floor=0, n_noise=4)
 
 
 def _test_acc(data, out, **kw) -> float:
