@@ -102,7 +102,7 @@ def train(
     attention_width: int = typer.Option(None, help="Attention net channels \\[default: 8].", rich_help_panel=_NET),
     feature_width: int = typer.Option(None, help="Feature net channels \\[default: 32].", rich_help_panel=_NET),
     optimizer: str = typer.Option(None, help="adam | adamw | sgd \\[default: adam].", rich_help_panel=_OPT),
-    lr: float = typer.Option(None, help="Learning rate \\[default: 1e-3].", rich_help_panel=_OPT),
+    lr: float = typer.Option(None, help="Learning rate \\[default: 3e-3].", rich_help_panel=_OPT),
     weight_decay: float = typer.Option(None, help="Weight decay \\[default: 0].", rich_help_panel=_OPT),
     schedule: str = typer.Option(None, help="constant | cosine \\[default: cosine].", rich_help_panel=_OPT),
     warmup_epochs: int = typer.Option(None, help="Linear warm-up epochs \\[default: 0].", rich_help_panel=_OPT),
