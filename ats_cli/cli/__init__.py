@@ -6,9 +6,37 @@ library and prints; nothing of the method is implemented here.
 
 from __future__ import annotations
 
+import os
+
 import typer
+from rich.console import Console, ConsoleDimensions
 
 from ats_cli import __version__
+
+PIPED_WIDTH = 1000  # columns of command output that goes to a file or a pipe
+
+
+class OutputConsole(Console):
+    """The rich Console every command prints with (``OutputConsole(stderr=True)`` for errors).
+
+    On a terminal it is rich's Console. Piped or redirected to a file, rich would lay
+    tables out for 80 columns (or the width of the terminal the command was started
+    from) and cut or wrap their cells; here the width is then :data:`PIPED_WIDTH`, so a
+    table keeps its natural width and a row stays one line. ``COLUMNS`` or ``width=``
+    still decide when given. Decided at each print, not at creation, so module-level
+    consoles follow where their stream goes (a test runner swaps sys.stdout)."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = Console.size.fget(self)
+        if self._width is None and not os.environ.get("COLUMNS", "").isdigit() and not self.is_terminal:
+            return ConsoleDimensions(PIPED_WIDTH, size.height)
+        return size
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)
+
 
 app = typer.Typer(
     name="ats",

@@ -7,10 +7,9 @@ import tempfile
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from ats_cli.cli import app
+from ats_cli.cli import OutputConsole, app
 
 
 def _ints(text: str) -> list[int]:
@@ -51,7 +50,7 @@ def benchmark(
     from ats_cli.benchmark import benchmark_image, dataset_defaults, ratio_to_ats, run_benchmark
     from ats_cli.runtime import resolve_device
 
-    console = Console()
+    console = OutputConsole()
     try:
         given = {"image_size": image_size, "patch_size": patch_size, "scale": scale, "feature_net": feature_net,
                  "feature_width": feature_width}

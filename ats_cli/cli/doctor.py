@@ -5,10 +5,9 @@ from __future__ import annotations
 import platform
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from ats_cli.cli import app
+from ats_cli.cli import OutputConsole, app
 
 
 @app.command()
@@ -39,4 +38,4 @@ def doctor(
             table.add_row(name, f"[red]unavailable[/red] ({type(exc).__name__}: {exc})")
     for device, line in native.status(try_build=build).items():
         table.add_row(f"patches on {device}", line)
-    Console().print(table)
+    OutputConsole().print(table)

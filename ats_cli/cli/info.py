@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ats_cli.cli import app
+from ats_cli.cli import OutputConsole, app
 from ats_cli.cli.options import MaxPixelsOption
 
 
@@ -27,8 +27,8 @@ def info(
     from ats_cli.data.images import max_pixels_limit
     from ats_cli.data.slides import READERS
 
-    console = Console(highlight=False)
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    console = OutputConsole(highlight=False)
+    err = OutputConsole(stderr=True, highlight=False, soft_wrap=True)
     if reader not in READERS:
         err.print(f"[red]error:[/] unknown reader {escape(repr(reader))}; choose from {', '.join(READERS)}")
         raise typer.Exit(2)
@@ -65,11 +65,12 @@ def _show(path: Path, reader: str, max_pixels: int | None, console: Console, err
         err.print(f"[red]error:[/] {escape(text)}")
         return False
     mpp = f"{i.mpp[1]:.4g} x {i.mpp[0]:.4g} µm (x, y)" if i.mpp else "not recorded"
-    table = Table(title=escape(str(path)), show_header=True)
+    table = Table(show_header=True)  # the path on a line of its own: a title would wrap at the table's width
     for col in ("level", "height", "width", "downsample"):
         table.add_column(col, justify="right")
     for k, ((h, w), d) in enumerate(zip(i.levels, i.downsamples, strict=True)):
         table.add_row(str(k), f"{h:,}", f"{w:,}", f"{d:g}")
+    console.print(f"[bold]{escape(str(path))}[/]")
     console.print(f"reader: {i.reader}   vendor: {i.vendor}   channels: {i.channels}   mpp: {mpp}")
     console.print(table)
     return True

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from ats_cli.cli import OutputConsole
 from ats_cli.data.dataset import DatasetError
 from ats_cli.data.folder import dataset_from_folder
 from ats_cli.data.generation import GenerationReport
@@ -32,8 +32,8 @@ make_dataset_app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-console = Console()
-err_console = Console(stderr=True)
+console = OutputConsole()
+err_console = OutputConsole(stderr=True)
 
 
 class Preset(StrEnum):

@@ -5,10 +5,9 @@ from __future__ import annotations
 import time
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from ats_cli.cli import app
+from ats_cli.cli import OutputConsole, app
 
 Z_MAX = 5.0
 
@@ -27,7 +26,7 @@ def selfcheck(
     from ats_cli.core.sampling import ESTIMATORS
     from ats_cli.selfcheck import check_draws, check_estimator
 
-    console = Console()
+    console = OutputConsole()
     table = Table(title=f"Attention-sampling estimator, {draws:,} draws per row (|z| < {Z_MAX:g} passes)")
     table.add_column("problem", no_wrap=True)
     for col in ("|z| value", "|z| grad f", "|z| grad logits", "rel.err grad logits", "std value", "ok"):

@@ -6,10 +6,9 @@ import time
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ats_cli.cli import app
+from ats_cli.cli import OutputConsole, app
 
 _NET = "Networks"
 _METHOD = "Attention sampling"
@@ -140,7 +139,7 @@ def train(
     from ats_cli.train import TrainingInterrupted
     from ats_cli.train import train as run_training
 
-    console = Console()
+    console = OutputConsole()
     from_run = resume is not None and config is None  # the run's own config.json: see RESUME_LEGACY
     if resume is not None:
         config = config or resume / "config.json"
