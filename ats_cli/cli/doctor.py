@@ -38,4 +38,8 @@ def doctor(
             table.add_row(name, f"[red]unavailable[/red] ({type(exc).__name__}: {exc})")
     for device, line in native.status(try_build=build).items():
         table.add_row(f"patches on {device}", line)
+    for cuda in (False, True) if torch.cuda.is_available() else (False,):
+        state = ("built" if native.is_built(cuda)
+                 else "not built yet: compiled on first use, or now with `ats doctor --build`")
+        table.add_row(f"kernel cache ({'cuda' if cuda else 'cpu'})", f"{native.build_dir(cuda)} ({state})")
     OutputConsole().print(table)

@@ -2,10 +2,14 @@
 
 Why lazy: compiling takes a minute and needs a compiler (and nvcc for CUDA), which a
 user who runs on CPU should never pay for. The extension is built on the first CUDA call
-of :func:`ats_cli.core.extract_patches` with ``torch.utils.cpp_extension.load`` (ninja,
-cached per torch/CUDA/Python version under ``$ATS_CACHE`` or ``~/.cache/ats``, so later
-runs load it in milliseconds). If anything fails -- no compiler, no nvcc, a toolkit that
-does not match torch -- the torch implementation is used and ONE log line says why.
+of :func:`ats_cli.core.extract_patches` with ``torch.utils.cpp_extension.load`` (ninja)
+and cached under ``$ATS_CACHE`` or ``~/.cache/ats``, in a directory named by a hash of
+the kernel sources, the build flags and the torch/CUDA/Python versions
+(:func:`build_key`): checkouts with the same sources share one build, a changed source
+byte never loads a stale one, and later runs load it in milliseconds. A build announces
+itself on stderr (where it goes, then every 15 s, then how long it took), so a first
+``ats predict`` does not look hung. If anything fails -- no compiler, no nvcc, a toolkit
+that does not match torch -- the torch implementation is used and ONE log line says why.
 
 CPU: the C++ kernel is used too, because it measured 2-6x faster than the vectorised
 torch gather on realistic sizes (benchmarks/patch_extraction.py; figures in
@@ -16,16 +20,18 @@ csrc/README.md), above the 1.5x that makes a native build worth its first-use co
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-__all__ = ["ExtractPatches", "build", "kernel_for", "status"]
+__all__ = ["ExtractPatches", "build", "build_dir", "build_key", "is_built", "kernel_for", "status"]
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +49,71 @@ def _enabled() -> bool:
     return os.environ.get("ATS_NATIVE", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
-def _build_dir(cuda: bool) -> Path:
-    root = Path(os.environ.get("ATS_CACHE", Path.home() / ".cache" / "ats"))
+HEADERS = ["ats_patches.h"]
+HEARTBEAT_S = 15.0  # a line on stderr this often while the compiler runs
+
+
+def _name(cuda: bool) -> str:
+    return "ats_patches_cuda" if cuda else "ats_patches_cpu"
+
+
+def _flags(cuda: bool) -> list[str]:
+    return ["-O3"] + (["-DATS_WITH_CUDA"] if cuda else [])
+
+
+def build_key(cuda: bool, csrc: Path | None = None) -> str:
+    """What a build depends on, hashed: the bytes of its source files and headers (not
+    their paths or times, so two checkouts of the same sources share a build), the flags,
+    and the torch, CUDA and Python versions."""
+    csrc = CSRC if csrc is None else Path(csrc)
+    digest = hashlib.sha256()
+    for name in sorted(set(SOURCES_CUDA if cuda else SOURCES_CPU) | set(HEADERS)):
+        data = (csrc / name).read_bytes()
+        digest.update(f"{name}\0{len(data)}\0".encode() + data)
+    digest.update(repr((_flags(cuda), torch.__version__, torch.version.cuda if cuda else None,
+                        sys.version_info[:2])).encode())
+    return digest.hexdigest()[:16]
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("ATS_CACHE", Path.home() / ".cache" / "ats")) / "extensions"
+
+
+def build_dir(cuda: bool) -> Path:
+    """Where the build for these sources and versions lives (``$ATS_CACHE`` or ``~/.cache/ats``)."""
     flavour = f"cu{torch.version.cuda}" if cuda else "cpu"
     tag = f"torch{torch.__version__}-{flavour}-py{sys.version_info[0]}{sys.version_info[1]}"
-    return root / "extensions" / tag.replace("+", "_")
+    try:
+        key = build_key(cuda)
+    except OSError:  # no csrc/ (not a source checkout): build() says so
+        key = "nosource"
+    return _cache_root() / f"{tag.replace('+', '_')}-{key}"
+
+
+def is_built(cuda: bool) -> bool:
+    """True when :func:`build_dir` holds a finished build (loading it takes milliseconds)."""
+    return (build_dir(cuda) / f"{_name(cuda)}.so").is_file()
+
+
+def _stage_sources(directory: Path, cuda: bool) -> list[str]:
+    """Copy the sources into the build directory and compile those copies: ninja's record
+    then names the same paths and the same file times whichever checkout built it, so a
+    second checkout with the same sources (same directory, by :func:`build_key`) reuses
+    the build instead of recompiling."""
+    src = directory / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    for name in sorted(set(SOURCES_CUDA if cuda else SOURCES_CPU) | set(HEADERS)):
+        data = (CSRC / name).read_bytes()
+        target = src / name
+        if not target.is_file() or target.read_bytes() != data:
+            tmp = src / f".{name}.{os.getpid()}.tmp"
+            tmp.write_bytes(data)
+            os.replace(tmp, target)
+    return [str(src / s) for s in (SOURCES_CUDA if cuda else SOURCES_CPU)]
+
+
+def _announce(message: str) -> None:
+    print(f"ats: {message}", file=sys.stderr, flush=True)
 
 
 def _wheel_cuda_includes() -> list[str]:
@@ -100,19 +166,42 @@ def build(cuda: bool, verbose: bool = False) -> ModuleType:
         raise FileNotFoundError(f"{CSRC} not found (the kernels ship with a source checkout)")
     if cuda:
         _resolve_cuda_home(cpp_extension)
-    directory = _build_dir(cuda)
+    directory = build_dir(cuda)
     directory.mkdir(parents=True, exist_ok=True)
-    sources = [str(CSRC / s) for s in (SOURCES_CUDA if cuda else SOURCES_CPU)]
-    return cpp_extension.load(
-        name="ats_patches_cuda" if cuda else "ats_patches_cpu",
-        sources=sources,
-        extra_cflags=["-O3"] + (["-DATS_WITH_CUDA"] if cuda else []),
-        extra_cuda_cflags=["-O3", "-DATS_WITH_CUDA"],
-        extra_include_paths=[str(CSRC)] + (_wheel_cuda_includes() if cuda else []),
-        build_directory=str(directory),
-        with_cuda=cuda,
-        verbose=verbose,
-    )
+    sources = _stage_sources(directory, cuda)
+    what = f"native {'CUDA' if cuda else 'CPU'} patch kernel"
+    fresh = not is_built(cuda)
+    done = threading.Event()
+    start = time.monotonic()
+    if fresh:
+        _announce(f"building the {what} (first use, about {'1.5 minutes' if cuda else 'a minute'}; "
+                  f"cached in {directory})...")
+
+        def heartbeat() -> None:
+            while not done.wait(HEARTBEAT_S):
+                _announce(f"  still compiling the {what} ({time.monotonic() - start:.0f} s)...")
+
+        threading.Thread(target=heartbeat, name="ats-native-build", daemon=True).start()
+    try:
+        module = cpp_extension.load(
+            name=_name(cuda),
+            sources=sources,
+            extra_cflags=_flags(cuda),
+            extra_cuda_cflags=["-O3", "-DATS_WITH_CUDA"],
+            extra_include_paths=[str(directory / "src")] + (_wheel_cuda_includes() if cuda else []),
+            build_directory=str(directory),
+            with_cuda=cuda,
+            verbose=verbose,
+        )
+    except BaseException:
+        done.set()
+        if fresh:
+            _announce(f"building the {what} failed after {time.monotonic() - start:.0f} s")
+        raise
+    done.set()
+    if fresh:
+        _announce(f"built the {what} in {time.monotonic() - start:.0f} s (later runs load it from the cache)")
+    return module
 
 
 def _module(cuda: bool) -> ModuleType | None:
@@ -120,7 +209,7 @@ def _module(cuda: bool) -> ModuleType | None:
         if cuda not in _modules:
             try:
                 _modules[cuda] = build(cuda)
-                _reasons[cuda] = f"built in {_build_dir(cuda)}"
+                _reasons[cuda] = f"built in {build_dir(cuda)}"
             except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
                 _modules[cuda] = None
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
