@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from ats_cli.checkpoint import CheckpointError, load_model
-from ats_cli.core.model import ATSModel
+from ats_cli.core.model import ATSModel, ATSOutput
 from ats_cli.core.sampling import ESTIMATORS
 from ats_cli.data.dataset import DATASET_JSON, atomic_write_text
 from ats_cli.data.images import IMAGE_SUFFIXES, ImageReadError
@@ -115,6 +115,7 @@ class Predictor:
         seed: int = 0,
         reader: Callable[..., OpenedImage] | None = None,
         progress: Callable[[int, int], None] | None = None,
+        on_output: Callable[[int, PredictionRow, OpenedImage, ATSOutput, int], None] | None = None,
     ) -> list[PredictionRow]:
         """One row per item, in the items' order; failures are rows with ``error`` set.
 
@@ -128,6 +129,10 @@ class Predictor:
 
         A model output that is not finite (NaN, inf) is an error row for that image, never
         a prediction. Ctrl-C raises :class:`PredictionInterrupted` holding the rows done.
+
+        ``on_output(index, row, opened, output, b)`` is called for each successful row, as
+        it is predicted, with the model output of its batch's last sampling (row ``b``),
+        e.g. to save the attention (``ats predict --save-attention``); it must not raise.
         """
         if samples < 1:
             raise ValueError(f"samples must be >= 1, got {samples}")
@@ -149,7 +154,7 @@ class Predictor:
 
         def run(batch: list[tuple[int, OpenedImage]]) -> None:
             try:
-                probs = self._probs([img for _, img in batch], n_patches, samples, seed)
+                probs, output = self._probs([img for _, img in batch], n_patches, samples, seed)
             except Exception as e:  # a patch that cannot be read, a model error: this input fails, not the run
                 if len(batch) > 1:  # find out which image it was: retry one by one
                     for one in batch:
@@ -158,15 +163,17 @@ class Predictor:
                 index, _ = batch[0]
                 finish(index, _failed(items[index], f"{items[index].path}: prediction failed ({_first_line(e)})"))
                 return
-            for (index, _), p in zip(batch, probs.tolist(), strict=True):
+            for b, ((index, opened), p) in enumerate(zip(batch, probs.tolist(), strict=True)):
                 if not all(math.isfinite(v) for v in p):
                     finish(index, _failed(items[index], f"{items[index].path}: the model's output is not finite "
                                                         f"(probabilities {', '.join(f'{v:g}' for v in p)}); no "
                                                         "prediction"))
                     continue
-                finish(index, PredictionRow(path=items[index].path, label=items[index].label,
-                                            prediction=self.classes[max(range(len(p)), key=p.__getitem__)],
-                                            probs=tuple(p)))
+                row = PredictionRow(path=items[index].path, label=items[index].label,
+                                    prediction=self.classes[max(range(len(p)), key=p.__getitem__)], probs=tuple(p))
+                if on_output is not None:
+                    on_output(index, row, opened, output, b)
+                finish(index, row)
 
         try:
             for index, item in enumerate(items):
@@ -193,14 +200,15 @@ class Predictor:
             raise PredictionInterrupted([row for row in rows if row is not None], len(items)) from None
         return [row for row in rows if row is not None]
 
-    def _probs(self, images: list[OpenedImage], n_patches: int | None, samples: int, seed: int) -> torch.Tensor:
+    def _probs(self, images: list[OpenedImage], n_patches: int | None, samples: int, seed: int
+               ) -> tuple[torch.Tensor, ATSOutput]:
         low = torch.stack([img.low for img in images]).to(self.device)
         sources = batch_sources([img.source for img in images])
         masks = batch_support([img.support for img in images], low.shape[-2:])  # a batch shares one view size
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        probs, _ = predict_probs(self.model, low, sources, n_patches=n_patches, samples=samples, generator=generator,
-                                 support_mask=masks)
-        return probs.cpu()
+        probs, output = predict_probs(self.model, low, sources, n_patches=n_patches, samples=samples,
+                                      generator=generator, support_mask=masks)
+        return probs.cpu(), output
 
 
 class PredictionInterrupted(KeyboardInterrupt):

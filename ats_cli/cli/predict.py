@@ -60,6 +60,10 @@ def predict(
     mpp: MppOption = None,
     tissue_mask: TissueOption = None,
     max_pixels: MaxPixelsOption = None,
+    save_attention: Annotated[Path | None, typer.Option(
+        "--save-attention", metavar="DIR", show_default=False,
+        help="Also write each input's attention and sampled patches as GeoJSON for QuPath (level-0 pixels) to "
+             "DIR/<name>.geojson, as it is predicted; a name seen before gets -2, -3, ... (docs/slides.md).")] = None,
 ) -> None:
     """Predict the class of images with a trained model.
 
@@ -98,6 +102,19 @@ def predict(
             err.print(f"[red]error:[/] cannot write {escape(out)}: {escape(e.strerror or str(e))} (nothing was "
                       "predicted)", soft_wrap=True)
             raise typer.Exit(2) from None
+    if save_attention is not None:
+        from ats_cli.geojson import check_model
+
+        try:
+            check_model(predictor.model)
+            check_writable(save_attention / "probe.geojson")
+        except ValueError as e:
+            err.print(f"[red]error:[/] --save-attention: {escape(str(e))}", soft_wrap=True)
+            raise typer.Exit(2) from None
+        except OSError as e:
+            err.print(f"[red]error:[/] cannot write to {escape(str(save_attention))}: {escape(e.strerror or str(e))} "
+                      "(nothing was predicted)", soft_wrap=True)
+            raise typer.Exit(2) from None
 
     items = resolve_inputs(inputs, recursive=recursive)
     n_ok_inputs = sum(item.error is None for item in items)
@@ -108,9 +125,10 @@ def predict(
         err.print("[red]error:[/] give --level or --mpp, not both")
         raise typer.Exit(2)
     opener = predictor.opener(reader=reader, level=level, mpp=mpp, tissue=tissue_mask, max_pixels=max_pixels)
+    saver = None if save_attention is None else _AttentionSaver(save_attention, items, predictor, seed, samples)
     try:
         rows = _run_with_progress(predictor, items, err, n_patches=n_patches, samples=samples,
-                                  batch_size=batch_size, seed=seed, reader=opener)
+                                  batch_size=batch_size, seed=seed, reader=opener, on_output=saver)
     except PredictionInterrupted as stop:
         _save_interrupted(stop, out, to_stdout, predictor.classes, err)
         raise typer.Exit(130) from None
@@ -145,12 +163,61 @@ def predict(
         summary += f"; predictions written to {out}"
     elif out is None and good:
         summary += "; not saved (give --out FILE.csv to save every row)"
+    if saver is not None:
+        summary += f"; {saver.written} attention file(s) in {save_attention}"
     console.print(summary)
     if failed:
         err.print(f"[red]{len(failed)} input(s) failed[/] (not in the CSV):")
         for r in failed:
             err.print(f"  {r.error}", soft_wrap=True, markup=False)
+    if saver is not None and saver.errors:
+        err.print(f"[red]{len(saver.errors)} attention file(s) not written[/] (predicted all the same):")
+        for message in saver.errors:
+            err.print(f"  {message}", soft_wrap=True, markup=False)
+    if failed or (saver is not None and saver.errors):
         raise typer.Exit(1)
+
+
+class _AttentionSaver:
+    """``--save-attention DIR``: writes DIR/<name>.geojson for each input as it is
+    predicted (:mod:`ats_cli.geojson`); names are fixed from the whole input list up
+    front, so they do not depend on which inputs fail. Errors are collected, not raised."""
+
+    def __init__(self, folder: Path, items, predictor, seed: int, samples: int):
+        from ats_cli.geojson import unique_names
+
+        self.folder, self.items, self.predictor = folder, items, predictor
+        self.seed, self.samples = seed, samples
+        self.names = unique_names([item.path for item in items])
+        self.written = 0
+        self.errors: list[str] = []
+        self._weights: tuple[object, object] | None = None  # (output, its replayed weights): one per batch
+
+    def __call__(self, index, row, opened, output, b) -> None:
+        from ats_cli.geojson import (
+            AttentionRecord,
+            attention_feature_collection,
+            parse_boxes,
+            replay_weights,
+            write_geojson,
+        )
+
+        item = self.items[index]
+        target = self.folder / self.names[index]
+        try:
+            model = self.predictor.model
+            if self._weights is None or self._weights[0] is not output:
+                self._weights = (output, replay_weights(model, output, seed=self.seed, samplings=self.samples))
+            record = AttentionRecord.from_output(model, opened, output, b, self._weights[1])
+            boxes = parse_boxes(item.extra.get("boxes") or item.extra.get("digits"))
+            collection = attention_feature_collection(
+                record, self.predictor.classes, row.probs, image=item.path, model=self.predictor.path, seed=self.seed,
+                samples=self.samples, label=item.label, boxes=boxes)
+            write_geojson(target, collection)
+            self.written += 1
+        except Exception as e:  # a full disk, a bad value: this file is missing, the predictions go on
+            self.errors.append(f"{target}: {e.strerror if isinstance(e, OSError) and e.strerror else e} "
+                               f"(for {item.path})")
 
 
 def _save_interrupted(stop, out: str | None, to_stdout: bool, classes: list[str], err: Console) -> None:

@@ -20,7 +20,8 @@ def visualize(
         help="An image (with --model): its attention and sampled patches. A run directory (with --image): the "
              "attention at successive epochs.")],
     out: Annotated[Path, typer.Option("--out", "-o", show_default=False,
-                                      help="Figure file (.png; .pdf and .svg work).")],
+                                      help="Figure file (.png; .pdf and .svg work), or .geojson (IMAGE mode): the "
+                                           "attention and sampled patches as QuPath objects in level-0 pixels.")],
     model: Annotated[str | None, typer.Option(
         "--model", "-m", show_default=False,
         help="IMAGE mode: model checkpoint (.pt) or run directory (its best.pt).")] = None,
@@ -51,6 +52,11 @@ def visualize(
 
     [bold]ats visualize RUN_DIR --image IMAGE --out evolution.png[/]: the attention after
     successive epochs (RUN_DIR/epochs/epoch_NNN.pt) side by side, on one shared colour scale.
+
+    [bold]ats visualize SLIDE --model MODEL --out slide.geojson[/]: the same sampling as
+    GeoJSON that QuPath imports (File > Import objects): the sampled patches and the
+    attention cells as detections in level-0 pixels, with their attention, draw order and
+    estimator weight as measurements (docs/slides.md).
 
     Exit status 2 for a bad model, run directory or option, or an --out that cannot be
     written (checked before any work); 1 for an unusable image; 130 for Ctrl-C (nothing
@@ -83,12 +89,20 @@ def visualize(
         raise usage("--model is for IMAGE mode; with a RUN_DIR the epochs' checkpoints are used")
     if not evolution and model is None:
         raise usage(f"give --model MODEL to draw {target}'s attention (or a run directory and --image)")
+    geojson = out.suffix.lower() == ".geojson"
+    if evolution and geojson:
+        raise usage("--out .geojson is for IMAGE mode (one image and --model); the epochs figure is a picture")
     try:
         check_writable(out)
     except OSError as e:
         raise usage(f"cannot write {out}: {e.strerror or e} (nothing was drawn)") from None
     try:
-        if evolution:
+        if geojson:
+            from ats_cli.geojson import write_attention_geojson
+
+            summary = write_attention_geojson(model, target, out, n_patches=n_patches, seed=seed, data=data,
+                                              device=device, reading=reading)
+        elif evolution:
             summary = render_evolution(target, image, out, epochs=epochs, data=data, device=device,
                                        reading=reading)
         else:
@@ -106,6 +120,12 @@ def visualize(
         err.print(f"[yellow]interrupted[/]: nothing written to {escape(str(out))}", soft_wrap=True)
         raise typer.Exit(130) from None
 
+    if geojson:
+        label = "" if summary.label is None else f", label {summary.label}"
+        console.print(f"wrote {summary.out}: predicted {summary.prediction} (p = {summary.probability:.2f}){label}; "
+                      f"{summary.n_patches} patches and {summary.n_cells} attention cells in level-0 pixels (patches "
+                      f"read at level {summary.level}, downsample {summary.downsample:g})")
+        return
     what = (f"epochs {', '.join(map(str, summary.epochs))}" if evolution
             else f"predicted {summary.prediction} (p = {summary.probability:.2f})")
     if summary.label is not None:
