@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["BenchSpec", "benchmark_image", "dataset_defaults", "run_benchmark", "ratio_to_ats"]
+__all__ = ["BenchSpec", "benchmark_image", "dataset_defaults", "plan", "run_benchmark", "ratio_to_ats"]
 
 ALL_METHODS = ("ats", "uniform", "deepmil", "cnn")
 SAMPLED = ("ats", "uniform")  # the methods whose cost depends on n_patches
@@ -147,8 +147,10 @@ def _reset_cpu_peak() -> bool:
         return False
 
 
-def _measure(spec: BenchSpec, image: np.ndarray, threads: int) -> dict[str, float]:
-    """Runs in the fresh process: build the model, one memory step, then timed steps."""
+def _measure(spec: BenchSpec, image: np.ndarray, threads: int, stage=None) -> dict[str, float]:
+    """Runs in the fresh process: build the model, one memory step, then timed steps.
+    ``stage(text)`` is told as each part begins (the command prints it)."""
+    stage = stage or (lambda text: None)
     from ats_cli.core.geometry import low_res_view
     from ats_cli.methods import build_method
 
@@ -171,7 +173,9 @@ def _measure(spec: BenchSpec, image: np.ndarray, threads: int) -> dict[str, floa
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    stage("warm-up step")
     step()  # warm-up: lazy initialisation of kernels and autograd is not the method's cost
+    stage("memory step")
     if device.type == "cuda":
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -186,6 +190,7 @@ def _measure(spec: BenchSpec, image: np.ndarray, threads: int) -> dict[str, floa
         step()
         after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         peak_mb = max(0, after - before_kb) / (2**20 if sys.platform == "darwin" else 1024)
+    stage(f"{spec.repeats} timed step{'s' if spec.repeats > 1 else ''}")
     times = []
     for _ in range(spec.repeats):
         t0 = time.perf_counter()
@@ -196,12 +201,17 @@ def _measure(spec: BenchSpec, image: np.ndarray, threads: int) -> dict[str, floa
 
 def _child(spec: BenchSpec, image_path: str, threads: int, queue) -> None:
     try:
-        queue.put(("ok", _measure(spec, np.load(image_path), threads)))
+        queue.put(("stage", "started, building the model"))
+        queue.put(("ok", _measure(spec, np.load(image_path), threads, lambda text: queue.put(("stage", text)))))
     except Exception as e:  # reported in the row; the other rows go on
         queue.put(("error", f"{type(e).__name__}: {e}"))
 
 
-def _run_isolated(spec: BenchSpec, image_path: str, threads: int) -> tuple[dict[str, float] | None, str]:
+def _run_isolated(spec: BenchSpec, image_path: str, threads: int,
+                  stage=None) -> tuple[dict[str, float] | None, str]:
+    """One row in a fresh process; ``stage(text)`` hears the child's progress as it comes."""
+    import queue as queues
+
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_child, args=(spec, image_path, threads, queue))
@@ -214,37 +224,62 @@ def _run_isolated(spec: BenchSpec, image_path: str, threads: int) -> tuple[dict[
             os.environ.pop("MALLOC_MMAP_THRESHOLD_")
         else:
             os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+    outcome = None
+    while outcome is None:
+        alive = proc.is_alive()  # before the read: a child that put its result and exited is still read
+        try:
+            kind, value = queue.get(timeout=0.2)
+        except queues.Empty:
+            if alive:
+                continue
+            break
+        if kind == "stage":
+            if stage:
+                stage(value)
+        else:
+            outcome = (kind, value)
     proc.join()
-    if not queue.empty():
-        status, value = queue.get()
+    if outcome is not None:
+        status, value = outcome
         return (value, "") if status == "ok" else (None, value)
     reason = "killed (out of memory?)" if proc.exitcode in (-9, 137) else f"exit code {proc.exitcode}"
     return None, reason
 
 
+def plan(methods: list[str], n_patches: list[int]) -> list[tuple[str, int | None]]:
+    """The rows :func:`run_benchmark` measures, in order: ``(method, n_patches or None)``."""
+    return [(m, n) for m in methods for n in (n_patches if m in SAMPLED else [None])]
+
+
 def run_benchmark(image: np.ndarray, methods: list[str], n_patches: list[int], *, tmp_dir: str | os.PathLike[str],
-                  threads: int = 0, progress=None, **settings: Any) -> list[dict[str, Any]]:
+                  threads: int = 0, progress=None, stage=None, finished=None, **settings: Any) -> list[dict[str, Any]]:
     """One row per method (per ``n_patches`` for ATS and U-N), each in a fresh process.
 
     Rows: ``{method, n_patches, device, image_size, time_ms_per_sample,
-    peak_mem_mb_per_sample}`` plus ``error`` when the row could not run."""
+    peak_mem_mb_per_sample}`` plus ``error`` when the row could not run. Callbacks, so
+    that a caller can say what is going on: ``progress(spec)`` as a row starts,
+    ``stage(spec, text)`` as its process reaches each part (started, warm-up, memory
+    step, timed steps) and ``finished(spec, row, seconds)`` when it is done."""
     unknown = sorted(set(methods) - set(ALL_METHODS))
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(ALL_METHODS)}")
     image_path = Path(tmp_dir) / "benchmark_image.npy"
     np.save(image_path, image)
     rows = []
-    for method in methods:
-        for n in (n_patches if method in SAMPLED else [None]):
-            spec = BenchSpec(method, n, **settings)
-            if progress:
-                progress(spec)
-            result, error = _run_isolated(spec, str(image_path), threads)
-            row = {"method": method, "n_patches": n, "device": spec.device,
-                   "image_size": [int(image.shape[1]), int(image.shape[2])],
-                   "time_ms_per_sample": None, "peak_mem_mb_per_sample": None}
-            row.update(result or {"error": error})
-            rows.append(row)
+    for method, n in plan(methods, n_patches):
+        spec = BenchSpec(method, n, **settings)
+        if progress:
+            progress(spec)
+        t0 = time.perf_counter()
+        result, error = _run_isolated(spec, str(image_path), threads,
+                                      stage=(lambda text, spec=spec: stage(spec, text)) if stage else None)
+        row = {"method": method, "n_patches": n, "device": spec.device,
+               "image_size": [int(image.shape[1]), int(image.shape[2])],
+               "time_ms_per_sample": None, "peak_mem_mb_per_sample": None}
+        row.update(result or {"error": error})
+        rows.append(row)
+        if finished:
+            finished(spec, row, time.perf_counter() - t0)
     return rows
 
 

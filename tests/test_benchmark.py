@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from typer.testing import CliRunner
 
@@ -30,6 +31,12 @@ def test_quick_json_smoke(tmp_path):
     deepmil = next(r for r in rows if r["method"] == "deepmil")
     assert deepmil["peak_mem_mb_per_sample"] > rows[0]["peak_mem_mb_per_sample"]
     assert "deepmil" in result.output and "time / ATS-10" in result.output
+    # progress on stderr, a line as each row starts, reaches each part and ends; the table on stdout
+    for i, row in enumerate(["ats-10", "uniform-10", "deepmil", "cnn"], 1):
+        for part in ("starting a process", "started", "warm-up step", "memory step", "1 timed step"):
+            assert f"[{i}/4] {row}: {part}" in result.stderr, result.stderr
+        assert re.search(rf"\[{i}/4\] {row}: [\d.]+ ms, [\d.]+ MB per sample \(row took", result.stderr)
+    assert "time / ATS-10" in result.stdout and "warm-up" not in result.stdout
 
 
 def test_unknown_method_and_bad_counts_are_errors():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import time
 from pathlib import Path
 
 import typer
@@ -47,7 +48,7 @@ def benchmark(
     """Time and peak memory per sample of a training step (batch size 1, patch reading
     and host-to-device copy included), each method in a fresh process, with ratios to ATS.
     How memory is measured: ats_cli/benchmark.py and docs/benchmark.md."""
-    from ats_cli.benchmark import benchmark_image, dataset_defaults, ratio_to_ats, run_benchmark
+    from ats_cli.benchmark import ALL_METHODS, benchmark_image, dataset_defaults, plan, ratio_to_ats, run_benchmark
     from ats_cli.runtime import resolve_device
 
     console = OutputConsole()
@@ -66,15 +67,40 @@ def benchmark(
         raise typer.Exit(2) from None
     ref_n = 10 if 10 in counts else counts[0]
     names = [m.strip() for m in methods.split(",") if m.strip()]
+    # Progress on stderr, a line as each row starts, reaches each part and ends (no part
+    # takes more than a few seconds in --quick), so the table alone can be redirected.
+    err = OutputConsole(stderr=True, highlight=False, soft_wrap=True)
+    unknown = sorted(set(names) - set(ALL_METHODS))
+    if unknown:
+        console.print(f"[red]error:[/] unknown method(s) {', '.join(unknown)}; choose from {', '.join(ALL_METHODS)}")
+        raise typer.Exit(2)
+    todo = plan(names, counts)
+    err.print(f"benchmark: {len(todo)} row(s), each in a fresh process, on a {image.shape[1]}x{image.shape[2]} "
+              f"image, {dev}, {repeats} timed step(s) per row")
+    started: dict[str, float] = {}
+
+    def row_name(spec) -> str:
+        return spec.method + (f"-{spec.n_patches}" if spec.n_patches else "")
+
+    def progress(spec) -> None:
+        started[row_name(spec)] = time.perf_counter()
+        err.print(f"[{len(started)}/{len(todo)}] {row_name(spec)}: starting a process")
+
+    def stage(spec, text: str) -> None:
+        err.print(f"[{len(started)}/{len(todo)}] {row_name(spec)}: {text} "
+                  f"({time.perf_counter() - started[row_name(spec)]:.0f} s)")
+
+    def finished(spec, row, seconds: float) -> None:
+        what = (f"{row['time_ms_per_sample']:.1f} ms, {row['peak_mem_mb_per_sample']:.1f} MB per sample"
+                if row["time_ms_per_sample"] is not None else f"failed: {row['error']}")
+        err.print(f"[{len(started)}/{len(todo)}] {row_name(spec)}: {what} (row took {seconds:.0f} s)")
+
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            with console.status("measuring") as status:
-                rows = run_benchmark(
-                    image, names, counts, tmp_dir=tmp, threads=threads,
-                    progress=lambda s: status.update(f"measuring {s.method}"
-                                                     + (f"-{s.n_patches}" if s.n_patches else "")),
-                    patch_size=patch_size, scale=scale, feature_net=feature_net, feature_width=feature_width,
-                    device=dev, repeats=repeats)
+            rows = run_benchmark(
+                image, names, counts, tmp_dir=tmp, threads=threads, progress=progress, stage=stage,
+                finished=finished, patch_size=patch_size, scale=scale, feature_net=feature_net,
+                feature_width=feature_width, device=dev, repeats=repeats)
         except ValueError as e:
             console.print(f"[red]error:[/] {e}")
             raise typer.Exit(2) from None
