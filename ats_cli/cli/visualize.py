@@ -54,7 +54,7 @@ def visualize(
     successive epochs (RUN_DIR/epochs/epoch_NNN.pt) side by side, on one shared colour scale.
 
     [bold]ats visualize SLIDE --model MODEL --out slide.geojson[/]: the same sampling as
-    GeoJSON that QuPath imports (File > Import objects): the sampled patches and the
+    GeoJSON that QuPath imports (File > Import objects from file): the patches and the
     attention cells as detections in level-0 pixels, with their attention, draw order and
     estimator weight as measurements (docs/slides.md).
 
