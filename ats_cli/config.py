@@ -44,9 +44,10 @@ class TrainConfig:
     min_brightness: float = -1.0
     eval_n_patches: int = 0  # 0 = same as n_patches
     feature_scale: float = 10.0  # multiplies the L2-normalised features (1 = the paper; see ATSModel)
-    # auxiliary training signals (ats_cli.core.model.auxiliary_losses; 0 = off = the thesis's loss)
-    patch_loss: float = 1.0
-    attention_loss: float = 1.0
+    # auxiliary training signals (ats_cli.core.model.auxiliary_losses; 0 = off = the thesis's loss).
+    # Off by default: they slowed learning in every run measured (docs/training.md, ablation)
+    patch_loss: float = 0.0
+    attention_loss: float = 0.0
     # reading slides and TIFFs (ats predict's options; saved in the model, so predict reads alike)
     reader: str = "auto"  # auto | openslide | tifffile | pillow
     level: int = 0  # pyramid level patches are read from
@@ -150,7 +151,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 # Keys added after runs were already being saved, with the value those runs actually used.
 # Resuming an old run must continue it as it was trained ("exactly where it stopped"), not
 # switch it to a newer default half-way; a new run from a hand-written file gets the default.
-RESUME_LEGACY: dict[str, Any] = {"estimator": "sequential", "patch_loss": 0.0, "attention_loss": 0.0}
+RESUME_LEGACY: dict[str, Any] = {"estimator": "sequential"}
 
 
 def resolve_config(file: str | Path | None = None, *, resumed: bool = False, **overrides: Any) -> TrainConfig:

@@ -79,10 +79,10 @@ def train(
                                         "\\[default: 10].", rich_help_panel=_METHOD),
     patch_loss: float = typer.Option(None, help="Weight of the auxiliary per-patch loss: each sampled patch alone "
                                      "predicts the label (0 = off, the thesis's loss; docs/training.md) "
-                                     "\\[default: 1].", rich_help_panel=_METHOD),
+                                     "\\[default: 0].", rich_help_panel=_METHOD),
     attention_loss: float = typer.Option(None, help="Weight of the attention critic: the attention learns which "
                                          "sampled patches were informative (0 = off; docs/training.md) "
-                                         "\\[default: 1].", rich_help_panel=_METHOD),
+                                         "\\[default: 0].", rich_help_panel=_METHOD),
     eval_n_patches: int = typer.Option(None, help="Patches at test time \\[default: same as training].",
                                        rich_help_panel=_METHOD),
     reader: str = typer.Option(None, help="Slides/TIFFs: auto | openslide | tifffile | pillow \\[default: auto].",

@@ -214,9 +214,11 @@ class ATSModel(nn.Module):
 
 
 def auxiliary_losses(out: ATSOutput, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two training signals that get a model off the initial plateau without a curriculum.
+    """Two optional training signals against the initial plateau (``ats train --patch-loss``,
+    ``--attention-loss``; off by default: in the ablation of docs/training.md they slowed
+    learning, and what gets a model off the plateau is the default recipe instead).
 
-    Why: the attention network learns only through differences between the sampled
+    The idea: the attention network learns only through differences between the sampled
     patches' features, and the features learn only from the pooled estimate, where the few
     informative patches are diluted among the many drawn from background or noise. At
     initialisation neither network has anything to learn from the other, which is the
@@ -241,7 +243,11 @@ def auxiliary_losses(out: ATSOutput, target: torch.Tensor) -> tuple[torch.Tensor
 
     Neither term changes the classification term's estimate or its gradient (they are
     added beside it); they change what the sum of the terms is minimised towards, as the
-    entropy bonus already does. Both return a scalar averaged over the batch.
+    entropy bonus already does. That is also their cost: the critic favours the patches the
+    classifier is already sure of, where a label that needs every object (a majority of
+    digits) wants the attention spread over all of them; and the patch term asks one
+    classifier to be calibrated on single patches and on the pooled feature at once.
+    Both return a scalar averaged over the batch.
     """
     logits = out.patch_logits
     valid = (out.sampled_probs > 0).float()  # [B, n]
