@@ -3,11 +3,10 @@ the attention of successive training epochs (thesis Figure 3.3).
 
 Conventions shared by both figures, chosen so that they read at a glance:
 
-* everything is drawn in **full-resolution pixel coordinates**: the low-res view and the
+* everything is drawn in **full-resolution pixel coordinates**: the image and the
   attention map are stretched over the image's extent (the attention map over the
   low-res view less the attention net's margin), so patch offsets and digit boxes are
   drawn as they are, and the axes tell where to look in the original file;
-* the image is the model's **low-res view** (what the attention network sees), in gray;
 * attention is coloured on a **log scale** spanning three decades below its maximum, with
   an opacity ramp (low attention almost transparent): a trained attention map is very
   peaked, and on a linear scale everything but the top cell would be black, while the
@@ -15,6 +14,15 @@ Conventions shared by both figures, chosen so that they read at a glance:
   marks the uniform level 1/N, so "more or less than uniform" can be read off directly.
 * figures are drawn with matplotlib's object API (no pyplot state; safe in a library) and
   written atomically.
+
+The single-image figure (:func:`render_attention`) stays readable at any patch count:
+the image under the heat is the file at display resolution (the low-res view is too
+coarse to make out digits), the heat is smooth and patch-sized (:func:`_heat`), there is
+one box per *distinct* patch location, brighter and thicker for more estimator weight
+(with a key), only the :data:`MAX_STRIP` heaviest are numbered, with labels placed so
+that none covers another, and the strip underneath shows those, heaviest first, each
+with its weight, attention and draw number. The evolution figure draws the model's
+low-res view, in gray, under each epoch's map.
 """
 
 from __future__ import annotations
@@ -51,8 +59,11 @@ CMAP = "inferno"
 BOX_COLOUR = "#00e5ff"  # sampled patches: cyan stands out on black, gray and inferno alike
 DIGIT_COLOUR = "#ff2a2a"  # ground-truth objects (the thesis's red dots)
 MAX_PANELS = 8
-PATCHES_PER_ROW = 10
-MAX_PATCHES_SHOWN = 40  # the strip under the image; boxes are drawn for all
+MAX_STRIP = 16  # patches in the strip under the image (the heaviest), and boxes numbered on it
+STRIP_PER_ROW = 8
+DISPLAY_SIDE = 1000  # the image under the heat is read at about this many pixels on its long side
+HEAT_PX = 720  # the attention map is upsampled smoothly to about this many pixels across
+HEAT_ALPHA = 0.6  # opacity of the heat at the top of its scale (it falls with the square of the scale)
 _EPOCH_FILE = re.compile(r"epoch_(\d+)\.pt$")
 
 
@@ -198,6 +209,39 @@ class RenderSummary:
     label: str | None = None
     epochs: tuple[int, ...] = ()
     n_boxes: int = 0
+    n_sites: int = 0  # distinct sampled patch locations, one box each
+    strip: tuple[tuple[int, int], ...] = ()  # (row, col) of the patches in the strip, in its order
+
+
+@dataclass(frozen=True)
+class PatchSite:
+    """One distinct sampled patch location: its top-left (row, col) in full-res pixels, the
+    draws that chose it (1-based draw numbers), its attention probability, its total
+    estimator weight (the attention when the weights are unknown) and the index of its
+    first draw in the model's outputs."""
+
+    row: int
+    col: int
+    draws: tuple[int, ...]
+    attention: float
+    weight: float
+    index: int
+
+
+def patch_sites(offsets: Sequence[Sequence[int]], attention: Sequence[float],
+                weights: Sequence[float] | None = None) -> list[PatchSite]:
+    """The sampled patches grouped by location (with replacement a location can be drawn
+    several times; its weight is then the sum of its draws'), heaviest first; ties keep
+    draw order. Without ``weights`` the attention ranks them."""
+    sites: dict[tuple[int, int], dict] = {}
+    for i, (r, c) in enumerate(offsets):
+        w = float(attention[i] if weights is None else weights[i])
+        site = sites.setdefault((int(r), int(c)), {"draws": [], "weight": 0.0, "index": i,
+                                                   "attention": float(attention[i])})
+        site["draws"].append(i + 1)
+        site["weight"] += w if weights is not None or len(site["draws"]) == 1 else 0.0
+    ordered = sorted(sites.items(), key=lambda kv: (-kv[1]["weight"], kv[1]["index"]))
+    return [PatchSite(r, c, tuple(v["draws"]), v["attention"], v["weight"], v["index"]) for (r, c), v in ordered]
 
 
 def _attention(predictor: Predictor, opened: OpenedImage, *, n_patches: int | None, seed: int,
@@ -216,6 +260,38 @@ def _extents(model, opened: OpenedImage):
     margin = getattr(getattr(model, "attention_net", None), "margin", 0)  # Deep MIL: its grid spans the image
     ry, rx = H / low_h, W / low_w
     return (0, W, H, 0), (margin * rx, (low_w - margin) * rx, (low_h - margin) * ry, margin * ry)
+
+
+def _weights(model, result, seed: int) -> torch.Tensor | None:
+    """The estimator weights [B, n] of this sampling (replayed, see
+    :func:`ats_cli.geojson.replay_weights`), or None where they cannot be recovered."""
+    from ats_cli.geojson import replay_weights
+
+    try:
+        weights = replay_weights(model, result, seed=seed)
+    except (AttributeError, RuntimeError, ValueError):  # not an attention-sampling model
+        return None
+    return None if weights is None else weights.cpu()
+
+
+def _display_image(image, opened: OpenedImage, reading: Mapping[str, object] | None) -> tuple[np.ndarray, str | None]:
+    """The image as it is drawn under the heat: the file at about :data:`DISPLAY_SIDE`
+    pixels (the low-res view the attention net sees is often too coarse to make out what
+    is in it: 180x180 for a 1500x1500 Megapixel MNIST image), read from the smallest
+    pyramid level that suffices; the low-res view when that cannot be read."""
+    from ats_cli.data.slides import open_image
+
+    reading = reading or {}
+    try:
+        with open_image(image, reader=str(reading.get("reader") or "auto"),
+                        max_pixels=reading.get("max_pixels")) as slide:  # type: ignore[arg-type]
+            thumb = slide.thumbnail(DISPLAY_SIDE)
+    except Exception:  # noqa: BLE001 - a picture of the low-res view is still a picture
+        return _gray(opened.low)
+    arr = thumb.astype(np.float32) / 255.0
+    if arr.shape[2] == 1:
+        return arr[..., 0], "gray"
+    return arr[..., :3], None
 
 
 def _gray(low: torch.Tensor) -> tuple[np.ndarray, str | None]:
@@ -241,6 +317,144 @@ def _overlay(ax, att: np.ndarray, norm, extent, *, alpha_low: float = 0.05, alph
     rgba = colormaps[CMAP](t)
     rgba[..., 3] = alpha_low + (alpha_high - alpha_low) * t**power
     ax.imshow(rgba, extent=extent, interpolation="nearest", zorder=2)
+
+
+def _heat(ax, att: np.ndarray, norm, extent, patch_size: tuple[int, int]) -> int:
+    """Attention as a smooth, semi-transparent heat over the image.
+
+    A trained map is very peaked (a few dozen cells of tens of thousands hold most of it),
+    and one cell is a few screen pixels: drawn as it is, the heat is a scatter of dots.
+    So each cell shows the largest attention within the reach of a patch (a window of
+    about a patch's size in cells): a pixel's colour is then the attention of the
+    most-attended cell whose patch would cover it, and a peak reads as a patch-sized blob
+    where the model would look. The map is then log-scaled, upsampled bilinearly (about
+    :data:`HEAT_PX` across) and coloured, its opacity rising with the square of the scale,
+    so the image shows through where attention is low. Returns the window's side in cells."""
+    import torch.nn.functional as F
+    from matplotlib import colormaps
+
+    left, right, bottom, top = extent
+    ph, pw = patch_size
+    cells = min(pw * att.shape[1] / max(right - left, 1e-9), ph * att.shape[0] / max(bottom - top, 1e-9))
+    reach = max(1, int(round(cells)) // 2 * 2 + 1)  # odd, so the window is centred on its cell
+    t = torch.from_numpy(np.asarray(norm(np.clip(att, norm.vmin, None)), dtype=np.float32))[None, None]
+    if reach > 1:
+        t = F.max_pool2d(t, reach, stride=1, padding=reach // 2)
+    factor = max(1, math.ceil(HEAT_PX / max(att.shape)))
+    if factor > 1:
+        t = F.interpolate(t, scale_factor=factor, mode="bilinear", align_corners=False)
+    t = t[0, 0].clamp(0, 1).numpy()
+    rgba = colormaps[CMAP](t)
+    rgba[..., 3] = HEAT_ALPHA * t**2
+    ax.imshow(rgba, extent=extent, interpolation="antialiased", zorder=2, aspect="auto")
+    return reach
+
+
+def _weight_key(fig, sites: Sequence[PatchSite], what: str, rect) -> None:
+    """A small key beside the image: what a box's brightness and thickness say (the
+    heaviest, a middle and the lightest site's weight)."""
+    from matplotlib.lines import Line2D
+
+    if not sites:
+        return
+    strength = _box_strength(sites)
+    picks = sorted({0, len(sites) // 2, len(sites) - 1})
+    handles, seen = [], set()
+    for i in picks:
+        colour, lw = _box_style(strength[i])
+        if _short_prob(sites[i].weight) not in seen:  # equal weights: one line
+            seen.add(_short_prob(sites[i].weight))
+            handles.append(Line2D([], [], color=colour, lw=lw, label=_short_prob(sites[i].weight)))
+    kax = fig.add_axes(rect)
+    kax.set_axis_off()
+    kax.set_facecolor("black")
+    kax.legend(handles=handles, title=f"box: {what}", loc="lower left", fontsize=7, title_fontsize=7,
+               frameon=True, facecolor="black", labelcolor="white", edgecolor="0.5", handlelength=1.6,
+               borderaxespad=0).get_title().set_color("white")
+
+
+def _box_strength(sites: Sequence[PatchSite]) -> list[float]:
+    """How strongly each site's box is drawn, in [0, 1]: the square root of its weight over
+    the largest (the square root keeps light boxes visible next to a dominant one)."""
+    top = max((s.weight for s in sites), default=0.0)
+    return [math.sqrt(max(s.weight, 0.0) / top) if top > 0 else 1.0 for s in sites]
+
+
+def _box_style(t: float) -> tuple[tuple[float, float, float, float], float]:
+    """(edge colour, line width) of a box of strength ``t``: brighter and thicker when heavier."""
+    from matplotlib.colors import to_rgba
+
+    return to_rgba(BOX_COLOUR, 0.3 + 0.7 * t), 0.6 + 1.6 * t
+
+
+def _site_boxes(ax, sites: Sequence[PatchSite], patch_size: tuple[int, int], labelled: int) -> list:
+    """One box per distinct patch location, brighter and thicker for more weight (the
+    heaviest drawn last, on top); the first ``labelled`` sites (the strip's) numbered
+    #1.. next to their box, each label where it covers no other. Returns the boxes'
+    colours, for the strip's frames."""
+    from matplotlib.patches import Rectangle
+
+    ph, pw = patch_size
+    colours = []
+    for order, (site, t) in enumerate(zip(sites, _box_strength(sites), strict=True)):
+        colour, lw = _box_style(t)
+        colours.append(colour)
+        ax.add_patch(Rectangle((site.col, site.row), pw, ph, fill=False, ec=colour, lw=lw,
+                               zorder=6 + (len(sites) - order) / max(len(sites), 1)))
+    _place_labels(ax, sites[:labelled], (ph, pw))
+    return colours
+
+
+def _place_labels(ax, sites: Sequence[PatchSite], patch_size: tuple[int, int], fontsize: float = 7.5) -> None:
+    """Number the sites #1.. beside their boxes so that no label covers another: for each
+    (heaviest first) the first free spot of the box's four outer corners and its sides,
+    then the same further out with a leader line; the first spot if none is free."""
+    ph, pw = patch_size
+    ax.apply_aspect()
+    box = ax.get_position()
+    fig_w, fig_h = ax.figure.get_size_inches()
+    x0, x1 = ax.get_xlim()
+    y1, y0 = ax.get_ylim()  # rows grow downwards
+    per_pt_x = (x1 - x0) / (box.width * fig_w * 72)
+    per_pt_y = (y1 - y0) / (box.height * fig_h * 72)
+    placed: list[tuple[float, float, float, float]] = []
+
+    def free(rect) -> bool:
+        a0, a1, b0, b1 = rect
+        inside = a0 >= x0 and a1 <= x1 and b0 >= y0 and b1 <= y1
+        return inside and all(a1 <= c0 or a0 >= c1 or b1 <= d0 or b0 >= d1 for c0, c1, d0, d1 in placed)
+
+    for k, site in enumerate(sites):
+        text = f"#{k + 1}"
+        w = (len(text) * 0.62 * fontsize + 3) * per_pt_x
+        h = (fontsize * 1.25 + 2) * per_pt_y
+        r, c = site.row, site.col
+        choice = None
+        for step in range(4):
+            gx, gy = step * w * 0.6, step * h
+            # (left, top) of the label: above-left, above-right, below-left, below-right, then the sides
+            spots = [(c - gx, r - h - gy), (c + pw - w + gx, r - h - gy), (c - gx, r + ph + gy),
+                     (c + pw - w + gx, r + ph + gy), (c - w - gx, r), (c + pw + gx, r),
+                     (c - w - gx, r + ph - h), (c + pw + gx, r + ph - h)]
+            for left, upper in spots:
+                rect = (left, left + w, upper, upper + h)
+                if free(rect):
+                    choice = (rect, step)
+                    break
+            if choice:
+                break
+        if choice is None:
+            left, upper = c, r - h
+            choice = ((left, left + w, upper, upper + h), 0)
+        (a0, a1, b0, b1), step = choice
+        placed.append((a0, a1, b0, b1))
+        if step:  # a leader from the label to the box's nearest corner
+            lx, ly = (a0 + a1) / 2, (b0 + b1) / 2
+            cx, cy = min(max(lx, c), c + pw), min(max(ly, r), r + ph)
+            ax.plot([lx, cx], [ly, cy], color=BOX_COLOUR, lw=0.7, alpha=0.8, zorder=8, clip_on=True)
+        ax.text((a0 + a1) / 2, (b0 + b1) / 2, text, color=BOX_COLOUR, fontsize=fontsize, fontweight="bold",
+                ha="center", va="center", zorder=9, clip_on=True,
+                bbox={"boxstyle": "square,pad=0.12", "fc": "black", "ec": "none", "alpha": 0.6})
 
 
 def _colorbar(fig, norm, axes, n_cells: int, **kwargs):
@@ -276,9 +490,11 @@ def _digit_boxes(ax, boxes: Sequence[DigitBox], *, labels: bool):
 
 
 def _short_prob(p: float) -> str:
-    """0.13 -> '0.13', 0.00028 -> '2.8e-4': fits under a patch 10 to a row."""
-    if p >= 0.01:
+    """0.13 -> '0.13', 0.057 -> '0.057', 0.00028 -> '2.8e-4': two significant digits, short."""
+    if p >= 0.1:
         return f"{p:.2f}"
+    if p >= 0.001:
+        return f"{p:.2g}"
     mantissa, exponent = f"{p:.1e}".split("e")
     return f"{mantissa}e{int(exponent)}"
 
@@ -314,16 +530,18 @@ def render_attention(
     reading: Mapping[str, object] | None = None,
     dpi: int = 110,
 ) -> RenderSummary:
-    """One figure for one image: the low-res view with the attention overlaid (log scale,
-    colour bar), cyan numbered boxes on the sampled patches at their full-res positions,
-    red boxes on the recorded digits when a dataset CSV knows the image, the patches
-    themselves in a strip underneath (labelled with their attention probability) and a
-    title with the predicted class and its probability *for this one sampling* (the
-    patches shown are the ones the prediction used). Raises CheckpointError (model) or
-    ImageReadError (image), both naming the file. ``reading``: reader/level/mpp/tissue
-    overrides, as for ``ats predict`` (default: the model's training settings)."""
+    """One figure for one image, made to read at a glance at any patch count: the image
+    (at display resolution) under the attention as a smooth, semi-transparent heat (log
+    scale, colour bar with the uniform level), one box per distinct sampled patch location
+    (brighter and thicker = more estimator weight; the heaviest :data:`MAX_STRIP` numbered
+    by weight, labels kept apart), red boxes on the recorded digits when a dataset CSV
+    knows the image, the heaviest patches at full resolution in a strip underneath
+    (heaviest first, each with its weight, attention and draw number) and a title with the
+    predicted class and its probability *for this one sampling* (the patches shown are
+    the ones the prediction used). Raises CheckpointError (model) or ImageReadError
+    (image), both naming the file. ``reading``: reader/level/mpp/tissue overrides, as for
+    ``ats predict`` (default: the model's training settings)."""
     from matplotlib.figure import Figure
-    from matplotlib.patches import Rectangle
 
     predictor = model if isinstance(model, Predictor) else load_predictor(model, device)
     net = predictor.model
@@ -334,68 +552,97 @@ def render_attention(
     k = int(probs.argmax())
     prediction, probability = predictor.classes[k], float(probs[k])
     att = result.attention[0].cpu().double().numpy()
-    offsets = result.offsets[0].cpu().tolist()
-    sampled = result.sampled_probs[0].cpu().tolist()
+    weights = _weights(net, result, seed)
+    sites = patch_sites(result.offsets[0].cpu().tolist(), result.sampled_probs[0].cpu().tolist(),
+                        None if weights is None else weights[0].tolist())
     patches = result.patches[0].cpu()
     info = find_image_info(image, data)
     H, W = opened.source.size
     ph, pw = net.patch_size
-    n = len(offsets)
+    n = int(result.offsets.shape[1])
+    shown = sites[:MAX_STRIP]
+    what = "weight" if weights is not None else "attention"
 
-    # Layout: main panel (its height follows the image's aspect), then rows of patches.
-    width_in = 8.0
-    main_h = min(max(width_in * 0.86 * H / W, 3.0), 10.0)
-    shown = min(n, MAX_PATCHES_SHOWN)
-    strip_rows = math.ceil(shown / PATCHES_PER_ROW)
-    strip_h = strip_rows * (width_in / PATCHES_PER_ROW) * (ph / pw) * 1.25
-    fig = Figure(figsize=(width_in, main_h + strip_h + 0.9), dpi=dpi)
-    grid = fig.add_gridspec(2, 1, height_ratios=[main_h, strip_h], hspace=0.14, top=1 - 0.75 / fig.get_figheight(),
-                            bottom=0.02, left=0.07, right=0.88)
-    ax = fig.add_subplot(grid[0])
+    # Layout in inches, top to bottom: title lines, the image panel (its aspect kept) with the
+    # colour bar and the weight key on its right, its caption, the strip's heading, the strip.
+    fig_w, left, bar_w = 8.0, 0.6, 1.25
+    panel_w = fig_w - left - bar_w
+    panel_h = panel_w * H / W
+    if panel_h > 8.5:  # a tall image: narrower, not taller
+        panel_w, panel_h = panel_w * 8.5 / panel_h, 8.5
+    panel_h = max(panel_h, 1.5)
+    head_h, caption_h, strip_head_h, foot_h = 0.72, 0.62, 0.3, 0.1
+    cell, gap = 0.78, 0.14  # a strip patch and the gap between two
+    row_h = 0.2 + cell * ph / pw + 0.38  # title, patch, two lines under it
+    strip_rows = math.ceil(len(shown) / STRIP_PER_ROW)
+    fig_h = head_h + panel_h + caption_h + strip_head_h + strip_rows * row_h + foot_h
+    fig = Figure(figsize=(fig_w, fig_h), dpi=dpi)
+    panel_bottom = fig_h - head_h - panel_h
+    ax = fig.add_axes((left / fig_w, panel_bottom / fig_h, panel_w / fig_w, panel_h / fig_h))
     img_extent, att_extent = _extents(net, opened)
-    background, cmap = _gray(opened.low)
-    ax.imshow(background, cmap=cmap, vmin=0, vmax=1, extent=img_extent, interpolation="nearest", zorder=1)
+    background, cmap = _display_image(image, opened, reading)
+    ax.imshow(background, cmap=cmap, vmin=0, vmax=1, extent=img_extent, interpolation="antialiased", zorder=1,
+              aspect="auto")
     norm = _norm(att.max(), att.size)
-    _overlay(ax, att, norm, att_extent)
+    reach = _heat(ax, att, norm, att_extent, (ph, pw))
     if info:
         _digit_boxes(ax, info.boxes, labels=True)
-    for i, (r, c) in enumerate(offsets):
-        ax.add_patch(Rectangle((c, r), pw, ph, fill=False, ec=BOX_COLOUR, lw=1.4, zorder=6))
-        at_c, at_r = min(max(c, 0), W * 0.97) + 2, min(max(r, 0), H * 0.96) + 2  # in view for edge patches
-        ax.text(at_c, at_r, str(i + 1), color=BOX_COLOUR, fontsize=7, fontweight="bold", ha="left", va="top",
-                zorder=7, clip_on=True)
     _frame(ax, H, W)
-    _colorbar(fig, norm, ax, att.size, fraction=0.046, pad=0.02)
-    legend = f"cyan: the {n} sampled {pw}x{ph} patches, numbered in draw order"
-    if info and info.boxes:
-        legend += "; red: boxes from the dataset CSV"
-    ax.set_xlabel(f"{legend}\nbelow: the patches at full resolution, titled 'draw number: attention "
-                  "probability'   [axes: full-resolution pixels]"
-                  + (f" (the first {shown} of {n})" if shown < n else ""), fontsize=8)
+    colours = _site_boxes(ax, sites, (ph, pw), labelled=len(shown))
+    bar_x = (left + panel_w + 0.12) / fig_w
+    cax = fig.add_axes((bar_x, (panel_bottom + panel_h * 0.3) / fig_h, 0.16 / fig_w, panel_h * 0.7 / fig_h))
+    _colorbar(fig, norm, ax, att.size, cax=cax)
+    _weight_key(fig, sites, what, (bar_x, panel_bottom / fig_h, (bar_w - 0.15) / fig_w, panel_h * 0.26 / fig_h))
 
-    sub = grid[1].subgridspec(strip_rows, PATCHES_PER_ROW, wspace=0.08, hspace=0.35)
-    for i in range(shown):
-        pax = fig.add_subplot(sub[i // PATCHES_PER_ROW, i % PATCHES_PER_ROW])
-        img, pcmap = _gray(patches[i])
-        pax.imshow(img, cmap=pcmap, vmin=0, vmax=1, interpolation="nearest")
+    distinct = f"{len(sites)} distinct places" if len(sites) < n else "each at its own place"
+    lines = [f"boxes: the {n} sampled {pw}x{ph} patches ({distinct}), brighter and thicker for more {what}, "
+             f"#1-#{len(shown)} numbered by {what}" if len(shown) > 1 else f"box: the sampled {pw}x{ph} patch",
+             f"heat: each pixel shows the largest attention of the cells whose patch covers it "
+             f"({reach}x{reach} cells of {att.shape[0]}x{att.shape[1]})"
+             + ("; red: boxes from the dataset CSV" if info and info.boxes else "")]
+    fig.text(0.5, (panel_bottom - 0.22) / fig_h, "\n".join(lines), ha="center", va="top",
+             fontsize=7.5, linespacing=1.4)
+
+    more = f"the {len(shown)} of most {what}" if len(shown) < len(sites) else f"all {len(shown)}"
+    key = "w: estimator weight, a: attention probability" if weights is not None else "a: attention probability"
+    strip_top = panel_bottom - caption_h
+    fig.text(0.5, (strip_top - 0.05) / fig_h, f"the sampled patches at full resolution, {more}, heaviest first  "
+             f"({key})", ha="center", va="top", fontsize=8)
+    strip_left = (fig_w - (STRIP_PER_ROW * cell + (STRIP_PER_ROW - 1) * gap)) / 2
+    for i, site in enumerate(shown):
+        r, c = divmod(i, STRIP_PER_ROW)
+        bottom = strip_top - strip_head_h - r * row_h - 0.2 - cell * ph / pw
+        pax = fig.add_axes(((strip_left + c * (cell + gap)) / fig_w, bottom / fig_h, cell / fig_w,
+                            cell * ph / pw / fig_h))
+        img, pcmap = _gray(patches[site.index])
+        pax.imshow(img, cmap=pcmap, vmin=0, vmax=1, interpolation="nearest", aspect="auto")
         pax.set_xticks([])
         pax.set_yticks([])
         for spine in pax.spines.values():
-            spine.set_edgecolor(BOX_COLOUR)
-            spine.set_linewidth(1.5)
-        pax.set_title(f"{i + 1}: {_short_prob(sampled[i])}", fontsize=7, pad=2)
+            spine.set_edgecolor(colours[i])
+            spine.set_linewidth(2.0)
+        times = f" (x{len(site.draws)})" if len(site.draws) > 1 else ""
+        pax.set_title(f"#{i + 1}  draw {site.draws[0]}{times}", fontsize=6.5, pad=2)
+        under = (f"w {_short_prob(site.weight)}\na {_short_prob(site.attention)}" if weights is not None
+                 else f"a {_short_prob(site.attention)}")
+        pax.set_xlabel(under, fontsize=6.5, labelpad=1.5, linespacing=1.2)
 
     label = info.label if info else None
     truth = "" if label is None else (f"  |  label {label} " + ("(correct)" if label == prediction else "(wrong)"))
-    fig.suptitle(f"predicted {prediction}  (p = {probability:.2f}){truth}", fontsize=14, fontweight="bold",
-                 y=1 - 0.12 / fig.get_figheight(), va="top")
-    fig.text(0.5, 1 - 0.47 / fig.get_figheight(),
-             f"{Path(image).name}  {W}x{H}  ·  model {predictor.path.name}  ·  {n} patches, seed {seed}  ·  "
-             f"attention entropy {float(result.entropy[0]):.2f} nats (uniform {math.log(att.size):.2f})",
-             ha="center", va="top", fontsize=8, color="0.3")
+    fig.text(0.5, 1 - 0.1 / fig_h, f"predicted {prediction}  (p = {probability:.2f}){truth}", fontsize=14,
+             fontweight="bold", ha="center", va="top")
+    estimator = getattr(net, "active_estimator", None)  # Deep MIL: no sampling, no estimator
+    sampling = f"{n} patches, seed {seed}" + (", with replacement" if getattr(net, "replace", False) else
+                                              f", {estimator} estimator" if weights is not None and estimator
+                                              else "")
+    fig.text(0.5, 1 - 0.45 / fig_h,
+             f"{Path(image).name} {W}x{H}  ·  {predictor.path.name}  ·  {sampling}  ·  attention entropy "
+             f"{float(result.entropy[0]):.2f} nats (uniform {math.log(att.size):.2f})",
+             ha="center", va="top", fontsize=7.5, color="0.3")
     size = _save(fig, Path(out))
     return RenderSummary(Path(out), size, prediction=prediction, probability=probability, label=label,
-                         n_boxes=len(info.boxes) if info else 0)
+                         n_boxes=len(info.boxes) if info else 0, n_sites=len(sites),
+                         strip=tuple((s.row, s.col) for s in shown))
 
 
 def render_evolution(

@@ -15,15 +15,16 @@ from typer.testing import CliRunner
 from ats_cli.checkpoint import build_model, model_spec, save_checkpoint
 from ats_cli.cli import app
 from ats_cli.config import TrainConfig
-from ats_cli.visualize import find_image_info, render_attention, select_epochs
+from ats_cli.visualize import MAX_STRIP, _attention, find_image_info, patch_sites, render_attention, select_epochs
 
 runner = CliRunner()
 
 
-def make_model(path: Path, *, seed: int = 0) -> Path:
+def make_model(path: Path, *, seed: int = 0, replace: bool = False) -> Path:
     """An untrained model: 16x16 patches, scale 0.25, 4 patches, classes cat/dog/eel."""
     torch.manual_seed(seed)
-    spec = model_spec(TrainConfig(patch_size=16, scale=0.25, n_patches=4, feature_width=8), n_classes=3, channels=1)
+    spec = model_spec(TrainConfig(patch_size=16, scale=0.25, n_patches=4, feature_width=8, replace=replace),
+                      n_classes=3, channels=1)
     model = build_model(spec)
     torch.nn.init.normal_(model.attention_net.score.weight, std=0.5)  # not uniform: something to draw
     save_checkpoint(path, spec=spec, classes=["cat", "dog", "eel"], model=model)
@@ -71,6 +72,46 @@ def test_attention_figure(tmp_path, data):
     summary = render_attention(model, other, tmp_path / "b.png", n_patches=14, device="cpu")
     assert summary.label is None and summary.n_boxes == 0 and summary.prediction in ("cat", "dog", "eel")
     opens(summary.out, (600, 300))
+
+
+def test_patch_sites_are_distinct_locations_heaviest_first():
+    offsets = [[0, 0], [5, 5], [0, 0], [9, 1], [5, 5], [0, 0]]
+    attention = [0.2, 0.3, 0.2, 0.05, 0.3, 0.2]
+    # with replacement every draw weighs 1/n: a place drawn three times outweighs one drawn twice
+    sites = patch_sites(offsets, attention, [1 / 6] * 6)
+    assert [(s.row, s.col) for s in sites] == [(0, 0), (5, 5), (9, 1)]
+    assert [s.draws for s in sites] == [(1, 3, 6), (2, 5), (4,)] and [s.index for s in sites] == [0, 1, 3]
+    assert [round(s.weight * 6) for s in sites] == [3, 2, 1] and sites[0].attention == 0.2
+    # without weights the attention ranks them, each place counted once; ties keep draw order
+    assert [(s.row, s.col, s.weight) for s in patch_sites(offsets, attention)] == [(5, 5, 0.3), (0, 0, 0.2),
+                                                                                     (9, 1, 0.05)]
+    ties = patch_sites([[1, 1], [2, 2], [3, 3]], [0.1, 0.1, 0.1], [0.4, 0.5, 0.4])
+    assert [(s.row, s.col) for s in ties] == [(2, 2), (1, 1), (3, 3)]
+
+
+def test_attention_figure_boxes_distinct_places_and_orders_the_strip_by_weight(tmp_path, data):
+    """With replacement, 200 draws land on fewer places: one box per place, and the strip
+    shows the MAX_STRIP most drawn (the estimator weights 1/n per draw), most first."""
+    from ats_cli.predict import load_predictor
+
+    model = make_model(tmp_path / "model.pt", replace=True)
+    image = data / "test" / "00000.png"
+    summary = render_attention(model, image, tmp_path / "many.png", n_patches=200, seed=1)
+    predictor = load_predictor(model, "cpu")
+    net = predictor.model
+    opened = predictor.opener()(image, channels=1, scale=net.scale, patch_size=net.patch_size)
+    offsets = [tuple(o) for o in _attention(predictor, opened, n_patches=200, seed=1,
+                                            return_patches=False).offsets[0].tolist()]
+    counts = {o: offsets.count(o) for o in offsets}
+    assert 16 < summary.n_sites == len(counts) < 200  # the repeats are drawn once
+    assert len(summary.strip) == MAX_STRIP and len(set(summary.strip)) == MAX_STRIP
+    drawn = [counts[o] for o in summary.strip]
+    assert drawn == sorted(drawn, reverse=True) and drawn[0] == max(counts.values())
+    assert min(drawn) >= max(c for o, c in counts.items() if o not in summary.strip)
+    first = {o: offsets.index(o) for o in counts}  # equal counts: the earlier draw first
+    assert all(first[a] < first[b] for a, b in zip(summary.strip, summary.strip[1:], strict=False)
+               if counts[a] == counts[b])
+    opens(summary.out, (600, 600))
 
 
 def test_evolution_figure(tmp_path, data):
