@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ats_cli.cli import app
+from ats_cli.cli import OutputConsole, app
 from ats_cli.cli.options import LevelOption, MaxPixelsOption, MppOption, ReaderOption, TissueOption
 
 MAX_ROWS_SHOWN = 20  # rows of the terminal table; the CSV has them all
@@ -87,8 +87,8 @@ def predict(
 
     to_stdout = out == "-"
     # with --out -, stdout carries the CSV only; everything else goes to stderr
-    console = Console(stderr=to_stdout, highlight=False, soft_wrap=True)
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    console = OutputConsole(stderr=to_stdout, highlight=False, soft_wrap=True)
+    err = OutputConsole(stderr=True, highlight=False, soft_wrap=True)
     try:
         max_pixels_limit(max_pixels)  # a bad ATS_MAX_PIXELS is a usage error, not one per image
         predictor = load_predictor(model, device, estimator=estimator)

@@ -6,10 +6,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
-from ats_cli.cli import app
+from ats_cli.cli import OutputConsole, app
 from ats_cli.cli.options import LevelOption, MaxPixelsOption, MppOption, ReaderOption, TissueOption
 
 
@@ -67,8 +66,8 @@ def visualize(
     from ats_cli.predict import check_writable
     from ats_cli.visualize import render_attention, render_evolution
 
-    console = Console(highlight=False, soft_wrap=True)
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    console = OutputConsole(highlight=False, soft_wrap=True)
+    err = OutputConsole(stderr=True, highlight=False, soft_wrap=True)
 
     def usage(message: str) -> typer.Exit:
         err.print(f"[red]error:[/] {escape(message)}", soft_wrap=True)
