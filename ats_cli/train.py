@@ -171,8 +171,12 @@ def _resolve_auto(cfg: TrainConfig, train_set: ImageDataset, log: Callable[[str]
     at or below 0.05, as in Megapixel MNIST, astronomy or fluorescence) gets a brightness
     support of ``AUTO_MIN_BRIGHTNESS``, so the attention never wastes draws on empty canvas;
     anything else (photographs, slides on white glass, which the tissue mask handles) none.
-    Deterministic (the same first images), so every process of a run decides alike."""
+    Deterministic (the same first images), so every process of a run decides alike. The
+    baselines (``--method uniform`` and the others) sample as the thesis's did: everywhere."""
     if cfg.min_brightness != -1:
+        return
+    if cfg.method != "ats":
+        cfg.min_brightness = 0.0
         return
     dark = []
     for i in range(min(AUTO_PROBE_IMAGES, len(train_set))):
