@@ -13,7 +13,7 @@ echo "== 1/5 self-check of the sampler and the estimator"
 $ATS selfcheck --draws 30000
 echo "== 2/5 a small Megapixel MNIST dataset (500x500 images) in $OUT/data"
 $ATS make-dataset megapixel-mnist "$OUT/data" --preset small --n-train 3000 --offline
-echo "== 3/5 train for $EPOCHS epochs (about 4 minutes on a 2-core CPU) into $OUT/run"
+echo "== 3/5 train for $EPOCHS epochs (about 3 minutes on a 2-core CPU) into $OUT/run"
 rm -rf "$OUT/run"
 # Only the defaults (docs/training.md says what they are and why); --workers 1 suits 2 cores.
 $ATS train "$OUT/data" --out "$OUT/run" --epochs "$EPOCHS" --workers 1
