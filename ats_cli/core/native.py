@@ -31,6 +31,8 @@ from types import ModuleType
 
 import torch
 
+from ats_cli.data.dataset import atomic_write_bytes
+
 __all__ = ["ExtractPatches", "build", "build_dir", "build_key", "is_built", "kernel_for", "status"]
 
 log = logging.getLogger(__name__)
@@ -106,9 +108,7 @@ def _stage_sources(directory: Path, cuda: bool) -> list[str]:
         data = (CSRC / name).read_bytes()
         target = src / name
         if not target.is_file() or target.read_bytes() != data:
-            tmp = src / f".{name}.{os.getpid()}.tmp"
-            tmp.write_bytes(data)
-            os.replace(tmp, target)
+            atomic_write_bytes(target, data, fsync=False)  # compared byte for byte on every use
     return [str(src / s) for s in (SOURCES_CUDA if cuda else SOURCES_CPU)]
 
 
