@@ -184,10 +184,10 @@ def _resolve_auto(cfg: TrainConfig, train_set: ImageDataset, log: Callable[[str]
         if isinstance(item, Unreadable):
             continue
         dark.append(float((item[0].amax(0) <= 0.05).float().mean()))
-    black = bool(dark) and sorted(dark)[len(dark) // 2] > 0.5
-    cfg.min_brightness = AUTO_MIN_BRIGHTNESS if black else 0.0
-    if black:
-        log(f"black background (median {100 * sorted(dark)[len(dark) // 2]:.0f}% dark low-res pixels): "
+    median = sorted(dark)[len(dark) // 2] if dark else 0.0
+    cfg.min_brightness = AUTO_MIN_BRIGHTNESS if median > 0.5 else 0.0
+    if cfg.min_brightness:
+        log(f"black background (median {100 * median:.0f}% dark low-res pixels): "
             f"sampling only cells brighter than {AUTO_MIN_BRIGHTNESS} (--min-brightness)")
 
 
