@@ -432,17 +432,14 @@ def write_attention_geojson(
     predict``'s). ``data``: a dataset directory or CSV for the label and recorded boxes
     (default: found next to the image, as for the PNG figure)."""
     from ats_cli.predict import Predictor, load_predictor
+    from ats_cli.visualize import sample_attention
 
     predictor = model if isinstance(model, Predictor) else load_predictor(model, device)
     net = predictor.model
     check_model(net)
     opened = predictor.opener(**(reading or {}))(image, channels=predictor.channels, scale=net.scale,
                                                  patch_size=net.patch_size)
-    generator = torch.Generator(device=predictor.device).manual_seed(seed)
-    mask = None if opened.support is None else opened.support[None]
-    with torch.no_grad():
-        output = net(opened.low[None].to(predictor.device), [opened.source], n_patches=n_patches,
-                     generator=generator, support_mask=mask)
+    output = sample_attention(predictor, opened, n_patches=n_patches, seed=seed)
     probs = torch.softmax(output.logits[0].float(), 0).cpu().tolist()
     record = AttentionRecord.from_output(net, opened, output, 0, replay_weights(net, output, seed=seed))
     label, boxes = _image_info(image, data)

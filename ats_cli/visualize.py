@@ -244,8 +244,10 @@ def patch_sites(offsets: Sequence[Sequence[int]], attention: Sequence[float],
     return [PatchSite(r, c, tuple(v["draws"]), v["attention"], v["weight"], v["index"]) for (r, c), v in ordered]
 
 
-def _attention(predictor: Predictor, opened: OpenedImage, *, n_patches: int | None, seed: int,
-               return_patches: bool):
+def sample_attention(predictor: Predictor, opened: OpenedImage, *, n_patches: int | None, seed: int,
+                     return_patches: bool = False):
+    """One seeded sampling of ``opened``: the forward pass both the figure and the GeoJSON
+    (ats_cli.geojson) draw, so the same seed shows the same patches in both."""
     generator = torch.Generator(device=predictor.device).manual_seed(seed)
     mask = None if opened.support is None else opened.support[None]  # a slide's tissue mask, as in predict
     with torch.no_grad():
@@ -547,7 +549,7 @@ def render_attention(
     net = predictor.model
     opened = predictor.opener(**(reading or {}))(image, channels=predictor.channels, scale=net.scale,
                                                  patch_size=net.patch_size)
-    result = _attention(predictor, opened, n_patches=n_patches, seed=seed, return_patches=True)
+    result = sample_attention(predictor, opened, n_patches=n_patches, seed=seed, return_patches=True)
     probs = torch.softmax(result.logits[0].float(), 0).cpu()
     k = int(probs.argmax())
     prediction, probability = predictor.classes[k], float(probs[k])
@@ -681,7 +683,7 @@ def render_evolution(
         if opened is None:  # every epoch of a run shares channels, scale and patch size
             opened = predictor.opener(**(reading or {}))(image, channels=predictor.channels, scale=net.scale,
                                                          patch_size=net.patch_size)
-        result = _attention(predictor, opened, n_patches=1, seed=0, return_patches=False)
+        result = sample_attention(predictor, opened, n_patches=1, seed=0, return_patches=False)
         maps.append(result.attention[0].cpu().double().numpy())
     assert opened is not None and net is not None
     H, W = opened.source.size

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from ats_cli.checkpoint import build_model, model_spec, save_checkpoint
 from ats_cli.cli import app
 from ats_cli.config import TrainConfig
-from ats_cli.visualize import MAX_STRIP, _attention, find_image_info, patch_sites, render_attention, select_epochs
+from ats_cli.visualize import MAX_STRIP, find_image_info, patch_sites, render_attention, sample_attention, select_epochs
 
 runner = CliRunner()
 
@@ -100,7 +100,7 @@ def test_attention_figure_boxes_distinct_places_and_orders_the_strip_by_weight(t
     predictor = load_predictor(model, "cpu")
     net = predictor.model
     opened = predictor.opener()(image, channels=1, scale=net.scale, patch_size=net.patch_size)
-    offsets = [tuple(o) for o in _attention(predictor, opened, n_patches=200, seed=1,
+    offsets = [tuple(o) for o in sample_attention(predictor, opened, n_patches=200, seed=1,
                                             return_patches=False).offsets[0].tolist()]
     counts = {o: offsets.count(o) for o in offsets}
     assert 16 < summary.n_sites == len(counts) < 200  # the repeats are drawn once
