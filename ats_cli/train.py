@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 from ats_cli.checkpoint import CheckpointError, build_model, load_checkpoint, model_spec, save_checkpoint
 from ats_cli.config import TrainConfig
 from ats_cli.core.model import ATSModel
-from ats_cli.data.dataset import atomic_write_text, load_dataset
+from ats_cli.data.dataset import atomic_path, atomic_write_text, load_dataset
 from ats_cli.data.loader import Batch, ImageDataset, Unreadable, collate, readable, single_thread_worker
 from ats_cli.distributed import Dist, all_reduce, broadcast_buffers, from_main, process_group, shard_batches
 from ats_cli.inference import predict_probs
@@ -374,7 +374,8 @@ def _plot_curves(history: list[dict[str, Any]], path: Path) -> None:
         ax.legend()
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    tmp.replace(path)
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=100, format="png")
+    finally:
+        plt.close(fig)
