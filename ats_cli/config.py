@@ -8,71 +8,107 @@ from __future__ import annotations
 
 import json
 import tomllib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ats_cli.core.sampling import ESTIMATORS
-
-__all__ = ["TrainConfig", "ConfigError", "load_config_file", "resolve_config"]
+__all__ = ["TrainConfig", "ConfigError", "allowed_values", "load_config_file", "resolve_config"]
 
 
 class ConfigError(ValueError):
     """A configuration file or value that cannot be used."""
 
 
+# The panels of `ats train --help` the fields are listed under.
+METHOD_PANEL = "Attention sampling"
+READ_PANEL = "Reading slides (saved in the model; predict and visualize read alike)"
+NET_PANEL = "Networks"
+OPT_PANEL = "Optimisation"
+RUN_PANEL = "Running"
+
+
+def _key(default: Any, help: str, panel: str | None = None, *, choices: dict[str, str] | None = None,
+         means: str | None = None) -> Any:
+    """A TrainConfig field that also describes itself, so that ``ats train``'s flags, their
+    help and :meth:`TrainConfig.validate`'s allowed values come from one place
+    (ats_cli/cli/options.py builds the flags). ``help``: the flag's help without the
+    default, which is added from ``default``; ``{choices}`` in it is replaced by the
+    allowed values (``choices``: value -> a note on it, "" for none) joined by " | ".
+    ``means``: what the default value stands for ("auto", "off"). ``panel``: the help
+    panel; None for a field the command declares itself (DATA, --out)."""
+    return field(default=default, metadata={"help": help, "panel": panel, "choices": choices, "means": means})
+
+
 @dataclass
 class TrainConfig:
-    data: str = ""
-    out: str = ""
-    # the method
-    method: str = "ats"  # ats | uniform | deepmil | cnn (see ats_cli.methods)
+    data: str = _key("", "Dataset directory (train.csv, test.csv, dataset.json)")
+    out: str = _key("", "Run directory for checkpoints, metrics and plots")
+    # the method (see ats_cli.methods)
+    method: str = _key("ats", "{choices}", METHOD_PANEL, choices={
+        "ats": "", "uniform": "fixed uniform attention", "deepmil": "gated attention over all grid patches",
+        "cnn": "ResNet-18 on the low-res view"})
     # 0 = the dataset's hint (dataset.json "hints"), else DATA_DEFAULTS (the paper's Megapixel MNIST)
-    n_patches: int = 0
-    patch_size: int = 0
-    scale: float = 0.0
-    replace: bool = False
+    n_patches: int = _key(0, "Patches sampled per image", METHOD_PANEL)
+    patch_size: int = _key(0, "Patch side, full-res pixels", METHOD_PANEL)
+    scale: float = _key(0.0, "Scale of the low-res view", METHOD_PANEL)
+    replace: bool = _key(False, "Sample with replacement", METHOD_PANEL)
     # auto | threshold | sequential: the unbiased estimator without replacement (same expectation,
     # different variance: ats_cli.core.sampling). Runs and checkpoints from before the choice
     # existed (no key) used sequential: resuming such a run keeps sequential (RESUME_LEGACY),
     # predicting with such a checkpoint uses the default.
-    estimator: str = "auto"
-    entropy: float = 0.01
-    smoothing: float = 0.0
+    estimator: str = _key("auto", "Unbiased estimator without replacement: {choices}", METHOD_PANEL, choices={
+        "auto": "training: per image, threshold when n >= the attention's perplexity, else sequential; evaluation "
+                "and prediction: threshold",
+        "threshold": "", "sequential": "the thesis's, appendix B.3"})
+    entropy: float = _key(0.01, "Entropy regulariser weight lambda", METHOD_PANEL)
+    smoothing: float = _key(0.0, "Uniform mass mixed into the attention", METHOD_PANEL)
     # > 0: never sample low-res cells darker than this (black backgrounds); 0 = off; -1 = auto:
     # AUTO_MIN_BRIGHTNESS when the training images have a black background (ats_cli.train)
-    min_brightness: float = -1.0
-    eval_n_patches: int = 0  # 0 = same as n_patches
-    feature_scale: float = 10.0  # multiplies the L2-normalised features (1 = the paper; see ATSModel)
+    min_brightness: float = _key(-1.0, "Never sample low-res cells darker than this; 0 = off; -1 = auto: 0.15 when "
+                                 "the training images have a black background, else off", METHOD_PANEL, means="auto")
+    # multiplies the L2-normalised features (1 = the paper; see ATSModel)
+    feature_scale: float = _key(10.0, "Multiplies the L2-normalised features; >1 lets the classifier become "
+                                "confident sooner (docs/training.md; 1 = the paper)", METHOD_PANEL)
     # auxiliary training signals (ats_cli.core.model.auxiliary_losses; 0 = off = the thesis's loss).
     # Off by default: they slowed learning in every run measured (docs/training.md, ablation)
-    patch_loss: float = 0.0
-    attention_loss: float = 0.0
-    # reading slides and TIFFs (ats predict's options; saved in the model, so predict reads alike)
-    reader: str = "auto"  # auto | openslide | tifffile | pillow
-    level: int = 0  # pyramid level patches are read from
-    mpp: float = 0.0  # > 0: read patches from the level closest to this many microns per pixel
-    tissue_mask: str = "auto"  # auto (on for slides/TIFFs, off for other images) | on | off
+    patch_loss: float = _key(0.0, "Weight of the auxiliary per-patch loss: each sampled patch alone predicts the "
+                             "label (0 = off, the thesis's loss; docs/training.md)", METHOD_PANEL)
+    attention_loss: float = _key(0.0, "Weight of the attention critic: the attention learns which sampled patches "
+                                 "were informative (0 = off; docs/training.md)", METHOD_PANEL)
+    eval_n_patches: int = _key(0, "Patches at test time", METHOD_PANEL, means="same as training")
+    # reading slides and TIFFs (saved in the model, so predict and visualize read alike; their
+    # --reader/--level/--mpp/--tissue-mask are these fields too: ats_cli/cli/options.py)
+    reader: str = _key("auto", "Force a reader: {choices}", READ_PANEL, choices={
+        "auto": "TIFFs and slide formats are read lazily, other images whole", "openslide": "", "tifffile": "",
+        "pillow": ""})
+    level: int = _key(0, "Slides: pyramid level patches are read from", READ_PANEL)
+    mpp: float = _key(0.0, "Slides: read patches from the level closest to this many microns per pixel",
+                      READ_PANEL, means="off")
+    tissue_mask: str = _key("auto", "{choices}: sample only tissue (Otsu on saturation)", READ_PANEL, choices={
+        "auto": "on for slides and TIFFs, off for other images", "on": "", "off": ""})
     # networks (names from ats_cli.nets)
-    attention_net: str = "mnist-attention"
-    feature_net: str = "small-cnn"
-    attention_width: int = 8
-    feature_width: int = 32
+    attention_net: str = _key("mnist-attention", "Attention network name", NET_PANEL)
+    feature_net: str = _key("small-cnn", "Feature network name (mnist-features: the paper's)", NET_PANEL)
+    attention_width: int = _key(8, "Attention net channels", NET_PANEL)
+    feature_width: int = _key(32, "Feature net channels", NET_PANEL)
     # optimisation
-    optimizer: str = "adam"
-    lr: float = 3e-3  # docs/training.md: faster off the plateau than the reference's 1e-3, same budget
-    weight_decay: float = 0.0
-    schedule: str = "cosine"  # constant | cosine
-    warmup_epochs: int = 0
-    clip_norm: float = 1.0  # 0 = no clipping
-    batch_size: int = 32
-    epochs: int = 20
-    # running
-    init: str = ""  # start from this checkpoint's weights (fine-tuning / curriculum); "" = random init
-    seed: int = 0
-    device: str = "auto"
-    workers: int = 2
-    amp: str = "none"  # none | bf16 | fp16 (CUDA only)
+    optimizer: str = _key("adam", "{choices}", OPT_PANEL, choices={"adam": "", "adamw": "", "sgd": ""})
+    # docs/training.md: faster off the plateau than the reference's 1e-3, same budget
+    lr: float = _key(3e-3, "Learning rate", OPT_PANEL)
+    weight_decay: float = _key(0.0, "Weight decay", OPT_PANEL)
+    schedule: str = _key("cosine", "{choices}", OPT_PANEL, choices={"constant": "", "cosine": ""})
+    warmup_epochs: int = _key(0, "Linear warm-up epochs", OPT_PANEL)
+    clip_norm: float = _key(1.0, "Gradient norm clip, 0 = off", OPT_PANEL)
+    batch_size: int = _key(32, "Images per step, per process", OPT_PANEL)
+    epochs: int = _key(20, "Epochs", OPT_PANEL)
+    # running; "" = random init
+    init: str = _key("", "Start from the weights of this checkpoint (fine-tuning, or a curriculum from easier "
+                     "data); same networks and classes", RUN_PANEL)
+    seed: int = _key(0, "Random seed", RUN_PANEL)
+    device: str = _key("auto", "auto (CUDA when present, else CPU) | cpu | cuda | cuda:N", RUN_PANEL)
+    workers: int = _key(2, "DataLoader worker processes", RUN_PANEL)
+    amp: str = _key("none", "{choices} mixed precision, CUDA only (on CPU: a warning, float32)", RUN_PANEL,
+                    choices={"none": "", "bf16": "", "fp16": ""})
 
     def validate(self) -> TrainConfig:
         problems = []
@@ -90,11 +126,7 @@ class TrainConfig:
             problems.append("give level or mpp, not both")
         if not 0 <= self.smoothing < 1:
             problems.append(f"smoothing must be in [0, 1) (got {self.smoothing})")
-        for key, allowed in (("method", ("ats", "uniform", "deepmil", "cnn")),
-                             ("optimizer", ("adam", "adamw", "sgd")), ("schedule", ("constant", "cosine")),
-                             ("amp", ("none", "bf16", "fp16")),
-                             ("estimator", ESTIMATORS), ("tissue_mask", ("auto", "on", "off")),
-                             ("reader", ("auto", "openslide", "tifffile", "pillow"))):
+        for key, allowed in allowed_values().items():
             if getattr(self, key) not in allowed:
                 problems.append(f"{key} must be one of {', '.join(allowed)} (got {getattr(self, key)!r})")
         if problems:
@@ -124,6 +156,11 @@ class TrainConfig:
         """:func:`ats_cli.data.inputs.open_input`'s reading options (None = its default)."""
         return {"reader": None if self.reader == "auto" else self.reader, "level": self.level or None,
                 "mpp": self.mpp or None, "tissue": {"auto": None, "on": True, "off": False}[self.tissue_mask]}
+
+
+def allowed_values() -> dict[str, tuple[str, ...]]:
+    """The fields that take one of a few values, and those values (from the fields' metadata)."""
+    return {f.name: tuple(f.metadata["choices"]) for f in fields(TrainConfig) if f.metadata.get("choices")}
 
 
 # what n_patches, patch_size and scale become when neither the user nor the dataset says
