@@ -89,10 +89,11 @@ class Predictor:
     input_options: Mapping[str, object] = field(default_factory=dict)  # how training read its inputs
 
     def opener(self, *, reader: str | None = None, level: int | None = None, mpp: float | None = None,
-               tissue: bool | None = None, max_pixels: int | None = None) -> Callable[..., OpenedImage]:
+               tissue: bool | str | None = None, max_pixels: int | None = None) -> Callable[..., OpenedImage]:
         """:func:`open_input` with the reading options training used (saved in the model:
         reader, level or mpp, tissue mask), each overridden by the caller's when given;
-        a given level replaces a saved mpp and vice versa. ``max_pixels``: the pixel
+        a given level replaces a saved mpp and vice versa; ``tissue="auto"``: open_input's
+        rule by file type, whatever the model was trained with. ``max_pixels``: the pixel
         budget (:mod:`ats_cli.data.slides`; default ``ATS_MAX_PIXELS``, else 64 M)."""
         opts = dict(self.input_options)
         if max_pixels is not None:
@@ -102,7 +103,7 @@ class Predictor:
         if reader is not None:
             opts["reader"] = reader
         if tissue is not None:
-            opts["tissue"] = tissue
+            opts["tissue"] = None if tissue == "auto" else tissue
         return functools.partial(open_input, **opts)
 
     def predict(

@@ -11,6 +11,7 @@ import typer
 from rich.table import Table
 
 from ats_cli.cli import OutputConsole, app
+from ats_cli.cli.options import DEVICE_OPTION
 
 
 def _ints(text: str) -> list[int]:
@@ -39,7 +40,7 @@ def benchmark(
                                     "synthetic-slides small-cnn].", show_default=False),
     feature_width: int = typer.Option(None, help="Feature network channels \\[default: 32].", show_default=False),
     repeats: int = typer.Option(3, min=1, help="Timed steps per row (median) after the warm-up/memory step."),
-    device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N."),
+    device: str = DEVICE_OPTION,
     threads: int = typer.Option(0, min=0, help="torch CPU threads per measurement; 0 = torch's default."),
     quick: bool = typer.Option(False, "--quick", help="A 500x500 image, n_patches 10, one timed step: "
                                "about a minute on a 2-core CPU."),

@@ -10,13 +10,13 @@ from rich.markup import escape
 from rich.table import Table
 
 from ats_cli.cli import OutputConsole, app
-from ats_cli.cli.options import MaxPixelsOption
+from ats_cli.cli.options import MaxPixelsOption, config_option
 
 
 @app.command()
 def info(
     paths: list[Path] = typer.Argument(..., help="Image or slide files."),
-    reader: str = typer.Option("auto", help="Force a reader: auto, openslide, tifffile, pillow."),
+    reader: str = config_option("reader", "auto", check=True),
     max_pixels: MaxPixelsOption = None,
 ) -> None:
     """Show the reader, dimensions, pyramid levels, microns per pixel and vendor of each file.
@@ -25,13 +25,9 @@ def info(
     problem) and exits 1 at the end, with the count, if any failed; Ctrl-C stops with 130.
     """
     from ats_cli.data.images import max_pixels_limit
-    from ats_cli.data.slides import READERS
 
     console = OutputConsole(highlight=False)
     err = OutputConsole(stderr=True, highlight=False, soft_wrap=True)
-    if reader not in READERS:
-        err.print(f"[red]error:[/] unknown reader {escape(repr(reader))}; choose from {', '.join(READERS)}")
-        raise typer.Exit(2)
     try:
         max_pixels_limit(max_pixels)  # a bad ATS_MAX_PIXELS is a usage error, not one per file
     except ValueError as e:

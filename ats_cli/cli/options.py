@@ -1,30 +1,136 @@
-"""Command-line options shared by several commands, defined once."""
+"""Command-line options shared by several commands, defined once.
+
+The options that are training settings are built from :class:`ats_cli.config.TrainConfig`'s
+fields, which carry their help, panel and allowed values: ``ats train`` gets one flag per
+field from :func:`config_flags`, and ``ats predict``, ``visualize`` and ``info`` build their
+reading and device options from the same fields with :func:`config_option`. A default, an
+allowed value or a sentence of help is then written in one place, and the commands cannot
+drift apart (tests/test_cli_options.py holds them to it).
+
+Only :mod:`ats_cli.config` is imported here (no torch), so ``ats --help`` stays quick.
+"""
 
 from __future__ import annotations
 
-from typing import Annotated
+import inspect
+from collections.abc import Callable
+from dataclasses import Field, fields
+from typing import Annotated, Any
 
 import typer
 
-__all__ = ["ReaderOption", "LevelOption", "MppOption", "TissueOption", "MaxPixelsOption"]
+from ats_cli.config import DATA_DEFAULTS, TrainConfig
 
-# How an input is read (ats predict, ats visualize). Unset = what the model was trained
-# with (saved in its checkpoint), else the default in brackets.
-ReaderOption = Annotated[str | None, typer.Option(
-    "--reader", show_default=False,
-    help="Force a reader: auto, openslide, tifffile, pillow \\[default: the model's training setting, else auto: "
-         "TIFFs and slide formats are read lazily, other images whole].")]
-LevelOption = Annotated[int | None, typer.Option(
-    "--level", min=0, show_default=False,
-    help="Slides: pyramid level patches are read from \\[default: the model's training setting, else 0].")]
-MppOption = Annotated[float | None, typer.Option(
-    "--mpp", min=0.0, show_default=False,
-    help="Slides: read patches from the level closest to this many microns per pixel \\[default: the model's "
-         "training setting].")]
-TissueOption = Annotated[bool | None, typer.Option(
-    "--tissue-mask/--no-tissue-mask", show_default=False,
-    help="Sample only tissue (Otsu on saturation) \\[default: the model's training setting, else on for slides "
-         "and TIFFs, off for other images].")]
+__all__ = ["config_flags", "config_help", "config_option", "shown_default", "ReaderOption", "LevelOption",
+           "MppOption", "TissueOption", "MaxPixelsOption", "NPatchesOption", "DEVICE_OPTION", "SEED_OPTION",
+           "tissue_setting"]
+
+FIELDS: dict[str, Field] = {f.name: f for f in fields(TrainConfig)}
+MODEL_SETTING = "the model's training setting"  # what an unset reading option means where a model is given
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def shown_default(name: str) -> str | None:
+    """The default of TrainConfig field ``name`` as help shows it (None: it has none to show,
+    like --init's empty "no checkpoint")."""
+    f = FIELDS[name]
+    if name in DATA_DEFAULTS:  # 0 = settled from the data (TrainConfig.from_data)
+        return f"the dataset's hint, else {_text(DATA_DEFAULTS[name])}"
+    if f.default == "":
+        return None
+    means = f.metadata.get("means")
+    return f"{_text(f.default)} = {means}" if means else _text(f.default)
+
+
+def config_help(name: str, unset: str | None = None) -> str:
+    """Field ``name``'s help: its text with the allowed values written in, and its default
+    shown; ``unset``: what leaving the option out means where that is not the default
+    itself ("the model's training setting", which falls back to the default)."""
+    f = FIELDS[name]
+    choices = f.metadata.get("choices") or {}
+    text = f.metadata["help"].format(choices=" | ".join(f"{v} ({note})" if note else v for v, note in choices.items()))
+    shown = shown_default(name)
+    if unset is not None:
+        shown = f"{unset}, else {shown}" if shown else unset
+    return f"{text} \\[default: {shown}]." if shown else f"{text}."
+
+
+def _choice_check(name: str) -> Callable[[Any], Any]:
+    allowed = tuple(FIELDS[name].metadata["choices"])
+
+    def check(value: Any) -> Any:
+        if value is not None and value not in allowed:
+            raise typer.BadParameter(f"must be one of {', '.join(allowed)} (got {value!r})")
+        return value
+
+    return check
+
+
+def config_option(name: str, default: Any = ..., *, unset: str | None = None, panel: bool = False,
+                  check: bool = False, **options: Any) -> Any:
+    """A ``typer.Option`` for TrainConfig field ``name``: its flag (``--tissue-mask``;
+    ``--replace/--no-replace`` for a yes/no field), help (:func:`config_help`) and, with
+    ``panel``, its help panel. ``default``: as ``typer.Option``'s (leave it out for an
+    ``Annotated`` alias). ``check``: refuse values outside the field's allowed ones while
+    parsing (``ats train`` leaves that to TrainConfig.validate, which also sees --config
+    files). ``options``: more ``typer.Option`` arguments (``min=0``)."""
+    f = FIELDS[name]
+    flag = "--" + name.replace("_", "-")
+    if isinstance(f.default, bool):
+        flag = f"{flag}/--no-{flag[2:]}"
+    if check and f.metadata.get("choices"):
+        options["callback"] = _choice_check(name)
+    if panel:
+        options["rich_help_panel"] = f.metadata["panel"]
+    decls = (flag,) if default is ... else (default, flag)
+    return typer.Option(*decls, help=config_help(name, unset), show_default=False, **options)
+
+
+def config_flags(*, before: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give the decorated command one option per TrainConfig field that has a help panel,
+    each defaulting to None ("not given": the --config file's value, else the field's
+    default), placed before its parameter ``before`` (else last); the command takes them
+    as ``**flags``. Typer reads a command's parameters from its signature, so the options
+    are added to ``__signature__``; the function itself is not wrapped."""
+
+    def add(command: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(command, eval_str=True)
+        own = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+        generated = [
+            inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
+                              annotation=Annotated[type(f.default) | None, config_option(f.name, panel=True)])
+            for f in FIELDS.values() if f.metadata.get("panel")
+        ]
+        at = [p.name for p in own].index(before) if before else len(own)
+        command.__signature__ = signature.replace(parameters=[*own[:at], *generated, *own[at:]])
+        return command
+
+    return add
+
+
+def tissue_setting(value: str | None) -> bool | str | None:
+    """``--tissue-mask`` as :meth:`ats_cli.predict.Predictor.opener` takes it: True, False,
+    "auto" (the rule by file type), or None when not given (as the model was trained)."""
+    return {"on": True, "off": False}.get(value, value)
+
+
+# How an input is read (ats predict, ats visualize): the training flags of the same names;
+# unset, what the model was trained with (saved in its checkpoint).
+ReaderOption = Annotated[str | None, config_option("reader", unset=MODEL_SETTING, check=True)]
+LevelOption = Annotated[int | None, config_option("level", unset=MODEL_SETTING, min=0)]
+MppOption = Annotated[float | None, config_option("mpp", unset=MODEL_SETTING, min=0.0)]
+TissueOption = Annotated[str | None, config_option("tissue_mask", unset=MODEL_SETTING, check=True)]
+NPatchesOption = Annotated[int | None, typer.Option(
+    "--n-patches", min=1, show_default=False,
+    help="Patches sampled per image \\[default: the model's training value].")]
+# Options with a value of their own, the same in every command (`device: str = DEVICE_OPTION`).
+DEVICE_OPTION: Any = config_option("device", FIELDS["device"].default)
+SEED_OPTION: Any = typer.Option(0, "--seed", help="Sampling seed; the same seed gives the same output.")
 MaxPixelsOption = Annotated[int | None, typer.Option(
     "--max-pixels", min=1, show_default=False,
     help="The most pixels decoded at once from one input: a whole PNG/JPEG, the slide level the low-res view is "

@@ -12,7 +12,17 @@ from rich.markup import escape
 from rich.table import Table
 
 from ats_cli.cli import OutputConsole, app
-from ats_cli.cli.options import LevelOption, MaxPixelsOption, MppOption, ReaderOption, TissueOption
+from ats_cli.cli.options import (
+    DEVICE_OPTION,
+    SEED_OPTION,
+    LevelOption,
+    MaxPixelsOption,
+    MppOption,
+    NPatchesOption,
+    ReaderOption,
+    TissueOption,
+    tissue_setting,
+)
 
 MAX_ROWS_SHOWN = 20  # rows of the terminal table; the CSV has them all
 MAX_CONFUSION_CLASSES = 20  # wider confusion matrices do not fit a terminal
@@ -37,9 +47,7 @@ def predict(
     out: Annotated[str | None, typer.Option(
         "--out", "-o", show_default=False,
         help="Write the predictions CSV here ('-' = stdout); without it only the table is shown.")] = None,
-    n_patches: Annotated[int | None, typer.Option(
-        "--n-patches", min=1, show_default=False,
-        help="Patches sampled per image \\[default: the model's training value].")] = None,
+    n_patches: NPatchesOption = None,
     estimator: Annotated[str | None, typer.Option(
         "--estimator", show_default=False,
         help="auto | threshold | sequential: the unbiased estimator (same expectation, different noise; "
@@ -51,8 +59,8 @@ def predict(
         "--batch-size", min=1,
         help="Images of equal size per forward pass. 1 keeps each file's result independent of the other "
              "inputs.")] = 1,
-    device: Annotated[str, typer.Option("--device", help="auto | cpu | cuda | cuda:N.")] = "auto",
-    seed: Annotated[int, typer.Option("--seed", help="Sampling seed; the same seed gives the same output.")] = 0,
+    device: str = DEVICE_OPTION,
+    seed: int = SEED_OPTION,
     recursive: Annotated[bool, typer.Option("--recursive", "-r",
                                             help="Also take images from sub-directories.")] = False,
     reader: ReaderOption = None,
@@ -124,7 +132,8 @@ def predict(
     if level is not None and mpp is not None:
         err.print("[red]error:[/] give --level or --mpp, not both")
         raise typer.Exit(2)
-    opener = predictor.opener(reader=reader, level=level, mpp=mpp, tissue=tissue_mask, max_pixels=max_pixels)
+    opener = predictor.opener(reader=reader, level=level, mpp=mpp, tissue=tissue_setting(tissue_mask),
+                              max_pixels=max_pixels)
     saver = None if save_attention is None else _AttentionSaver(save_attention, items, predictor, seed, samples)
     try:
         rows = _run_with_progress(predictor, items, err, n_patches=n_patches, samples=samples,

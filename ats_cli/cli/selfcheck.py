@@ -8,6 +8,7 @@ import typer
 from rich.table import Table
 
 from ats_cli.cli import OutputConsole, app
+from ats_cli.cli.options import SEED_OPTION
 
 Z_MAX = 5.0
 
@@ -15,7 +16,7 @@ Z_MAX = 5.0
 @app.command()
 def selfcheck(
     draws: int = typer.Option(60_000, help="Monte Carlo draws per check."),
-    seed: int = typer.Option(0, help="Random seed."),
+    seed: int = SEED_OPTION,
 ) -> None:
     """Prove on this machine that attention sampling is unbiased in value and gradients.
 

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ats_cli.cli import OutputConsole, app
+from ats_cli.cli.options import config_flags, config_help
+from ats_cli.config import RUN_PANEL
 
-_NET = "Networks"
-_METHOD = "Attention sampling"
-_READ = "Reading slides (saved in the model; predict and visualize read alike)"
-_OPT = "Optimisation"
-_RUN = "Running"
 LOG_EVERY_S = 60.0
 
 
@@ -42,83 +40,19 @@ class _LogLines:
 
 
 @app.command()
+@config_flags(before="devices")  # --method ... --amp: one per TrainConfig field, in its panels
 def train(
-    data: Path = typer.Argument(None, help="Dataset directory (train.csv, test.csv, dataset.json).",
-                                show_default=False),
-    out: Path = typer.Option(None, "--out", "-o", help="Run directory for checkpoints, metrics and plots."),
+    data: Path = typer.Argument(None, help=config_help("data"), show_default=False),
+    out: Path = typer.Option(None, "--out", "-o", help=config_help("out"), show_default=False),
     config: Path = typer.Option(None, "--config", help="TOML file of the same keys as the flags; flags override it."),
     resume: Path = typer.Option(None, "--resume", help="Continue the run in this directory where it stopped."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Start a new run in an --out that holds one: the old "
                                    "run is moved aside to RUN.old-YYYYmmdd-HHMMSS (nothing is deleted). Without it "
                                    "such an --out is refused.", show_default=False),
-    method: str = typer.Option(None, help="ats | uniform (fixed uniform attention) | deepmil (gated attention "
-                               "over all grid patches) | cnn (ResNet-18 on the low-res view) \\[default: ats].",
-                               rich_help_panel=_METHOD),
-    n_patches: int = typer.Option(None, help="Patches sampled per image \\[default: the dataset's hint, else 10].",
-                                  rich_help_panel=_METHOD),
-    patch_size: int = typer.Option(None, help="Patch side, full-res pixels \\[default: the dataset's hint, else "
-                                   "50].", rich_help_panel=_METHOD),
-    scale: float = typer.Option(None, help="Scale of the low-res view \\[default: the dataset's hint, else 0.12].",
-                                rich_help_panel=_METHOD),
-    replace: bool = typer.Option(None, "--replace/--no-replace", help="Sample with replacement \\[default: no].",
-                                 rich_help_panel=_METHOD),
-    estimator: str = typer.Option(None, help="Unbiased estimator without replacement: auto (training: per image, "
-                                  "threshold when n >= the attention's perplexity, else sequential; evaluation and "
-                                  "prediction: threshold) | threshold | sequential (the thesis's, appendix B.3) "
-                                  "\\[default: auto].",
-                                  rich_help_panel=_METHOD),
-    entropy: float = typer.Option(None, help="Entropy regulariser weight lambda \\[default: 0.01].",
-                                  rich_help_panel=_METHOD),
-    smoothing: float = typer.Option(None, help="Uniform mass mixed into the attention \\[default: 0].",
-                                    rich_help_panel=_METHOD),
-    min_brightness: float = typer.Option(None, help="Never sample low-res cells darker than this; 0 = off; -1 = "
-                                         "auto: 0.15 when the training images have a black background, else off "
-                                         "\\[default: -1 = auto].", rich_help_panel=_METHOD),
-    feature_scale: float = typer.Option(None, help="Multiplies the L2-normalised features; >1 lets the classifier "
-                                        "become confident sooner (docs/training.md; 1 = the paper) "
-                                        "\\[default: 10].", rich_help_panel=_METHOD),
-    patch_loss: float = typer.Option(None, help="Weight of the auxiliary per-patch loss: each sampled patch alone "
-                                     "predicts the label (0 = off, the thesis's loss; docs/training.md) "
-                                     "\\[default: 0].", rich_help_panel=_METHOD),
-    attention_loss: float = typer.Option(None, help="Weight of the attention critic: the attention learns which "
-                                         "sampled patches were informative (0 = off; docs/training.md) "
-                                         "\\[default: 0].", rich_help_panel=_METHOD),
-    eval_n_patches: int = typer.Option(None, help="Patches at test time \\[default: same as training].",
-                                       rich_help_panel=_METHOD),
-    reader: str = typer.Option(None, help="Slides/TIFFs: auto | openslide | tifffile | pillow \\[default: auto].",
-                               rich_help_panel=_READ),
-    level: int = typer.Option(None, help="Slides: pyramid level patches are read from \\[default: 0].",
-                              rich_help_panel=_READ),
-    mpp: float = typer.Option(None, help="Slides: read patches from the level closest to this many microns per "
-                              "pixel \\[default: off].", rich_help_panel=_READ),
-    tissue_mask: str = typer.Option(None, help="auto (on for slides and TIFFs) | on | off: sample only tissue "
-                                    "(Otsu on saturation) \\[default: auto].", rich_help_panel=_READ),
-    attention_net: str = typer.Option(None, help="Attention network name \\[default: mnist-attention].",
-                                      rich_help_panel=_NET),
-    feature_net: str = typer.Option(None, help="Feature network name (mnist-features: the paper's) "
-                                    "\\[default: small-cnn].",
-                                    rich_help_panel=_NET),
-    attention_width: int = typer.Option(None, help="Attention net channels \\[default: 8].", rich_help_panel=_NET),
-    feature_width: int = typer.Option(None, help="Feature net channels \\[default: 32].", rich_help_panel=_NET),
-    optimizer: str = typer.Option(None, help="adam | adamw | sgd \\[default: adam].", rich_help_panel=_OPT),
-    lr: float = typer.Option(None, help="Learning rate \\[default: 3e-3].", rich_help_panel=_OPT),
-    weight_decay: float = typer.Option(None, help="Weight decay \\[default: 0].", rich_help_panel=_OPT),
-    schedule: str = typer.Option(None, help="constant | cosine \\[default: cosine].", rich_help_panel=_OPT),
-    warmup_epochs: int = typer.Option(None, help="Linear warm-up epochs \\[default: 0].", rich_help_panel=_OPT),
-    clip_norm: float = typer.Option(None, help="Gradient norm clip, 0 = off \\[default: 1].", rich_help_panel=_OPT),
-    batch_size: int = typer.Option(None, help="Images per step, per process \\[default: 32].",
-                                   rich_help_panel=_OPT),
-    epochs: int = typer.Option(None, help="Epochs \\[default: 20].", rich_help_panel=_OPT),
-    init: str = typer.Option(None, "--init", help="Start from the weights of this checkpoint (fine-tuning, or a "
-                             "curriculum from easier data); same networks and classes.", rich_help_panel=_RUN),
-    seed: int = typer.Option(None, help="Random seed \\[default: 0].", rich_help_panel=_RUN),
-    device: str = typer.Option(None, help="auto | cpu | cuda | cuda:N \\[default: auto].", rich_help_panel=_RUN),
-    workers: int = typer.Option(None, help="DataLoader worker processes \\[default: 2].", rich_help_panel=_RUN),
-    amp: str = typer.Option(None, help="none | bf16 | fp16 mixed precision, CUDA only (on CPU: a warning, "
-                            "float32) \\[default: none].", rich_help_panel=_RUN),
     devices: int = typer.Option(None, min=1, help="Train in N processes on this machine: one per GPU, or N CPU "
                                 "processes (starts torchrun for you; --batch-size is per process) \\[default: 1].",
-                                rich_help_panel=_RUN),
+                                rich_help_panel=RUN_PANEL),
+    **flags: Any,
 ) -> None:
     """Train an attention-sampling model on a dataset directory.
 
@@ -128,9 +62,7 @@ def train(
     one that another ats train is writing is always refused (docs/runs-and-inputs.md).
     Several GPUs or nodes: --devices N, or run this same command under torchrun.
     """
-    overrides = dict(locals())  # every flag; None = not given
-    for key in ("data", "out", "config", "resume", "overwrite", "devices"):
-        overrides.pop(key)
+    overrides = dict(flags)  # the TrainConfig fields' flags; None = not given
     from rich.markup import escape
 
     from ats_cli import distributed, rundir

@@ -9,7 +9,17 @@ import typer
 from rich.markup import escape
 
 from ats_cli.cli import OutputConsole, app
-from ats_cli.cli.options import LevelOption, MaxPixelsOption, MppOption, ReaderOption, TissueOption
+from ats_cli.cli.options import (
+    DEVICE_OPTION,
+    SEED_OPTION,
+    LevelOption,
+    MaxPixelsOption,
+    MppOption,
+    NPatchesOption,
+    ReaderOption,
+    TissueOption,
+    tissue_setting,
+)
 
 
 @app.command()
@@ -28,15 +38,13 @@ def visualize(
         "--image", show_default=False, help="RUN_DIR mode: the image whose attention to follow.")] = None,
     epochs: Annotated[str, typer.Option(
         "--epochs", help="RUN_DIR mode: 'all' or a list like 1,5,10 (at most 8 panels, evenly spaced).")] = "all",
-    n_patches: Annotated[int | None, typer.Option(
-        "--n-patches", min=1, show_default=False,
-        help="IMAGE mode: patches to sample \\[default: the model's training value].")] = None,
-    seed: Annotated[int, typer.Option("--seed", help="IMAGE mode: sampling seed.")] = 0,
+    n_patches: NPatchesOption = None,
+    seed: int = SEED_OPTION,
     data: Annotated[Path | None, typer.Option(
         "--data", show_default=False,
         help="Dataset directory or CSV listing the image, for its label and digit boxes \\[default: look for "
              "train/val/test.csv next to and above the image].")] = None,
-    device: Annotated[str, typer.Option("--device", help="auto | cpu | cuda | cuda:N.")] = "cpu",
+    device: str = DEVICE_OPTION,
     reader: ReaderOption = None,
     level: LevelOption = None,
     mpp: MppOption = None,
@@ -79,7 +87,8 @@ def visualize(
         max_pixels_limit(max_pixels)
     except ValueError as e:
         raise usage(str(e)) from None
-    reading = {"reader": reader, "level": level, "mpp": mpp, "tissue": tissue_mask, "max_pixels": max_pixels}
+    reading = {"reader": reader, "level": level, "mpp": mpp, "tissue": tissue_setting(tissue_mask),
+               "max_pixels": max_pixels}
     evolution = target.is_dir()
     if evolution and image is None:
         raise usage(f"{target} is a directory: give --image IMAGE to draw its attention across epochs "
