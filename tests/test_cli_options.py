@@ -1,0 +1,170 @@
+"""One config source: `ats train`'s flags, their help and validate()'s allowed values all come
+from TrainConfig's fields, and the options several commands share are the same everywhere."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from dataclasses import fields
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from ats_cli.cli import app
+from ats_cli.config import DATA_DEFAULTS, ConfigError, TrainConfig, allowed_values, resolve_config
+
+COMMANDS = typer.main.get_command(app).commands
+CLI_ONLY = {"config", "resume", "overwrite", "devices"}  # ats train's parameters that are not fields
+
+
+def _params(command: str) -> dict:
+    return {p.name: p for p in COMMANDS[command].params}
+
+
+def _help_lines(command: str) -> str:
+    """`ats COMMAND --help` wide enough that every option's help is one line."""
+    result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "1000"}, terminal_width=1000)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def _option_line(help_text: str, flag: str) -> str:
+    (line,) = [x for x in help_text.splitlines() if re.match(rf"│\s+{re.escape(flag)}\s", x)]
+    return line
+
+
+def _expected_default(f) -> str | None:
+    """What the help should show for field ``f``, written out independently of ats_cli.cli.options."""
+    if f.name in DATA_DEFAULTS:
+        return f"the dataset's hint, else {DATA_DEFAULTS[f.name]}"
+    if f.default == "":
+        return None
+    if isinstance(f.default, bool):
+        value = "yes" if f.default else "no"
+    elif isinstance(f.default, float):
+        value = f"{f.default:g}"  # 0.003, 10
+    else:
+        value = str(f.default)
+    return f"{value} = {f.metadata['means']}" if f.metadata.get("means") else value
+
+
+def test_every_field_has_exactly_one_train_flag_showing_its_default():
+    params = _params("train")
+    names = [f.name for f in fields(TrainConfig)]
+    assert set(params) - CLI_ONLY == set(names)
+    assert len(COMMANDS["train"].params) == len(names) + len(CLI_ONLY)  # no name twice
+    text = _help_lines("train")
+    for name in names:
+        param = params[name]
+        if name == "data":  # the positional DATA
+            assert param.param_type_name == "argument"
+            continue
+        flag = "--" + name.replace("_", "-")
+        assert flag in param.opts, (name, param.opts)
+        assert param.default is None, name  # unset: the --config file's value, else the field's default
+        line = _option_line(text, flag)
+        shown = _expected_default(next(f for f in fields(TrainConfig) if f.name == name))
+        if shown is None:
+            assert "[default:" not in line, line
+        else:
+            assert f"[default: {shown}]." in line, (name, line)
+    # each flag in its field's panel, the panels in field order
+    panels = {m[1]: m[2] for m in re.finditer(r"╭─ (.+?) ─+╮\n(.*?)╰", text, re.S)}
+    for f in fields(TrainConfig):
+        if f.metadata["panel"]:
+            assert re.search(rf"│\s+--{f.name.replace('_', '-')}\s", panels[f.metadata["panel"]]), f.name
+    order = list(dict.fromkeys(f.metadata["panel"] for f in fields(TrainConfig) if f.metadata["panel"]))
+    assert [p for p in panels if p in order] == order
+
+
+def test_flags_left_out_give_the_defaults_and_given_ones_win():
+    assert resolve_config(None, data="d", out="o") == TrainConfig(data="d", out="o")
+    flags = {"lr": 0.5, "replace": True, "tissue_mask": "off", "epochs": 3}
+    assert resolve_config(None, data="d", out="o", **flags) == TrainConfig(data="d", out="o", **flags)
+
+
+def test_validate_allows_exactly_the_values_the_help_lists():
+    from ats_cli.core.sampling import ESTIMATORS
+    from ats_cli.data.slides import READERS
+    from ats_cli.methods import METHODS
+
+    allowed = allowed_values()
+    assert set(allowed) == {"method", "estimator", "reader", "tissue_mask", "optimizer", "schedule", "amp"}
+    # the lists the library itself works from
+    assert (allowed["method"], allowed["estimator"], allowed["reader"]) == (METHODS, ESTIMATORS, READERS)
+    text = _help_lines("train")
+    for key, values in allowed.items():
+        line = _option_line(text, "--" + key.replace("_", "-"))
+        # the values in order, each with an optional note in brackets, " | " between, and no others
+        listing = r" \| ".join(rf"\b{re.escape(v)}(?: \([^)]*\))?" for v in values)
+        assert re.search(listing, line) and line.count("|") == len(values) - 1, (key, line)
+        for value in values:
+            TrainConfig(**{key: value}).validate()
+        with pytest.raises(ConfigError, match=f"{key} must be one of {', '.join(values)} "):
+            TrainConfig(**{key: "bogus"}).validate()
+
+
+def test_min_brightness_auto_value_in_the_help_is_the_one_training_uses():
+    from ats_cli.train import AUTO_MIN_BRIGHTNESS
+
+    assert f"-1 = auto: {AUTO_MIN_BRIGHTNESS:g} when" in _option_line(_help_lines("train"), "--min-brightness")
+
+
+@pytest.mark.parametrize("name", ["reader", "level", "mpp", "tissue_mask"])
+def test_reading_options_are_the_training_fields_in_every_command(name):
+    """train, predict and visualize take the same flag, type and help; predict and visualize
+    only say that unset means the model's training setting (saved in the checkpoint)."""
+    flag = "--" + name.replace("_", "-")
+    train, predict, visualize = (_params(c)[name] for c in ("train", "predict", "visualize"))
+    assert train.opts == predict.opts == visualize.opts == [flag]
+    assert predict.help == visualize.help
+    types = {re.search(r"<(\w+)", _option_line(_help_lines(c), flag))[1] for c in ("train", "predict", "visualize")}
+    assert len(types) == 1, types  # <int>, <int range> [x>=0]: the same type
+    body = train.help.split(" \\[default: ")[0]
+    assert predict.help.startswith(body + " \\[default: the model's training setting, else ")
+    assert predict.default is visualize.default is None
+
+
+def test_device_defaults_to_auto_everywhere_and_auto_means_cuda_when_present(monkeypatch):
+    import torch
+
+    from ats_cli.runtime import resolve_device
+
+    helps = set()
+    for command in ("predict", "visualize", "benchmark"):
+        device = _params(command)["device"]
+        assert device.default == "auto", command
+        helps.add(device.help)
+    assert len(helps) == 1 and helps == {_params("train")["device"].help}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+
+
+def _same(name: str, commands: tuple[str, ...]) -> bool:
+    return len({(tuple(p.opts), p.help, p.default) for p in (_params(c)[name] for c in commands)}) == 1
+
+
+def test_shared_options_are_declared_once():
+    assert _same("seed", ("predict", "visualize", "selfcheck"))
+    assert _same("n_patches", ("predict", "visualize"))
+    assert _same("max_pixels", ("predict", "visualize", "info"))
+    assert _params("info")["reader"].help == _params("train")["reader"].help  # default auto in both
+
+
+def test_bad_reading_values_are_usage_errors():
+    runner = CliRunner()
+    for args in (["info", "x.png", "--reader", "bogus"], ["predict", "x.png", "-m", "m.pt", "--tissue-mask", "yes"],
+                 ["visualize", "x.png", "-m", "m.pt", "-o", "f.png", "--level", "-1"]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, (args, result.output)
+        assert "Invalid value for" in result.output
+
+
+def test_cli_definition_does_not_import_torch():
+    """`ats --help` and every command's parsing stay quick: torch is imported by the commands' bodies."""
+    code = "import sys, ats_cli.cli; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
