@@ -2,10 +2,10 @@
 
 The options that are training settings are built from :class:`ats_cli.config.TrainConfig`'s
 fields, which carry their help, panel and allowed values: ``ats train`` gets one flag per
-field from :func:`config_flags`, and ``ats predict``, ``visualize`` and ``info`` build their
-reading and device options from the same fields with :func:`config_option`. A default, an
-allowed value or a sentence of help is then written in one place, and the commands cannot
-drift apart (tests/test_cli_options.py holds them to it).
+field from :func:`config_flags`, and the other commands build their reading and device
+options from the same fields with :func:`config_option`. A default, an allowed value or a
+sentence of help is then written in one place, and the commands cannot drift apart
+(tests/test_cli_options.py holds them to it).
 
 Only :mod:`ats_cli.config` is imported here (no torch), so ``ats --help`` stays quick.
 """
@@ -21,9 +21,8 @@ import typer
 
 from ats_cli.config import DATA_DEFAULTS, TrainConfig
 
-__all__ = ["config_flags", "config_help", "config_option", "shown_default", "ReaderOption", "LevelOption",
-           "MppOption", "TissueOption", "MaxPixelsOption", "NPatchesOption", "DEVICE_OPTION", "SEED_OPTION",
-           "tissue_setting"]
+__all__ = ["config_flags", "config_help", "config_option", "tissue_setting", "ReaderOption", "LevelOption",
+           "MppOption", "TissueOption", "MaxPixelsOption", "NPatchesOption", "DEVICE_OPTION", "SEED_OPTION"]
 
 FIELDS: dict[str, Field] = {f.name: f for f in fields(TrainConfig)}
 MODEL_SETTING = "the model's training setting"  # what an unset reading option means where a model is given
@@ -35,7 +34,7 @@ def _text(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def shown_default(name: str) -> str | None:
+def _shown_default(name: str) -> str | None:
     """The default of TrainConfig field ``name`` as help shows it (None: it has none to show,
     like --init's empty "no checkpoint")."""
     f = FIELDS[name]
@@ -54,7 +53,7 @@ def config_help(name: str, unset: str | None = None) -> str:
     f = FIELDS[name]
     choices = f.metadata.get("choices") or {}
     text = f.metadata["help"].format(choices=" | ".join(f"{v} ({note})" if note else v for v, note in choices.items()))
-    shown = shown_default(name)
+    shown = _shown_default(name)
     if unset is not None:
         shown = f"{unset}, else {shown}" if shown else unset
     return f"{text} \\[default: {shown}]." if shown else f"{text}."
