@@ -50,6 +50,7 @@ def model_spec(cfg: Any, *, n_classes: int, channels: int) -> dict[str, Any]:
         "smoothing": cfg.smoothing,
         "min_brightness": cfg.min_brightness,
         "feature_scale": cfg.feature_scale,
+        "rarity_prior": cfg.rarity_prior,
         # how inputs were read in training: predict and visualize read them alike by default
         "input": cfg.input_options(),
     }

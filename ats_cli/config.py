@@ -66,6 +66,10 @@ class TrainConfig:
     # AUTO_MIN_BRIGHTNESS when the training images have a black background (ats_cli.train)
     min_brightness: float = _key(-1.0, "Never sample low-res cells darker than this; 0 = off; -1 = auto: 0.15 when "
                                  "the training images have a black background, else off", METHOD_PANEL, means="auto")
+    # the attention starts where the image looks unusual (ats_cli.core.model.ATSModel.prior); -1 = auto
+    rarity_prior: float = _key(-1.0, "Weight beta of the attention's starting prior exp(beta r), r = how unusual a "
+                               "low-res cell's colour is in its image (1 = typical); 0 = off (the thesis); -1 = auto: "
+                               "on for slides (tissue mask), else off", METHOD_PANEL, means="auto")
     # multiplies the L2-normalised features (1 = the paper; see ATSModel)
     feature_scale: float = _key(10.0, "Multiplies the L2-normalised features; >1 lets the classifier become "
                                 "confident sooner (docs/training.md; 1 = the paper)", METHOD_PANEL)
@@ -118,6 +122,8 @@ class TrainConfig:
                         "eval_n_patches", "level", "mpp", "patch_loss", "attention_loss",
                         "n_patches", "patch_size", "scale")  # 0: from the data
         problems += [f"{k} must be >= 0" for k in non_negative if getattr(self, k) < 0]
+        if self.rarity_prior < 0 and self.rarity_prior != -1:
+            problems.append(f"rarity_prior must be >= 0, or -1 for auto (got {self.rarity_prior})")
         if self.min_brightness < 0 and self.min_brightness != -1:
             problems.append(f"min_brightness must be >= 0, or -1 for auto (got {self.min_brightness})")
         if self.scale > 1:

@@ -184,4 +184,5 @@ def build_method(spec: dict[str, Any]) -> nn.Module:
         # specs written before the choice existed take today's default: the two estimators
         # have the same expectation, so the model is the same, only less noisy
         estimator=spec.get("estimator", "auto"),
+        rarity_prior=spec.get("rarity_prior", 0.0),  # specs from before it existed had none
     )

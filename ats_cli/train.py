@@ -160,6 +160,7 @@ def _init_from(model: torch.nn.Module, path: str, spec: dict[str, Any], classes:
 
 
 AUTO_MIN_BRIGHTNESS = 0.15  # what --min-brightness auto sets on a black background (docs/training.md)
+AUTO_RARITY_PRIOR = 2.0  # what --rarity-prior auto sets on slides (docs/training.md)
 AUTO_PROBE_IMAGES = 16  # training images looked at to decide
 
 
@@ -171,24 +172,39 @@ def _resolve_auto(cfg: TrainConfig, train_set: ImageDataset, log: Callable[[str]
     at or below 0.05, as in Megapixel MNIST, astronomy or fluorescence) gets a brightness
     support of ``AUTO_MIN_BRIGHTNESS``, so the attention never wastes draws on empty canvas;
     anything else (photographs, slides on white glass, which the tissue mask handles) none.
+
+    ``rarity_prior``: slides (the first training images carry a tissue mask) get
+    ``AUTO_RARITY_PRIOR``: on tissue, the few regions that decide a label are lost among
+    thousands of cells and uniform draws never meet them (ATSModel.prior); on a black
+    canvas the brightness support already does that job, and elsewhere it is off.
+
     Deterministic (the same first images), so every process of a run decides alike. The
     baselines (``--method uniform`` and the others) sample as the thesis's did: everywhere."""
-    if cfg.min_brightness != -1:
+    if cfg.min_brightness != -1 and cfg.rarity_prior != -1:
         return
     if cfg.method != "ats":
-        cfg.min_brightness = 0.0
+        cfg.min_brightness = max(cfg.min_brightness, 0.0)
+        cfg.rarity_prior = max(cfg.rarity_prior, 0.0)
         return
-    dark = []
+    dark, masked = [], []
     for i in range(min(AUTO_PROBE_IMAGES, len(train_set))):
         item = train_set[i]
         if isinstance(item, Unreadable):
             continue
         dark.append(float((item[0].amax(0) <= 0.05).float().mean()))
-    median = sorted(dark)[len(dark) // 2] if dark else 0.0
-    cfg.min_brightness = AUTO_MIN_BRIGHTNESS if median > 0.5 else 0.0
-    if cfg.min_brightness:
-        log(f"black background (median {100 * median:.0f}% dark low-res pixels): "
-            f"sampling only cells brighter than {AUTO_MIN_BRIGHTNESS} (--min-brightness)")
+        masked.append(item[4] is not None)
+    if cfg.min_brightness == -1:
+        median = sorted(dark)[len(dark) // 2] if dark else 0.0
+        cfg.min_brightness = AUTO_MIN_BRIGHTNESS if median > 0.5 else 0.0
+        if cfg.min_brightness:
+            log(f"black background (median {100 * median:.0f}% dark low-res pixels): "
+                f"sampling only cells brighter than {AUTO_MIN_BRIGHTNESS} (--min-brightness)")
+    if cfg.rarity_prior == -1:
+        slides = bool(masked) and sum(masked) * 2 > len(masked)
+        cfg.rarity_prior = AUTO_RARITY_PRIOR if slides else 0.0
+        if slides:
+            log(f"slides (tissue mask): the attention starts on the tissue's unusual cells "
+                f"(--rarity-prior {AUTO_RARITY_PRIOR})")
 
 
 def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool,

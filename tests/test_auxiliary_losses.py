@@ -42,11 +42,11 @@ class _TinyFeatures(nn.Module):
         return torch.amax(torch.tanh(self.conv(x)), dim=(2, 3))
 
 
-def _model(estimator="auto") -> ATSModel:
+def _model(estimator="auto", rarity_prior=0.0) -> ATSModel:
     torch.manual_seed(3)
     m = ATSModel(create("mnist-attention", in_channels=1, width=4), _TinyFeatures(), n_classes=3, n_patches=N,
                  patch_size=(PATCH, PATCH), scale=SCALE, entropy_weight=0.0, feature_scale=3.0,
-                 estimator=estimator)
+                 estimator=estimator, rarity_prior=rarity_prior)
     # a non-uniform attention to start from (the last layer is zero-initialised)
     nn.init.normal_(m.attention_net.score.weight, std=0.5)
     return m.train()
@@ -58,10 +58,14 @@ def _image() -> torch.Tensor:
 
 
 def _exact_loss(m: ATSModel, image: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """<c, logits> of the full expectation sum_i a_i f_i over every position."""
+    """<c, logits> of the full expectation sum_i a_i f_i over every position (the attention
+    with the model's rarity prior, when it has one)."""
     low = low_res_view(image, SCALE)
     scores = m.attention_net(low)
     att = scores.shape[-2:]
+    prior = m.prior(low, tuple(att))
+    if prior is not None:
+        scores = scores + prior[:, None]
     a = torch.softmax(scores.flatten(1), dim=1)  # [1, K]
     idx = torch.arange(a.shape[1])[None]
     offsets = positions_to_offsets(idx, tuple(att), (SIZE, SIZE), (PATCH, PATCH), low_size=tuple(low.shape[-2:]))
@@ -74,7 +78,7 @@ def _grads(loss: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
 
 
-def _z_of_classification_gradient(m: ATSModel, groups=40, per_group=400) -> float:
+def _z_of_classification_gradient(m: ATSModel, groups=40, per_group=400, *, value: bool = False) -> float:
     image = _image()
     c = torch.tensor([0.7, -1.3, 0.4])
     params = [p for p in m.parameters() if p.requires_grad]
@@ -83,10 +87,11 @@ def _z_of_classification_gradient(m: ATSModel, groups=40, per_group=400) -> floa
     source = image.expand(per_group, -1, -1, -1)
     labels = torch.zeros(per_group, dtype=torch.long)
     gen = torch.Generator().manual_seed(1)
-    means = []
+    means, values = [], []
     for _ in range(groups):
         out = m(low, source, generator=gen)
         classification = (out.logits * c).sum(1).mean()
+        values.append(float(classification))
         # the auxiliary terms are computed in the same forward pass, as in training
         patch, attention = auxiliary_losses(out, labels)
         assert torch.isfinite(patch) and torch.isfinite(attention)
@@ -94,12 +99,27 @@ def _z_of_classification_gradient(m: ATSModel, groups=40, per_group=400) -> floa
     g = torch.stack(means)
     se = g.std(0) / groups ** 0.5
     z = (g.mean(0) - exact).abs() / se.clamp_min(1e-12)
-    return float(z[se > 1e-9].max())
+    z = float(z[se > 1e-9].max())
+    if value:  # the value too: |mean - exact| in standard errors of the group means
+        v = torch.tensor(values)
+        z = max(z, float((v.mean() - _exact_loss(m, image, c)).abs() / (v.std() / groups ** 0.5)))
+    return z
 
 
 @pytest.mark.parametrize("estimator", ["sequential", "threshold"])
 def test_classification_gradient_stays_unbiased_with_the_auxiliary_terms_on(estimator):
     assert _z_of_classification_gradient(_model(estimator)) < Z_MAX
+
+
+def test_value_and_gradient_stay_unbiased_with_the_rarity_prior_on():
+    """The rarity prior (ATSModel.prior) changes the distribution the patches are drawn
+    from, not the estimator: with it on (strongly, so that it matters) the value and the
+    gradient of every parameter still match the exact expectation under that distribution."""
+    m = _model("auto", rarity_prior=1.5)
+    low = low_res_view(_image(), SCALE)
+    a = torch.softmax((m.attention_net(low) + m.prior(low, (6, 6))[:, None]).flatten(1), 1)
+    assert float(a.max() / a.min()) > 5  # the prior does change the distribution
+    assert _z_of_classification_gradient(m, value=True) < Z_MAX
 
 
 def test_the_check_rejects_a_biased_pooling(monkeypatch):

@@ -29,7 +29,7 @@ from ats_cli.core.sampling import (
 )
 from ats_cli.core.source import Sources, gather_patches, source_sizes
 
-__all__ = ["ATSModel", "ATSOutput", "auxiliary_losses"]
+__all__ = ["ATSModel", "ATSOutput", "auxiliary_losses", "rarity"]
 
 CRITIC_FLOOR = 0.1  # nats added to every draw's information in the attention critic's target
 
@@ -103,6 +103,7 @@ class ATSModel(nn.Module):
         min_brightness: float = 0.0,
         feature_scale: float = 1.0,
         estimator: str = "auto",
+        rarity_prior: float = 0.0,
     ):
         super().__init__()
         if estimator not in ESTIMATORS:
@@ -119,6 +120,27 @@ class ATSModel(nn.Module):
         self.min_brightness = float(min_brightness)
         self.feature_scale = float(feature_scale)
         self.estimator = estimator
+        self.rarity_prior = float(rarity_prior)
+
+    def _supported_pixels(self, low: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """Bool [B, 1, h, w]: the low-res pixels that may be sampled (None = all): bright
+        enough (``min_brightness``) and inside ``mask`` (e.g. a slide's tissue)."""
+        if self.min_brightness <= 0 and mask is None:
+            return None
+        keep_px = torch.ones_like(low[:, :1], dtype=torch.bool)
+        if self.min_brightness > 0:
+            keep_px = low.amax(1, keepdim=True) > self.min_brightness
+        if mask is not None:
+            keep_px = keep_px & mask[:, None].to(low.device)
+        return keep_px
+
+    def _to_cells(self, pixels: torch.Tensor, att_shape: tuple[int, int]) -> torch.Tensor:
+        """Max-pool a per-pixel map [B, 1, h, w] onto the attention grid [B, att_h, att_w]
+        (the attention net's 'valid' margin is cropped first, as positions_to_offsets does)."""
+        m = getattr(self.attention_net, "margin", 0)
+        if m:
+            pixels = pixels[..., m:pixels.shape[-2] - m, m:pixels.shape[-1] - m]
+        return F.adaptive_max_pool2d(pixels.float(), att_shape)[:, 0]
 
     def support(
         self, low: torch.Tensor, att_shape: tuple[int, int], mask: torch.Tensor | None = None
@@ -127,19 +149,36 @@ class ATSModel(nn.Module):
 
         ``mask`` [B, h, w] (bool, on the low-res view's pixels, e.g. a slide's tissue mask)
         is applied the same way as the brightness test: a cell is kept if any of its pixels is."""
-        if self.min_brightness <= 0 and mask is None:
+        keep_px = self._supported_pixels(low, mask)
+        if keep_px is None:
             return None
-        m = getattr(self.attention_net, "margin", 0)
-        keep_px = torch.ones_like(low[:, :1], dtype=torch.bool)
-        if self.min_brightness > 0:
-            keep_px = low.amax(1, keepdim=True) > self.min_brightness
-        if mask is not None:
-            keep_px = keep_px & mask[:, None].to(low.device)
-        if m:
-            keep_px = keep_px[..., m:keep_px.shape[-2] - m, m:keep_px.shape[-1] - m]
-        keep = F.adaptive_max_pool2d(keep_px.float(), att_shape)[:, 0] > 0
+        keep = self._to_cells(keep_px, att_shape) > 0
         blank = ~keep.flatten(1).any(1)
         return keep | blank[:, None, None]
+
+    def prior(self, low: torch.Tensor, att_shape: tuple[int, int], mask: torch.Tensor | None = None
+              ) -> torch.Tensor | None:
+        """Log-prior [B, att_h, att_w] added to the attention scores: ``rarity_prior * r``,
+        ``r`` = :func:`rarity` of the cell (its most unusual pixel). None when off.
+
+        Why: at initialisation the attention is uniform over the support, and where the label
+        hides in a few small regions (1-3 tumour nests among ~5,000 tissue cells) the draws
+        almost never show one, so neither network gets a signal: training sits at chance
+        (docs/training.md). Regions that decide a label are usually the ones that look unlike
+        the rest of the image (dense nuclei on stroma, a digit on a blank canvas), so the
+        attention starts there: the prior multiplies a cell's probability by ``exp(beta r)``
+        (r is in units of the image's typical deviation, so a cell twice as unusual as the
+        typical one gets e^beta times its mass), and the attention net, whose last layer
+        starts at zero, learns a correction on top of it (it sees the same low-res view, so it
+        can undo the prior where the unusual is uninformative). The prior is a fixed function
+        of the input, part of the model (saved in its spec, applied at prediction alike): the
+        attention is still a distribution the patches are sampled from, so the estimator and
+        its gradient stay unbiased for it.
+        """
+        if not self.rarity_prior:
+            return None
+        r = rarity(low, self._supported_pixels(low, mask))
+        return self.rarity_prior * self._to_cells(r, att_shape)
 
     @property
     def active_estimator(self) -> str:
@@ -165,6 +204,9 @@ class ATSModel(nn.Module):
         n = self.n_patches if n_patches is None else int(n_patches)
         scores = self.attention_net(low)
         att_shape = tuple(scores.shape[-2:])
+        prior = self.prior(low, att_shape, support_mask)
+        if prior is not None:
+            scores = scores + prior[:, None].to(scores.dtype)
         probs = attention_distribution(scores, self.smoothing, self.support(low, att_shape, support_mask))
         draw = sample(probs, n, replace=self.replace, generator=generator)
         indices, sampled_probs = draw.indices, draw.probs
@@ -211,6 +253,31 @@ class ATSModel(nn.Module):
             p_term, a_term = auxiliary_losses(out, target)
             loss = loss + patch_loss * p_term + attention_loss * a_term
         return loss
+
+
+def rarity(low: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """How unusual each low-res pixel is within its own image, [B, 1, h, w] >= 0.
+
+    ``r = |x - m| / s``: the Euclidean distance of the pixel's colour (all channels) from
+    ``m``, the per-channel median over the image's supported pixels (``keep`` [B, 1, h, w],
+    None = all), in units of ``s``, the median of those distances: a typical pixel has
+    r ~ 1, whatever the stain, brightness or contrast of the image. Medians, not means and
+    standard deviations, so that the few unusual pixels being looked for do not set the
+    scale they are measured in. Computed without gradient (an input, not a parameter).
+    """
+    with torch.no_grad():
+        x = low.float()
+        out = torch.zeros_like(x[:, :1])
+        for b in range(x.shape[0]):
+            pixels = x[b].flatten(1)  # [C, h*w]
+            chosen = pixels[:, keep[b].flatten()] if keep is not None else pixels
+            if chosen.shape[1] == 0:
+                chosen = pixels
+            centre = chosen.median(dim=1).values[:, None]
+            dist = (pixels - centre).norm(dim=0)
+            ref = (chosen - centre).norm(dim=0).median().clamp_min(1e-3)
+            out[b, 0] = (dist / ref).view(x.shape[-2:])
+        return out
 
 
 def auxiliary_losses(out: ATSOutput, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,94 @@
+"""The rarity prior (ATSModel.prior, ``ats train --rarity-prior``): what ``rarity`` measures,
+that it points the untrained attention at the unusual cell, and when ``auto`` turns it on.
+Its unbiasedness is tested with the other additions to the thesis's model, in
+tests/test_auxiliary_losses.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from PIL import Image
+
+from ats_cli.config import resolve_config
+from ats_cli.core.geometry import low_res_view
+from ats_cli.core.model import ATSModel, rarity
+from ats_cli.data.dataset import load_dataset, write_dataset
+from ats_cli.data.loader import ImageDataset
+from ats_cli.nets import create
+from ats_cli.train import AUTO_RARITY_PRIOR, _resolve_auto
+
+
+def _tissue(seed=0, size=32) -> torch.Tensor:
+    """A pinkish RGB view with texture and one dark purple cell at (20, 11)."""
+    g = torch.Generator().manual_seed(seed)
+    low = torch.tensor([0.9, 0.6, 0.75])[None, :, None, None] + 0.04 * torch.randn(1, 3, size, size, generator=g)
+    low[0, :, 20, 11] = torch.tensor([0.35, 0.2, 0.5])
+    return low
+
+
+def test_rarity_is_one_for_a_typical_pixel_high_for_the_odd_one_and_free_of_stain_and_contrast():
+    low = _tissue()
+    r = rarity(low)
+    assert abs(float(r.median()) - 1.0) < 0.05
+    assert float(r[0, 0, 20, 11]) > 5 * float(torch.quantile(r.flatten(), 0.99))
+    # another lab: darker, lower contrast, shifted stain; the same cells are unusual by the same amount
+    restained = 0.6 * low + torch.tensor([0.05, 0.1, 0.0])[None, :, None, None]
+    assert torch.allclose(rarity(restained), r, rtol=1e-4, atol=1e-4)
+
+
+def test_only_the_supported_pixels_set_what_is_typical():
+    low = _tissue()
+    low[..., :, :16] = 1.0  # white glass on the left half
+    glass = torch.zeros(1, 1, 32, 32, dtype=torch.bool)
+    glass[..., :, 16:] = True  # tissue = right half
+    r = rarity(low, glass)
+    assert abs(float(r[..., 16:].median()) - 1.0) < 0.05  # measured against the tissue, not the glass
+    assert float(r[..., :16].min()) > 3  # glass is far from typical tissue (it is masked out anyway)
+
+
+def test_the_prior_points_the_untrained_attention_at_the_unusual_cell():
+    torch.manual_seed(0)
+    kwargs = dict(n_classes=2, n_patches=4, patch_size=(8, 8), scale=0.25)
+    low = _tissue()
+    for beta, expect_peak in ((0.0, False), (2.0, True)):
+        m = ATSModel(create("mnist-attention", in_channels=3, width=4), create("small-cnn", in_channels=3, width=4),
+                     rarity_prior=beta, **kwargs).eval()
+        image = torch.nn.functional.interpolate(low, scale_factor=4).mul(255).clamp(0, 255).to(torch.uint8)
+        with torch.no_grad():
+            out = m(low_res_view(image, 0.25), image, generator=torch.Generator().manual_seed(0))
+        att = out.attention[0]
+        if expect_peak:
+            margin = m.attention_net.margin
+            assert tuple(int(v) for v in divmod(int(att.argmax()), att.shape[1])) == (20 - margin, 11 - margin)
+            assert float(att.max()) > 100 * float(att.median())
+        else:  # the zero-initialised attention net alone: uniform
+            assert torch.allclose(att, torch.full_like(att, 1 / att.numel()))
+
+
+def _dataset(tmp_path, background: int) -> ImageDataset:
+    rng = np.random.default_rng(0)
+    rows = {}
+    for split in ("train", "test"):
+        (tmp_path / split).mkdir()
+        rows[split] = []
+        for i in range(4):
+            pixels = (background + 40 * rng.random((64, 64, 3))).clip(0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(tmp_path / split / f"{i}.png")
+            rows[split].append({"path": f"{split}/{i}.png", "label": "a"})
+    write_dataset(tmp_path, ["a"], rows, hints={"channels": 3})
+    return load_dataset(tmp_path)["train"]
+
+
+def test_auto_turns_the_prior_on_for_slides_and_off_for_plain_images(tmp_path):
+    records = _dataset(tmp_path, background=180)
+    for tissue, expected in ((True, AUTO_RARITY_PRIOR), (None, 0.0)):  # tissue mask on (a slide) / a PNG
+        cfg = resolve_config(None, data=str(tmp_path), out="o")
+        assert cfg.rarity_prior == -1
+        _resolve_auto(cfg, ImageDataset(records, channels=3, scale=0.25, tissue=tissue), lambda s: None)
+        assert cfg.rarity_prior == expected
+    cfg = resolve_config(None, data=str(tmp_path), out="o", rarity_prior=0.5)  # a value given is kept
+    _resolve_auto(cfg, ImageDataset(records, channels=3, scale=0.25, tissue=True), lambda s: None)
+    assert cfg.rarity_prior == 0.5
+    cfg = resolve_config(None, data=str(tmp_path), out="o", method="uniform")  # baselines sample as the thesis's
+    _resolve_auto(cfg, ImageDataset(records, channels=3, scale=0.25, tissue=True), lambda s: None)
+    assert cfg.rarity_prior == 0.0
