@@ -26,7 +26,7 @@ class TrainConfig:
     data: str = ""
     out: str = ""
     # the method
-    method: str = "ats"  # ats | uniform | deepmil | cnn (see ats_cli.methods)
+    method: str = "ats"  # ats | uniform | deepmil | cnn (see ats_cli.models)
     # 0 = the dataset's hint (dataset.json "hints"), else DATA_DEFAULTS (the paper's Megapixel MNIST)
     n_patches: int = 0
     patch_size: int = 0

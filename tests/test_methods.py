@@ -6,10 +6,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from ats_cli.baselines import DeepMIL, grid_offsets
 from ats_cli.checkpoint import load_model
 from ats_cli.cli import app
 from ats_cli.config import ConfigError, resolve_config
-from ats_cli.methods import DeepMIL, grid_offsets
 from ats_cli.nets import create
 from ats_cli.train import train
 from tests.test_train import _cfg, _write_squares_dataset
