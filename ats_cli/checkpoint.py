@@ -3,8 +3,9 @@
 A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts, loaded with
 ``torch.load(weights_only=True)``: loading a file never runs code from it. The model is
 rebuilt from its *spec* (method and network names from the registries plus plain
-settings) by :func:`ats_cli.models.create_model`, never unpickled. Writes are atomic
-(temporary file + rename): a crash or Ctrl-C during a save leaves the previous
+settings) by :func:`ats_cli.models.create_model`, never unpickled; a spec written by an
+older ats is read as its run meant it (:func:`ats_cli.legacy.upgrade_spec`). Writes are
+atomic (temporary file + rename): a crash or Ctrl-C during a save leaves the previous
 checkpoint intact.
 """
 
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from ats_cli.data.dataset import atomic_write_bytes
+from ats_cli.legacy import upgrade_spec
 from ats_cli.models import create_model
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "load_model"]
@@ -43,6 +45,8 @@ def save_checkpoint(path: str | os.PathLike[str], *, spec: dict, classes: list[s
 
 
 def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """The checkpoint dict of ``path``, its spec upgraded to the current version; raises
+    :class:`CheckpointError` naming the file when it is missing, foreign, damaged or newer."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: model file not found")
@@ -55,6 +59,11 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.devi
     if ckpt.get("version", 0) > VERSION:
         raise CheckpointError(f"{path}: checkpoint version {ckpt['version']} is newer than this ats ({VERSION})")
     _check_finite(path, ckpt.get("model"))
+    if isinstance(ckpt.get("spec"), dict):
+        try:
+            ckpt["spec"] = upgrade_spec(ckpt["spec"])
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {e}") from None
     return ckpt
 
 

@@ -23,6 +23,7 @@ import torch.nn as nn
 from ats_cli import nets
 from ats_cli.baselines import CNNClassifier, DeepMIL, UniformAttention
 from ats_cli.core.model import ATSModel
+from ats_cli.legacy import SPEC_VERSION, upgrade_spec
 from ats_cli.registry import Registry, UnknownNameError
 
 if TYPE_CHECKING:
@@ -52,15 +53,17 @@ def available_methods() -> list[str]:
 
 def create_model(spec: dict[str, Any]) -> nn.Module:
     """The model ``spec`` describes, with fresh weights (load a state dict into it).
-    Specs written before methods existed have no ``method`` key: they are ATS.
+    A spec from an older ats is read through :func:`ats_cli.legacy.upgrade_spec` first.
     Raises :class:`UnknownMethodError` for a method that is not registered."""
-    return _METHODS.create(spec.get("method", "ats"), spec=spec)
+    spec = upgrade_spec(spec)
+    return _METHODS.create(spec["method"], spec=spec)
 
 
 def model_spec(cfg: TrainConfig, *, n_classes: int, channels: int) -> dict[str, Any]:
     """The spec of the model ``cfg`` trains on data of ``n_classes`` and ``channels``;
     plain values only, so that a checkpoint holding it loads without running code."""
     return {
+        "version": SPEC_VERSION,
         "method": cfg.method,
         "attention_net": cfg.attention_net,
         "attention_kwargs": {"in_channels": channels, "width": cfg.attention_width},
@@ -98,11 +101,9 @@ def _sampling_model(spec: dict[str, Any], attention: nn.Module) -> ATSModel:
         replace=spec["replace"],
         entropy_weight=spec["entropy_weight"],
         smoothing=spec["smoothing"],
-        min_brightness=spec.get("min_brightness", 0.0),
-        feature_scale=spec.get("feature_scale", 1.0),
-        # specs written before the choice existed take today's default: the two estimators
-        # have the same expectation, so the model is the same, only less noisy
-        estimator=spec.get("estimator", "auto"),
+        min_brightness=spec["min_brightness"],
+        feature_scale=spec["feature_scale"],
+        estimator=spec["estimator"],
     )
 
 
