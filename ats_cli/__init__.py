@@ -6,8 +6,11 @@ resulting distribution, and runs the feature network only on those patches at fu
 resolution. Cost and memory depend on the number and size of the patches, not on
 the size of the image.
 
-The method lives in :mod:`ats_cli.core`; networks are created by name through
-:mod:`ats_cli.nets`; the command line (:mod:`ats_cli.cli`) is a thin shell.
+The method lives in :mod:`ats_cli.core`, the thesis's baselines in
+:mod:`ats_cli.baselines`; networks are created by name through :mod:`ats_cli.nets`, and
+models (ATS or a baseline) from a checkpoint's spec through
+:func:`ats_cli.models.create_model` (:mod:`ats_cli.legacy` reads older files); the
+command line (:mod:`ats_cli.cli`) is a thin shell.
 """
 
 __version__ = "0.1.0"

@@ -43,15 +43,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from ats_cli.config import TrainConfig
+from ats_cli.models import available_methods, create_model, model_spec
+
 __all__ = ["BenchSpec", "benchmark_image", "dataset_defaults", "plan", "run_benchmark", "ratio_to_ats"]
 
-ALL_METHODS = ("ats", "uniform", "deepmil", "cnn")
+ALL_METHODS = tuple(available_methods())
 SAMPLED = ("ats", "uniform")  # the methods whose cost depends on n_patches
 
 
 @dataclass
 class BenchSpec:
-    """One row's settings: the model is built by :func:`ats_cli.methods.build_method`."""
+    """One row's settings; :meth:`train_config` says which model they mean."""
 
     method: str
     n_patches: int | None
@@ -64,15 +67,14 @@ class BenchSpec:
     device: str = "cpu"
     repeats: int = 3
 
-    def model_spec(self, channels: int) -> dict[str, Any]:
-        return {
-            "method": self.method, "attention_net": self.attention_net,
-            "attention_kwargs": {"in_channels": channels, "width": self.attention_width},
-            "feature_net": self.feature_net, "feature_kwargs": {"in_channels": channels, "width": self.feature_width},
-            "n_classes": 10, "channels": channels, "n_patches": self.n_patches or 1,
-            "patch_size": [self.patch_size, self.patch_size], "scale": self.scale, "replace": False,
-            "entropy_weight": 0.01, "smoothing": 0.0, "min_brightness": 0.0,
-        }
+    def train_config(self) -> TrainConfig:
+        """The training configuration whose model this row measures: ``ats train``'s
+        defaults for everything the row does not set, except the brightness support: it is
+        off, so that every method samples the whole low-res view as the thesis's models did."""
+        return TrainConfig(method=self.method, n_patches=self.n_patches or 1, patch_size=self.patch_size,
+                           scale=self.scale, attention_net=self.attention_net, feature_net=self.feature_net,
+                           attention_width=self.attention_width, feature_width=self.feature_width,
+                           min_brightness=0.0)
 
 
 # Per dataset: the settings a row uses unless the command line gives them.
@@ -152,13 +154,13 @@ def _measure(spec: BenchSpec, image: np.ndarray, threads: int, stage=None) -> di
     ``stage(text)`` is told as each part begins (the command prints it)."""
     stage = stage or (lambda text: None)
     from ats_cli.core.geometry import low_res_view
-    from ats_cli.methods import build_method
 
     if threads:
         torch.set_num_threads(threads)
     device = torch.device(spec.device)
     torch.manual_seed(0)
-    model = build_method(spec.model_spec(image.shape[0])).to(device).train()
+    # 10 classes, as Megapixel MNIST: the classifier is a small part of a step's cost
+    model = create_model(model_spec(spec.train_config(), n_classes=10, channels=image.shape[0])).to(device).train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     full = torch.from_numpy(image)[None]  # [1, C, H, W] uint8, stays on the host like a dataset image
     target = torch.zeros(1, dtype=torch.long, device=device)

@@ -2,9 +2,11 @@
 
 A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts, loaded with
 ``torch.load(weights_only=True)``: loading a file never runs code from it. The model is
-rebuilt from its *spec* (network names from the registry plus plain settings), never
-unpickled. Writes are atomic (temporary file + rename): a crash or Ctrl-C during a save
-leaves the previous checkpoint intact.
+rebuilt from its *spec* (method and network names from the registries plus plain
+settings) by :func:`ats_cli.models.create_model`, never unpickled; a spec written by an
+older ats is read as its run meant it (:func:`ats_cli.legacy.upgrade_spec`). Writes are
+atomic (temporary file + rename): a crash or Ctrl-C during a save leaves the previous
+checkpoint intact.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ from typing import Any
 
 import torch
 
-from ats_cli.core.model import ATSModel
 from ats_cli.data.dataset import atomic_write_bytes
-from ats_cli.methods import build_method
+from ats_cli.legacy import upgrade_spec
+from ats_cli.models import create_model
 
-__all__ = ["CheckpointError", "build_model", "save_checkpoint", "load_checkpoint", "load_model", "model_spec"]
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "load_model"]
 
 FORMAT = "ats-checkpoint"
 VERSION = 1
@@ -29,36 +31,6 @@ VERSION = 1
 
 class CheckpointError(ValueError):
     """A file that is not a usable ats checkpoint; the message names the file."""
-
-
-def model_spec(cfg: Any, *, n_classes: int, channels: int) -> dict[str, Any]:
-    """The plain-values description from which :func:`build_model` rebuilds a model."""
-    return {
-        "method": cfg.method,
-        "attention_net": cfg.attention_net,
-        "attention_kwargs": {"in_channels": channels, "width": cfg.attention_width},
-        "feature_net": cfg.feature_net,
-        "feature_kwargs": {"in_channels": channels, "width": cfg.feature_width},
-        "n_classes": n_classes,
-        "channels": channels,
-        "n_patches": cfg.n_patches,
-        "patch_size": [cfg.patch_size, cfg.patch_size],
-        "scale": cfg.scale,
-        "replace": cfg.replace,
-        "estimator": cfg.estimator,
-        "entropy_weight": cfg.entropy,
-        "smoothing": cfg.smoothing,
-        "min_brightness": cfg.min_brightness,
-        "feature_scale": cfg.feature_scale,
-        "rarity_prior": cfg.rarity_prior,
-        # how inputs were read in training: predict and visualize read them alike by default
-        "input": cfg.input_options(),
-    }
-
-
-def build_model(spec: dict[str, Any]) -> ATSModel:
-    """The spec's model; its ``method`` (ats, uniform, deepmil, cnn) picks the class."""
-    return build_method(spec)
 
 
 def save_checkpoint(path: str | os.PathLike[str], *, spec: dict, classes: list[str], model: torch.nn.Module,
@@ -73,6 +45,8 @@ def save_checkpoint(path: str | os.PathLike[str], *, spec: dict, classes: list[s
 
 
 def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """The checkpoint dict of ``path``, its spec upgraded to the current version; raises
+    :class:`CheckpointError` naming the file when it is missing, foreign, damaged or newer."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: model file not found")
@@ -85,6 +59,11 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.devi
     if ckpt.get("version", 0) > VERSION:
         raise CheckpointError(f"{path}: checkpoint version {ckpt['version']} is newer than this ats ({VERSION})")
     _check_finite(path, ckpt.get("model"))
+    if isinstance(ckpt.get("spec"), dict):
+        try:
+            ckpt["spec"] = upgrade_spec(ckpt["spec"])
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {e}") from None
     return ckpt
 
 
@@ -115,11 +94,12 @@ def _check_finite(path: Path, weights: Any) -> None:
                                       "the file is damaged or its training diverged, and it cannot be used")
 
 
-def load_model(path: str | os.PathLike[str], device: str | torch.device = "cpu") -> tuple[ATSModel, dict[str, Any]]:
+def load_model(path: str | os.PathLike[str], device: str | torch.device = "cpu"
+               ) -> tuple[torch.nn.Module, dict[str, Any]]:
     """The model of a checkpoint, in eval mode on ``device``, and the checkpoint dict."""
     ckpt = load_checkpoint(path)
     try:
-        model = build_model(ckpt["spec"])
+        model = create_model(ckpt["spec"])
         model.load_state_dict(ckpt["model"])
     except (KeyError, RuntimeError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: checkpoint does not match its model spec ({e})") from None

@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ats_cli.legacy import upgrade_run_config
+
 __all__ = ["TrainConfig", "ConfigError", "allowed_values", "load_config_file", "resolve_config"]
 
 
@@ -43,7 +45,7 @@ def _key(default: Any, help: str, panel: str | None = None, *, choices: dict[str
 class TrainConfig:
     data: str = _key("", "Dataset directory (train.csv, test.csv, dataset.json)")
     out: str = _key("", "Run directory for checkpoints, metrics and plots")
-    # the method (see ats_cli.methods)
+    # the method (see ats_cli.models)
     method: str = _key("ats", "{choices}", METHOD_PANEL, choices={
         "ats": "", "uniform": "fixed uniform attention", "deepmil": "gated attention over all grid patches",
         "cnn": "ResNet-18 on the low-res view"})
@@ -54,8 +56,8 @@ class TrainConfig:
     replace: bool = _key(False, "Sample with replacement", METHOD_PANEL)
     # auto | threshold | sequential: the unbiased estimator without replacement (same expectation,
     # different variance: ats_cli.core.sampling). Runs and checkpoints from before the choice
-    # existed (no key) used sequential: resuming such a run keeps sequential (RESUME_LEGACY),
-    # predicting with such a checkpoint uses the default.
+    # existed (no key) used sequential: resuming such a run keeps sequential, predicting with
+    # such a checkpoint uses auto (ats_cli.legacy says why).
     estimator: str = _key("auto", "Unbiased estimator without replacement: {choices}", METHOD_PANEL, choices={
         "auto": "training: per image, threshold when n >= the attention's perplexity, else sequential; evaluation "
                 "and prediction: threshold",
@@ -191,21 +193,16 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return values
 
 
-# Keys added after runs were already being saved, with the value those runs actually used.
-# Resuming an old run must continue it as it was trained ("exactly where it stopped"), not
-# switch it to a newer default half-way; a new run from a hand-written file gets the default.
-RESUME_LEGACY: dict[str, Any] = {"estimator": "sequential"}
-
-
 def resolve_config(file: str | Path | None = None, *, resumed: bool = False, **overrides: Any) -> TrainConfig:
     """Defaults, then the file, then the overrides that are not None.
 
     ``resumed``: the file is a run's saved config.json; keys it lacks because the run predates
-    them take their RESUME_LEGACY value instead of today's default.
+    them take the value that run used (:func:`ats_cli.legacy.upgrade_run_config`), not today's
+    default.
     """
     values: dict[str, Any] = load_config_file(file) if file else {}
     if resumed:
-        values = {**{k: v for k, v in RESUME_LEGACY.items() if k not in values}, **values}
+        values = upgrade_run_config(values)
     values.update({k: v for k, v in overrides.items() if v is not None})
     types = {f.name: type(f.default) for f in fields(TrainConfig)}
     for k, v in values.items():

@@ -261,8 +261,8 @@ def load_predictor(model: str | os.PathLike[str], device: str = "auto", *, estim
     n_out = net.classifier.out_features
     if len(classes) != n_out:
         raise CheckpointError(f"{path}: lists {len(classes)} class names for a model with {n_out} outputs")
-    channels = int(ckpt["spec"].get("channels", 1))
-    saved = ckpt["spec"].get("input") or {}
+    channels = int(ckpt["spec"]["channels"])
+    saved = ckpt["spec"]["input"]  # for models saved without it: ats_cli.legacy
     options = {k: saved.get(k) for k in ("reader", "level", "mpp", "tissue")}
     return Predictor(model=net, classes=classes, channels=channels, device=dev, path=path, input_options=options)
 

@@ -33,13 +33,14 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from ats_cli.checkpoint import CheckpointError, build_model, load_checkpoint, model_spec, save_checkpoint
+from ats_cli.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ats_cli.config import TrainConfig
 from ats_cli.core.model import ATSModel
 from ats_cli.data.dataset import atomic_path, atomic_write_text, load_dataset
 from ats_cli.data.loader import Batch, ImageDataset, Unreadable, collate, readable, single_thread_worker
 from ats_cli.distributed import Dist, all_reduce, broadcast_buffers, from_main, process_group, shard_batches
 from ats_cli.inference import predict_probs
+from ats_cli.models import create_model, model_spec
 from ats_cli.rundir import RunDirError, append_metrics, claim, make_dirs, rewrite_metrics
 from ats_cli.runtime import peak_memory_mb, reset_peak_memory
 
@@ -234,7 +235,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool,
     # ---- model, optimizer, state (the same initial weights on every rank: same seed)
     torch.manual_seed(cfg.seed)
     spec = model_spec(cfg, n_classes=data.num_classes, channels=channels)
-    model = build_model(spec).to(device)
+    model = create_model(spec).to(device)
     opt = _optimizer(cfg, model)
     scaler = torch.amp.GradScaler("cuda", enabled=amp == "fp16")  # fp16 only: bf16 has float32's range
     start_epoch, start_done, history, running = 0, 0, [], {}

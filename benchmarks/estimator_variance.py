@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ats_cli.core.geometry import positions_to_offsets
-from ats_cli.core.model import _to_float
+from ats_cli.core.model import pixels_to_float
 from ats_cli.core.sampling import attention_distribution, entropy, estimator_threshold, expectation, sample
 from ats_cli.core.source import gather_patches, source_sizes
 from ats_cli.predict import load_predictor, resolve_inputs
@@ -52,7 +52,7 @@ def exact_terms(model, opened) -> tuple[torch.Tensor, torch.Tensor]:
     cells = (probs[0] > 0).nonzero()[:, 0]
     offsets = positions_to_offsets(cells[None], att_shape, source_sizes([opened.source]), model.patch_size,
                                    low_size=tuple(low.shape[-2:]), margin=getattr(model.attention_net, "margin", 0))
-    patches = _to_float(gather_patches([opened.source], offsets, model.patch_size))
+    patches = pixels_to_float(gather_patches([opened.source], offsets, model.patch_size))
     feats = model.feature_net(patches.flatten(0, 1))
     feats = model.feature_scale * F.normalize(feats, dim=-1)
     full = feats.new_zeros(probs.shape[1], feats.shape[1])

@@ -56,13 +56,14 @@ def write_slide(path: Path, n: int, seed: int = 0) -> None:
 
 
 def make_model(path: Path) -> None:
-    from ats_cli.checkpoint import build_model, model_spec, save_checkpoint
+    from ats_cli.checkpoint import save_checkpoint
     from ats_cli.config import TrainConfig
+    from ats_cli.models import create_model, model_spec
 
     torch.manual_seed(0)
     cfg = TrainConfig(patch_size=64, scale=0.01, n_patches=20, feature_width=32)
     spec = model_spec(cfg, n_classes=2, channels=3)
-    save_checkpoint(path, spec=spec, classes=["a", "b"], model=build_model(spec))
+    save_checkpoint(path, spec=spec, classes=["a", "b"], model=create_model(spec))
 
 
 def measure(args: list[str]) -> tuple[float, float]:

@@ -20,11 +20,12 @@ from typer.testing import CliRunner
 import ats_cli.core.model
 import ats_cli.train
 from ats_cli import nets
-from ats_cli.checkpoint import build_model, load_checkpoint
+from ats_cli.checkpoint import load_checkpoint
 from ats_cli.cli import app
 from ats_cli.config import resolve_config
 from ats_cli.core import ATSModel, Draw, low_res_view
 from ats_cli.distributed import Dist, launch_command, shard_batches
+from ats_cli.models import create_model
 from ats_cli.train import TrainingInterrupted, train
 
 N_TRAIN = 48
@@ -161,7 +162,7 @@ def test_two_processes_give_the_weights_of_one_process_with_the_same_global_batc
 
     reference = load_checkpoint(one / "last.pt")
     torch.manual_seed(0)  # the runs' seed: their initial weights
-    assert _max_diff(reference["model"], build_model(reference["spec"]).state_dict()) > 1e-2  # they did train
+    assert _max_diff(reference["model"], create_model(reference["spec"]).state_dict()) > 1e-2  # they did train
     for run in ("ddp", "half", "cut"):
         assert _max_diff(load_checkpoint(tmp_path / run / "last.pt")["model"], reference["model"]) < 1e-5, run
     assert _max_diff(load_checkpoint(tmp_path / "control" / "last.pt")["model"], reference["model"]) > 1e-3

@@ -28,11 +28,12 @@ from typer.testing import CliRunner
 
 import ats_cli.predict as predict_mod
 import ats_cli.train as train_mod
-from ats_cli.checkpoint import CheckpointError, build_model, load_checkpoint, model_spec, save_checkpoint
+from ats_cli.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ats_cli.cli import app
 from ats_cli.config import TrainConfig, resolve_config
 from ats_cli.data.dataset import DatasetError, load_dataset, write_dataset
 from ats_cli.data.slides import SlideReadError, open_image
+from ats_cli.models import create_model, model_spec
 from ats_cli.train import TrainingInterrupted, train
 
 runner = CliRunner(env={"COLUMNS": "1000"})  # rich wraps at 80 columns otherwise
@@ -91,7 +92,7 @@ def _model(path: Path, channels: int = 1, scale: float = 0.25) -> Path:
     torch.manual_seed(0)
     cfg = TrainConfig(patch_size=16, scale=scale, n_patches=4, feature_width=8)
     spec = model_spec(cfg, n_classes=3, channels=channels)
-    save_checkpoint(path, spec=spec, classes=["a", "b", "c"], model=build_model(spec))
+    save_checkpoint(path, spec=spec, classes=["a", "b", "c"], model=create_model(spec))
     return path
 
 

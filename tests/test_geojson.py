@@ -17,7 +17,7 @@ import torch.nn as nn
 from typer.testing import CliRunner
 
 import ats_cli.predict as predict_mod
-from ats_cli.checkpoint import build_model, model_spec, save_checkpoint
+from ats_cli.checkpoint import save_checkpoint
 from ats_cli.cli import app
 from ats_cli.config import TrainConfig
 from ats_cli.core.geometry import positions_to_offsets
@@ -35,6 +35,7 @@ from ats_cli.geojson import (
     select_cells,
     unique_names,
 )
+from ats_cli.models import create_model, model_spec
 from ats_cli.predict import load_predictor, resolve_inputs
 
 runner = CliRunner()
@@ -76,7 +77,7 @@ def make_model(path: Path, *, n_patches: int = 1, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     spec = model_spec(TrainConfig(patch_size=PATCH, scale=SCALE, n_patches=n_patches, feature_width=8),
                       n_classes=len(CLASSES), channels=3)
-    model = build_model(spec)
+    model = create_model(spec)
     nn.init.normal_(model.attention_net.score.weight, std=0.5)  # a peaked, non-uniform attention
     save_checkpoint(path, spec=spec, classes=CLASSES, model=model)
     return path

@@ -209,13 +209,14 @@ def _tissue_slide(path, h=800, w=1000, box=(300, 400, 500, 700)):
 
 
 def _rgb_model(path):
-    from ats_cli.checkpoint import build_model, model_spec, save_checkpoint
+    from ats_cli.checkpoint import save_checkpoint
     from ats_cli.config import TrainConfig
+    from ats_cli.models import create_model, model_spec
 
     torch.manual_seed(0)
     cfg = TrainConfig(patch_size=32, scale=0.1, n_patches=6, feature_width=8)
     spec = model_spec(cfg, n_classes=2, channels=3)
-    save_checkpoint(path, spec=spec, classes=["normal", "tumour"], model=build_model(spec))
+    save_checkpoint(path, spec=spec, classes=["normal", "tumour"], model=create_model(spec))
     return path
 
 

@@ -12,9 +12,10 @@ import torch
 from PIL import Image
 from typer.testing import CliRunner
 
-from ats_cli.checkpoint import build_model, model_spec, save_checkpoint
+from ats_cli.checkpoint import save_checkpoint
 from ats_cli.cli import app
 from ats_cli.config import TrainConfig
+from ats_cli.models import create_model, model_spec
 from ats_cli.visualize import MAX_STRIP, find_image_info, patch_sites, render_attention, sample_attention, select_epochs
 
 runner = CliRunner()
@@ -25,7 +26,7 @@ def make_model(path: Path, *, seed: int = 0, replace: bool = False) -> Path:
     torch.manual_seed(seed)
     spec = model_spec(TrainConfig(patch_size=16, scale=0.25, n_patches=4, feature_width=8, replace=replace),
                       n_classes=3, channels=1)
-    model = build_model(spec)
+    model = create_model(spec)
     torch.nn.init.normal_(model.attention_net.score.weight, std=0.5)  # not uniform: something to draw
     save_checkpoint(path, spec=spec, classes=["cat", "dog", "eel"], model=model)
     return path

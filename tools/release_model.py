@@ -13,12 +13,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ats_cli.checkpoint import build_model, load_checkpoint, save_checkpoint
+from ats_cli.checkpoint import load_checkpoint, save_checkpoint
+from ats_cli.models import create_model
 
 
 def main(src: str, dst: str) -> None:
     ckpt = load_checkpoint(src)
-    model = build_model(ckpt["spec"])
+    model = create_model(ckpt["spec"])
     model.load_state_dict(ckpt["model"])
     save_checkpoint(dst, spec=ckpt["spec"], classes=ckpt["classes"], model=model, epoch=ckpt.get("epoch"),
                     config=ckpt.get("config", {}), history=ckpt.get("history", []))

@@ -72,7 +72,7 @@ def train(
     from ats_cli.train import train as run_training
 
     console = OutputConsole()
-    from_run = resume is not None and config is None  # the run's own config.json: see RESUME_LEGACY
+    from_run = resume is not None and config is None  # the run's own config.json: see ats_cli.legacy
     if resume is not None:
         config = config or resume / "config.json"
         overrides["out"] = str(resume)

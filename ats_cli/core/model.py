@@ -29,7 +29,7 @@ from ats_cli.core.sampling import (
 )
 from ats_cli.core.source import Sources, gather_patches, source_sizes
 
-__all__ = ["ATSModel", "ATSOutput", "auxiliary_losses", "rarity"]
+__all__ = ["ATSModel", "ATSOutput", "auxiliary_losses", "pixels_to_float", "rarity"]
 
 CRITIC_FLOOR = 0.1  # nats added to every draw's information in the attention critic's target
 
@@ -48,7 +48,7 @@ class ATSOutput:
     patches: torch.Tensor | None = None  # [B, n, C, ph, pw] when asked for (visualisation)
 
 
-def _to_float(patches: torch.Tensor) -> torch.Tensor:
+def pixels_to_float(patches: torch.Tensor) -> torch.Tensor:
     """8-bit pixels to [0, 1]; other dtypes are taken as already scaled."""
     return patches.float() / 255.0 if patches.dtype == torch.uint8 else patches.float()
 
@@ -175,7 +175,7 @@ class ATSModel(nn.Module):
         attention is still a distribution the patches are sampled from, so the estimator and
         its gradient stay unbiased for it.
         """
-        if not self.rarity_prior:
+        if self.rarity_prior <= 0:  # 0 = off; -1 (auto, unsettled outside training) too
             return None
         r = rarity(low, self._supported_pixels(low, mask))
         return self.rarity_prior * self._to_cells(r, att_shape)
@@ -219,7 +219,7 @@ class ATSModel(nn.Module):
             low_size=tuple(low.shape[-2:]),
             margin=getattr(self.attention_net, "margin", 0),
         )
-        patches = _to_float(gather_patches(sources, offsets, self.patch_size).to(low.device))
+        patches = pixels_to_float(gather_patches(sources, offsets, self.patch_size).to(low.device))
         B = low.shape[0]
         feats = self.feature_net(patches.flatten(0, 1)).view(B, n, -1)
         # equal norms make sampling from a optimal (thesis 3.3.4); the scale: see the class docstring

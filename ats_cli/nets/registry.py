@@ -10,35 +10,26 @@ from collections.abc import Callable
 
 import torch.nn as nn
 
+from ats_cli.registry import Registry, UnknownNameError
+
 __all__ = ["register", "create", "available", "UnknownNetworkError"]
 
-_REGISTRY: dict[str, tuple[str, Callable[..., nn.Module]]] = {}
 
-
-class UnknownNetworkError(KeyError):
+class UnknownNetworkError(UnknownNameError):
     """A network name that is not in the registry."""
 
-    def __str__(self) -> str:  # KeyError would print the repr of the message
-        return str(self.args[0])
+
+_NETS = Registry("network", kinds=("attention", "features"), error=UnknownNetworkError)
 
 
 def register(name: str, kind: str) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
     """Decorator: register a factory under ``name``; ``kind`` is 'attention' or 'features'."""
-    if kind not in ("attention", "features"):
-        raise ValueError(f"kind must be 'attention' or 'features', got {kind!r}")
-
-    def wrap(factory: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-        if name in _REGISTRY:
-            raise ValueError(f"network {name!r} is registered twice")
-        _REGISTRY[name] = (kind, factory)
-        return factory
-
-    return wrap
+    return _NETS.register(name, kind)
 
 
 def available(kind: str | None = None) -> list[str]:
     """Registered names, optionally only those of one kind."""
-    return sorted(n for n, (k, _) in _REGISTRY.items() if kind is None or k == kind)
+    return sorted(_NETS.available(kind))
 
 
 def create(name: str, kind: str | None = None, **kwargs) -> nn.Module:
@@ -48,9 +39,4 @@ def create(name: str, kind: str | None = None, **kwargs) -> nn.Module:
     (low-res pixels lost per side by 'valid' convolutions). Feature networks map
     patches [N, C, ph, pw] to [N, D] and expose ``out_features`` = D.
     """
-    if name not in _REGISTRY:
-        raise UnknownNetworkError(f"unknown network {name!r}; available: {', '.join(available(kind))}")
-    net_kind, factory = _REGISTRY[name]
-    if kind is not None and net_kind != kind:
-        raise UnknownNetworkError(f"network {name!r} is a {net_kind} network, not a {kind} network")
-    return factory(**kwargs)
+    return _NETS.create(name, kind, **kwargs)

@@ -1,38 +1,34 @@
-"""The methods `ats train --method` can train: attention sampling and the thesis's baselines.
+"""The thesis's baselines for attention sampling, each a method of `ats train --method`
+(created by name in :mod:`ats_cli.models`).
 
-* ``ats`` -- attention sampling (:class:`ats_cli.core.model.ATSModel`).
-* ``uniform`` -- U-N in thesis Tables 3.1/3.2: the *same* model, but the attention is
-  fixed to the uniform distribution over the low-res view, so the n patches are drawn
-  uniformly at random. It isolates what learning where to look is worth.
-* ``deepmil`` -- Deep MIL (Ilse et al. 2018, gated attention): the same feature network
-  on *every* patch of a grid with stride half a patch, pooled by a learned gated
-  attention. It is what ATS approximates with n samples, at the cost of the whole grid.
-* ``cnn`` -- a CNN (torchvision ResNet-18 from the registry, random init) on the whole
-  image downsampled to ``--scale``, i.e. on the same low-res view ATS's attention sees.
+* ``uniform`` -- U-N in thesis Tables 3.1/3.2: the *same* model as ATS, but the attention
+  is fixed to the uniform distribution over the low-res view (:class:`UniformAttention`),
+  so the n patches are drawn uniformly at random. It isolates what learning where to
+  look is worth.
+* ``deepmil`` -- Deep MIL (Ilse et al. 2018, gated attention, :class:`DeepMIL`): the same
+  feature network on *every* patch of a grid with stride half a patch, pooled by a
+  learned gated attention. It is what ATS approximates with n samples, at the cost of
+  the whole grid.
+* ``cnn`` -- a CNN (:class:`CNNClassifier`: torchvision ResNet-18 from the network
+  registry, random init) on the whole image downsampled to ``--scale``, i.e. on the same
+  low-res view ATS's attention sees.
 
 Every model takes ``(low, sources)`` and returns an :class:`ATSOutput`, so the training
 loop, evaluation, ``predict`` and ``visualize`` treat them alike. Deep MIL's attention is
 its pooling weights over the grid (a real heatmap); the CNN has no attention, so its
 output carries a single cell of weight 1 and no patches.
 """
-
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ats_cli import nets
-from ats_cli.core.model import ATSModel, ATSOutput, _to_float
+from ats_cli.core.model import ATSOutput, pixels_to_float
 from ats_cli.core.sampling import entropy
 from ats_cli.core.source import Sources, gather_patches, source_sizes
 
-__all__ = ["METHODS", "UniformAttention", "DeepMIL", "CNNClassifier", "build_method", "grid_offsets"]
-
-METHODS = ("ats", "uniform", "deepmil", "cnn")
-CNN_NET = "resnet18"  # the CNN baseline's registry name (thesis: a ResNet on the downsampled image)
+__all__ = ["UniformAttention", "DeepMIL", "CNNClassifier", "grid_offsets"]
 
 
 class UniformAttention(nn.Module):
@@ -94,7 +90,7 @@ class DeepMIL(nn.Module):
         grid, shape = grid_offsets(tuple(sizes[0].tolist()), self.patch_size, self.stride)
         B = low.shape[0]
         offsets = grid[None].expand(B, -1, -1).contiguous()
-        patches = _to_float(gather_patches(sources, offsets, self.patch_size).to(low.device))
+        patches = pixels_to_float(gather_patches(sources, offsets, self.patch_size).to(low.device))
         feats = F.normalize(self.feature_net(patches.flatten(0, 1)).view(B, grid.shape[0], -1), dim=-1)
         scores = self.att_w(torch.tanh(self.att_v(feats)) * torch.sigmoid(self.att_u(feats)))[..., 0]
         a = torch.softmax(scores, dim=1)
@@ -153,36 +149,3 @@ class CNNClassifier(nn.Module):
         raise ValueError("a model trained with --method cnn has no attention map to visualize "
                          "(methods with one: ats, uniform, deepmil)")
 
-
-def build_method(spec: dict[str, Any]) -> nn.Module:
-    """The model of a checkpoint spec (see :func:`ats_cli.checkpoint.model_spec`).
-    Specs written before methods existed have no ``method`` key: they are ATS."""
-    method = spec.get("method", "ats")
-    patch = tuple(spec["patch_size"])
-    if method == "deepmil":
-        features = nets.create(spec["feature_net"], kind="features", **spec["feature_kwargs"])
-        return DeepMIL(features, spec["n_classes"], patch_size=patch, scale=spec["scale"])
-    if method == "cnn":
-        return CNNClassifier(nets.create(CNN_NET, kind="features", in_channels=spec["channels"]), spec["n_classes"],
-                             scale=spec["scale"])
-    if method not in ("ats", "uniform"):
-        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-    attention = UniformAttention() if method == "uniform" else \
-        nets.create(spec["attention_net"], kind="attention", **spec["attention_kwargs"])
-    return ATSModel(
-        attention,
-        nets.create(spec["feature_net"], kind="features", **spec["feature_kwargs"]),
-        spec["n_classes"],
-        n_patches=spec["n_patches"],
-        patch_size=patch,
-        scale=spec["scale"],
-        replace=spec["replace"],
-        entropy_weight=spec["entropy_weight"],
-        smoothing=spec["smoothing"],
-        min_brightness=spec.get("min_brightness", 0.0),
-        feature_scale=spec.get("feature_scale", 1.0),
-        # specs written before the choice existed take today's default: the two estimators
-        # have the same expectation, so the model is the same, only less noisy
-        estimator=spec.get("estimator", "auto"),
-        rarity_prior=spec.get("rarity_prior", 0.0),  # specs from before it existed had none
-    )
