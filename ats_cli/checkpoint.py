@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ats_cli.core.model import ATSModel
-from ats_cli.data.dataset import atomic_write_bytes
+from ats_cli.io import atomic_write_bytes
 from ats_cli.methods import build_method
 
 __all__ = ["CheckpointError", "build_model", "save_checkpoint", "load_checkpoint", "load_model", "model_spec"]

@@ -20,7 +20,6 @@ The pieces, in the order ``ats predict`` uses them:
 from __future__ import annotations
 
 import csv
-import errno
 import functools
 import glob
 import io
@@ -35,10 +34,11 @@ import torch
 from ats_cli.checkpoint import CheckpointError, load_model
 from ats_cli.core.model import ATSModel, ATSOutput
 from ats_cli.core.sampling import ESTIMATORS
-from ats_cli.data.dataset import DATASET_JSON, atomic_write_text
+from ats_cli.data.dataset import DATASET_JSON
 from ats_cli.data.images import IMAGE_SUFFIXES, ImageReadError
 from ats_cli.data.inputs import OpenedImage, batch_sources, batch_support, open_input
 from ats_cli.inference import predict_probs
+from ats_cli.io import atomic_write_text
 from ats_cli.runtime import resolve_device
 
 __all__ = [
@@ -48,7 +48,6 @@ __all__ = [
     "PredictionInterrupted",
     "PredictionRow",
     "Predictor",
-    "check_writable",
     "evaluate",
     "load_predictor",
     "open_input",
@@ -219,24 +218,6 @@ class PredictionInterrupted(KeyboardInterrupt):
     def __init__(self, rows: list[PredictionRow], total: int):
         super().__init__(f"interrupted after {len(rows)} of {total} input(s)")
         self.rows, self.total = rows, total
-
-
-def check_writable(path: str | os.PathLike[str]) -> None:
-    """Raise OSError (with the reason) unless a file can be written at ``path``: checked
-    before any work, so that an unwritable output is not found out after hours of it.
-    Creates the parent directory (the write would), writes and removes a probe file."""
-    path = Path(path)
-    if path.is_dir():
-        raise IsADirectoryError(errno.EISDIR, "is a directory", str(path))
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):  # a file where a directory must be
-        blocker = next((p for p in [path.parent, *path.parent.parents] if p.exists() and not p.is_dir()), path.parent)
-        raise NotADirectoryError(errno.ENOTDIR, f"{blocker} is a file, not a directory", str(path)) from None
-    probe = path.with_name(f".{path.name}.{os.getpid()}.probe")
-    with open(probe, "wb") as fh:
-        fh.write(b"\0")
-    probe.unlink()
 
 
 def load_predictor(model: str | os.PathLike[str], device: str = "auto", *, estimator: str | None = None

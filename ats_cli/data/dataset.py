@@ -15,13 +15,12 @@ diffs well, and a dataset can reference images anywhere (absolute paths) without
 copying gigabytes. Why validate everything up front: a typo in row 40,000 should fail in
 one second at load time with the row named, not an hour into training.
 
-Everything is written atomically (temporary file in the same directory, then
-``os.replace``), so a crash never leaves a half-written CSV or JSON behind.
+Everything is written atomically (:mod:`ats_cli.io`), so a crash never leaves a
+half-written CSV or JSON behind.
 """
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import io
 import json
@@ -31,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ats_cli.io import atomic_write_text
+
 __all__ = [
     "DATASET_JSON",
     "KNOWN_SPLITS",
@@ -38,9 +39,6 @@ __all__ = [
     "DatasetError",
     "Problem",
     "Record",
-    "atomic_path",
-    "atomic_write_bytes",
-    "atomic_write_text",
     "load_dataset",
     "write_dataset",
 ]
@@ -122,44 +120,6 @@ class Dataset:
 
 
 # ---------------------------------------------------------------------------- writing
-
-
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield a temporary path to write ``path``'s new content to; on success it replaces
-    ``path`` in one step (readers see either the old file or the new one), on any error
-    it is deleted.
-
-    The temporary file lives in the destination directory (``os.replace`` is only atomic
-    within one file system) and is named ``.<name>.<pid>.tmp`` so an interrupted run's
-    leftovers are recognisable and can be swept (``generation.sweep_temporaries``).
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, fsync: bool = True) -> None:
-    """Write ``data`` to ``path`` atomically (:func:`atomic_path`).
-
-    ``fsync`` makes the content durable before the rename (power loss); callers that
-    verify their files on reuse anyway, like the image generator, may skip it for speed.
-    """
-    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
-        fh.write(data)
-        if fsync:
-            fh.flush()
-            os.fsync(fh.fileno())
-
-
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """UTF-8 text variant of :func:`atomic_write_bytes`."""
-    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def _csv_text(rows: Sequence[Mapping[str, Any]], split: str) -> str:

@@ -20,6 +20,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from ats_cli.data.dataset import DATASET_JSON, Dataset, DatasetError, Problem, load_dataset, write_dataset
+from ats_cli.io import atomic_path
 
 __all__ = ["IMAGE_EXTENSIONS", "MODES", "dataset_from_folder", "stratified_split"]
 
@@ -155,15 +156,10 @@ def _place_file(file: Path, src: Path, out: Path, label: str, mode: str) -> str:
     rel = Path("images") / label / file.relative_to(src / label)
     dest = out / rel
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
-    try:
+    with atomic_path(dest) as tmp:
         if mode == "copy":
             shutil.copy2(file, tmp)
         else:
-            tmp.unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)  # a stale one would make symlink fail
             os.symlink(file, tmp)
-        os.replace(tmp, dest)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return rel.as_posix()
