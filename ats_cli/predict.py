@@ -35,7 +35,8 @@ from ats_cli.checkpoint import CheckpointError, load_model
 from ats_cli.core.model import ATSModel, ATSOutput
 from ats_cli.core.sampling import ESTIMATORS
 from ats_cli.data.dataset import DATASET_JSON
-from ats_cli.data.images import IMAGE_SUFFIXES, ImageReadError
+from ats_cli.data.formats import is_input_file
+from ats_cli.data.images import ImageReadError
 from ats_cli.data.inputs import OpenedImage, batch_sources, batch_support, open_input
 from ats_cli.inference import predict_probs
 from ats_cli.io import atomic_write_text
@@ -268,8 +269,9 @@ def resolve_inputs(specs: Iterable[str | os.PathLike[str]], *, recursive: bool =
     * an existing file: a ``.csv`` is a dataset CSV (``path`` column, optional ``label``;
       relative paths are relative to the CSV's directory); anything else is an image;
     * a directory holding ``dataset.json`` and ``test.csv``: that dataset's test split;
-    * any other directory: the image files in it (suffixes ``IMAGE_SUFFIXES`` and slide formats, sorted by
-      name, hidden files skipped), including sub-directories when ``recursive``;
+    * any other directory: the image files in it (the suffixes of
+      :data:`ats_cli.data.formats.BACKENDS`, sorted by name, hidden files skipped),
+      including sub-directories when ``recursive``;
     * a pattern with ``* ? [`` that is not an existing path: expanded here (``**``
       included), for shells that do not; matched directories and CSVs are treated as
       above, other matches only if they are image files.
@@ -306,25 +308,19 @@ def resolve_inputs(specs: Iterable[str | os.PathLike[str]], *, recursive: bool =
     return items
 
 
-def _is_image(path: Path) -> bool:
-    from ats_cli.data.slides import SLIDE_SUFFIXES
-
-    return path.suffix.lower() in IMAGE_SUFFIXES + SLIDE_SUFFIXES + (".btf",) and not path.name.startswith(".")
-
-
 def _expand(path: Path, *, recursive: bool, explicit: bool) -> list[InputItem]:
     if path.is_dir():
         if (path / DATASET_JSON).is_file() and (path / "test.csv").is_file():
             return read_inputs_csv(path / "test.csv")
         files = path.rglob("*") if recursive else path.iterdir()
-        images = sorted((p for p in files if p.is_file() and _is_image(p)), key=lambda p: str(p))
+        images = sorted((p for p in files if p.is_file() and is_input_file(p)), key=lambda p: str(p))
         if not images and explicit:
             hint = "" if recursive else " (sub-directories are searched with --recursive)"
             return [InputItem(path, error=f"{path}: a directory with no image files{hint}")]
         return [InputItem(p) for p in images]
     if path.suffix.lower() == ".csv":
         return read_inputs_csv(path)
-    if explicit or _is_image(path):
+    if explicit or is_input_file(path):
         return [InputItem(path)]
     return []
 
