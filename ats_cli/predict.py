@@ -34,7 +34,7 @@ import torch
 from ats_cli.checkpoint import CheckpointError, load_model
 from ats_cli.core.model import ATSModel, ATSOutput
 from ats_cli.core.sampling import ESTIMATORS
-from ats_cli.data.dataset import DATASET_JSON
+from ats_cli.data.dataset import DATASET_JSON, read_csv
 from ats_cli.data.formats import is_input_file
 from ats_cli.data.images import ImageReadError
 from ats_cli.data.inputs import OpenedImage, batch_sources, batch_support, open_input
@@ -327,39 +327,20 @@ def _expand(path: Path, *, recursive: bool, explicit: bool) -> list[InputItem]:
 
 def read_inputs_csv(path: str | os.PathLike[str]) -> list[InputItem]:
     """The rows of a dataset CSV (the ats dataset format, or any CSV with a ``path``
-    column) as input items; ``label`` is kept when the column exists and the cell is not
-    empty, every other column goes to ``extra``. Relative paths are relative to the CSV's
-    directory, as in the dataset format. A malformed CSV is one failed item naming it."""
+    column) as input items, read by the dataset loader's parser
+    (:func:`ats_cli.data.dataset.read_csv`); ``label`` is kept when the column exists and
+    the cell is not empty, every other column goes to ``extra``. Relative paths are
+    relative to the CSV's directory, as in the dataset format. A row that cannot be used
+    is a failed item naming the CSV and line; a CSV that cannot be read (no ``path``
+    column, not CSV, not UTF-8) is one failed item naming it."""
     path = Path(path)
-    try:
-        with open(path, newline="", encoding="utf-8") as fh:
-            reader = csv.DictReader(fh)
-            header = reader.fieldnames or []
-            if "path" not in header:
-                return [InputItem(path, error=f"{path}: a CSV needs a 'path' column (header: {header})")]
-            out = []
-            first = reader.line_num + 1  # the line the next row starts on
-            for row in reader:
-                raw = (row.get("path") or "").strip()
-                if "\n" in raw or "\n" in (row.get("label") or ""):  # no path or label holds a line break
-                    out.append(InputItem(path, error=f"{path}:{first}: a quote opened on this line is never closed "
-                                                     f"(the field runs on to line {reader.line_num})"))
-                    first = reader.line_num + 1
-                    continue
-                first = reader.line_num + 1
-                if not raw:
-                    out.append(InputItem(path, error=f"{path}:{reader.line_num}: empty path"))
-                    continue
-                file = Path(raw).expanduser()
-                file = Path(os.path.normpath(file if file.is_absolute() else path.parent / file))
-                label = (row.get("label") or "").strip() or None
-                extra = {k: v for k, v in row.items() if k not in ("path", "label") and isinstance(k, str)}
-                out.append(InputItem(file, label=label, extra=extra))
-    except (OSError, UnicodeDecodeError, csv.Error) as e:
-        return [InputItem(path, error=f"{path}: cannot read the CSV ({_first_line(e)})")]
-    if not out:
+    table = read_csv(path, required=("path",))
+    if table.error is not None:
+        return [InputItem(path, error=str(table.error))]
+    if not table.rows:
         return [InputItem(path, error=f"{path}: the CSV has no rows")]
-    return out
+    return [InputItem(path, error=str(row.problem)) if row.problem is not None
+            else InputItem(row.path, label=row.label or None, extra=row.extra) for row in table.rows]
 
 
 # ---------------------------------------------------------------------------- reading

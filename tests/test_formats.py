@@ -1,5 +1,6 @@
-"""One input layer: the suffix table decides for every command, and one PIL decoder with
-one mode table reads images the same way on every path."""
+"""One input layer: the suffix table decides for every command, one PIL decoder with one
+mode table reads images the same way on every path, and one parser reads dataset CSVs
+for training and for ats predict."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ats_cli.data import dataset_from_folder
+from ats_cli.data import DatasetError, dataset_from_folder, load_dataset
 from ats_cli.data.formats import BACKENDS, PILLOW, backend
 from ats_cli.data.images import ImageReadError, decode_pil, pil_channels, read_image
 from ats_cli.data.slides import SlideReadError, open_image
-from ats_cli.predict import resolve_inputs
+from ats_cli.predict import read_inputs_csv, resolve_inputs
 
 
 def test_from_folder_and_predict_dir_accept_the_same_suffixes(tmp_path: Path) -> None:
@@ -77,3 +78,22 @@ def test_deep_images_are_refused_alike_by_both_pil_paths(tmp_path: Path) -> None
         open_image(path, reader=PILLOW)
     assert str(plain.value) == str(lazy.value)
     assert pil_channels(path) is None
+
+
+def test_the_dataset_loader_and_predict_refuse_the_same_csv_rows_alike(tmp_path: Path) -> None:
+    root = tmp_path / "d"
+    root.mkdir()
+    for name in ("a.png", "b.png"):
+        Image.new("L", (4, 3)).save(root / name)
+    (root / "dataset.json").write_text('{"classes": ["cat", "dog"]}')
+    (root / "test.csv").write_text("path,label\nb.png,dog\n")
+    (root / "train.csv").write_text('path,label\na.png,cat\n,dog\nb.png,dog,more\n"a.png,cat\nb.png,dog\n')
+    with pytest.raises(DatasetError) as err:
+        load_dataset(root)
+    from_loader = [f"{p.line}: {p.message}" for p in err.value.problems]
+    items = read_inputs_csv(root / "train.csv")
+    assert (items[0].path, items[0].label, items[0].error) == (root / "a.png", "cat", None)
+    from_predict = [item.error.removeprefix(f"{root / 'train.csv'}:") for item in items[1:]]
+    assert from_predict == from_loader
+    assert from_loader[:2] == ["3: empty path", "4: 3 fields, the header has 2"]
+    assert from_loader[2].startswith("5: a quote opened on this line is never closed")
