@@ -1,5 +1,6 @@
-"""Writing files safely: every file ats writes (checkpoints, CSVs, JSON, figures, images,
-dataset copies) goes through here.
+"""Writing files safely: the files ats writes for users and for later runs (checkpoints,
+dataset CSVs and JSON, predictions, metrics, figures, generated images, dataset copies)
+go through here.
 
 Why one place: a file is replaced in one step, readers (a resumed run, ``ats predict``
 reading a checkpoint another process is saving, a user's spreadsheet) see either the
