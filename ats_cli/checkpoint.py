@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ats_cli.data.dataset import atomic_write_bytes
+from ats_cli.io import atomic_write_bytes
 from ats_cli.legacy import upgrade_spec
 from ats_cli.models import create_model
 

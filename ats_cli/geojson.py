@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ats_cli.data.dataset import atomic_write_bytes, atomic_write_text
+from ats_cli.io import atomic_write_bytes, atomic_write_text
 
 __all__ = [
     "CELL_MASS",

@@ -20,7 +20,6 @@ The pieces, in the order ``ats predict`` uses them:
 from __future__ import annotations
 
 import csv
-import errno
 import functools
 import glob
 import io
@@ -35,10 +34,12 @@ import torch
 from ats_cli.checkpoint import CheckpointError, load_model
 from ats_cli.core.model import ATSModel, ATSOutput
 from ats_cli.core.sampling import ESTIMATORS
-from ats_cli.data.dataset import DATASET_JSON, atomic_write_text
-from ats_cli.data.images import IMAGE_SUFFIXES, ImageReadError
+from ats_cli.data.dataset import DATASET_JSON, read_csv
+from ats_cli.data.formats import is_input_file
+from ats_cli.data.images import ImageReadError
 from ats_cli.data.inputs import OpenedImage, batch_sources, batch_support, open_input
 from ats_cli.inference import predict_probs
+from ats_cli.io import atomic_write_text
 from ats_cli.runtime import resolve_device
 
 __all__ = [
@@ -48,7 +49,6 @@ __all__ = [
     "PredictionInterrupted",
     "PredictionRow",
     "Predictor",
-    "check_writable",
     "evaluate",
     "load_predictor",
     "open_input",
@@ -222,24 +222,6 @@ class PredictionInterrupted(KeyboardInterrupt):
         self.rows, self.total = rows, total
 
 
-def check_writable(path: str | os.PathLike[str]) -> None:
-    """Raise OSError (with the reason) unless a file can be written at ``path``: checked
-    before any work, so that an unwritable output is not found out after hours of it.
-    Creates the parent directory (the write would), writes and removes a probe file."""
-    path = Path(path)
-    if path.is_dir():
-        raise IsADirectoryError(errno.EISDIR, "is a directory", str(path))
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):  # a file where a directory must be
-        blocker = next((p for p in [path.parent, *path.parent.parents] if p.exists() and not p.is_dir()), path.parent)
-        raise NotADirectoryError(errno.ENOTDIR, f"{blocker} is a file, not a directory", str(path)) from None
-    probe = path.with_name(f".{path.name}.{os.getpid()}.probe")
-    with open(probe, "wb") as fh:
-        fh.write(b"\0")
-    probe.unlink()
-
-
 def load_predictor(model: str | os.PathLike[str], device: str = "auto", *, estimator: str | None = None
                    ) -> Predictor:
     """Load a checkpoint (or a run directory's best.pt) for prediction on ``device``
@@ -288,8 +270,9 @@ def resolve_inputs(specs: Iterable[str | os.PathLike[str]], *, recursive: bool =
     * an existing file: a ``.csv`` is a dataset CSV (``path`` column, optional ``label``;
       relative paths are relative to the CSV's directory); anything else is an image;
     * a directory holding ``dataset.json`` and ``test.csv``: that dataset's test split;
-    * any other directory: the image files in it (suffixes ``IMAGE_SUFFIXES`` and slide formats, sorted by
-      name, hidden files skipped), including sub-directories when ``recursive``;
+    * any other directory: the image files in it (the suffixes of
+      :data:`ats_cli.data.formats.BACKENDS`, sorted by name, hidden files skipped),
+      including sub-directories when ``recursive``;
     * a pattern with ``* ? [`` that is not an existing path: expanded here (``**``
       included), for shells that do not; matched directories and CSVs are treated as
       above, other matches only if they are image files.
@@ -326,64 +309,39 @@ def resolve_inputs(specs: Iterable[str | os.PathLike[str]], *, recursive: bool =
     return items
 
 
-def _is_image(path: Path) -> bool:
-    from ats_cli.data.slides import SLIDE_SUFFIXES
-
-    return path.suffix.lower() in IMAGE_SUFFIXES + SLIDE_SUFFIXES + (".btf",) and not path.name.startswith(".")
-
-
 def _expand(path: Path, *, recursive: bool, explicit: bool) -> list[InputItem]:
     if path.is_dir():
         if (path / DATASET_JSON).is_file() and (path / "test.csv").is_file():
             return read_inputs_csv(path / "test.csv")
         files = path.rglob("*") if recursive else path.iterdir()
-        images = sorted((p for p in files if p.is_file() and _is_image(p)), key=lambda p: str(p))
+        images = sorted((p for p in files if p.is_file() and is_input_file(p)), key=lambda p: str(p))
         if not images and explicit:
             hint = "" if recursive else " (sub-directories are searched with --recursive)"
             return [InputItem(path, error=f"{path}: a directory with no image files{hint}")]
         return [InputItem(p) for p in images]
     if path.suffix.lower() == ".csv":
         return read_inputs_csv(path)
-    if explicit or _is_image(path):
+    if explicit or is_input_file(path):
         return [InputItem(path)]
     return []
 
 
 def read_inputs_csv(path: str | os.PathLike[str]) -> list[InputItem]:
     """The rows of a dataset CSV (the ats dataset format, or any CSV with a ``path``
-    column) as input items; ``label`` is kept when the column exists and the cell is not
-    empty, every other column goes to ``extra``. Relative paths are relative to the CSV's
-    directory, as in the dataset format. A malformed CSV is one failed item naming it."""
+    column) as input items, read by the dataset loader's parser
+    (:func:`ats_cli.data.dataset.read_csv`); ``label`` is kept when the column exists and
+    the cell is not empty, every other column goes to ``extra``. Relative paths are
+    relative to the CSV's directory, as in the dataset format. A row that cannot be used
+    is a failed item naming the CSV and line; a CSV that cannot be read (no ``path``
+    column, not CSV, not UTF-8) is one failed item naming it."""
     path = Path(path)
-    try:
-        with open(path, newline="", encoding="utf-8") as fh:
-            reader = csv.DictReader(fh)
-            header = reader.fieldnames or []
-            if "path" not in header:
-                return [InputItem(path, error=f"{path}: a CSV needs a 'path' column (header: {header})")]
-            out = []
-            first = reader.line_num + 1  # the line the next row starts on
-            for row in reader:
-                raw = (row.get("path") or "").strip()
-                if "\n" in raw or "\n" in (row.get("label") or ""):  # no path or label holds a line break
-                    out.append(InputItem(path, error=f"{path}:{first}: a quote opened on this line is never closed "
-                                                     f"(the field runs on to line {reader.line_num})"))
-                    first = reader.line_num + 1
-                    continue
-                first = reader.line_num + 1
-                if not raw:
-                    out.append(InputItem(path, error=f"{path}:{reader.line_num}: empty path"))
-                    continue
-                file = Path(raw).expanduser()
-                file = Path(os.path.normpath(file if file.is_absolute() else path.parent / file))
-                label = (row.get("label") or "").strip() or None
-                extra = {k: v for k, v in row.items() if k not in ("path", "label") and isinstance(k, str)}
-                out.append(InputItem(file, label=label, extra=extra))
-    except (OSError, UnicodeDecodeError, csv.Error) as e:
-        return [InputItem(path, error=f"{path}: cannot read the CSV ({_first_line(e)})")]
-    if not out:
+    table = read_csv(path, required=("path",))
+    if table.error is not None:
+        return [InputItem(path, error=str(table.error))]
+    if not table.rows:
         return [InputItem(path, error=f"{path}: the CSV has no rows")]
-    return out
+    return [InputItem(path, error=str(row.problem)) if row.problem is not None
+            else InputItem(row.path, label=row.label or None, extra=row.extra) for row in table.rows]
 
 
 # ---------------------------------------------------------------------------- reading

@@ -33,7 +33,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ats_cli.data.dataset import atomic_write_text
+from ats_cli.io import atomic_write_text
 
 try:
     import fcntl

@@ -36,10 +36,11 @@ from torch.utils.data import DataLoader
 from ats_cli.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ats_cli.config import TrainConfig
 from ats_cli.core.model import ATSModel
-from ats_cli.data.dataset import atomic_path, atomic_write_text, load_dataset
+from ats_cli.data.dataset import load_dataset
 from ats_cli.data.loader import Batch, ImageDataset, Unreadable, collate, readable, single_thread_worker
 from ats_cli.distributed import Dist, all_reduce, broadcast_buffers, from_main, process_group, shard_batches
 from ats_cli.inference import predict_probs
+from ats_cli.io import atomic_path, atomic_write_text
 from ats_cli.models import create_model, model_spec
 from ats_cli.rundir import RunDirError, append_metrics, claim, make_dirs, rewrite_metrics
 from ats_cli.runtime import peak_memory_mb, reset_peak_memory

@@ -40,7 +40,8 @@ import numpy as np
 import torch
 
 from ats_cli.checkpoint import CheckpointError
-from ats_cli.data.dataset import KNOWN_SPLITS, atomic_write_bytes
+from ats_cli.data.dataset import KNOWN_SPLITS
+from ats_cli.io import atomic_write_bytes
 from ats_cli.predict import OpenedImage, Predictor, load_predictor, read_inputs_csv
 
 __all__ = [

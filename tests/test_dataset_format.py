@@ -11,8 +11,8 @@ import pytest
 from PIL import Image
 
 from ats_cli.data import Dataset, DatasetError, dataset_from_folder, load_dataset, write_dataset
-from ats_cli.data.dataset import atomic_write_text
 from ats_cli.data.folder import stratified_split
+from ats_cli.io import atomic_write_text
 
 
 def _png(path: Path, value: int = 0, mode: str = "L") -> Path:

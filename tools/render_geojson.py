@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from PIL import Image
 
-        from ats_cli.data.dataset import atomic_write_bytes
+        from ats_cli.io import atomic_write_bytes
 
         with Image.open(args.out) as im:
             small = im.convert("RGB").quantize(colors=args.colors, method=Image.Quantize.FASTOCTREE,

@@ -83,9 +83,9 @@ def predict(
     """
     from ats_cli.checkpoint import CheckpointError
     from ats_cli.data.images import max_pixels_limit
+    from ats_cli.io import check_writable
     from ats_cli.predict import (
         PredictionInterrupted,
-        check_writable,
         evaluate,
         load_predictor,
         predictions_csv_text,

@@ -71,7 +71,7 @@ def visualize(
     """
     from ats_cli.checkpoint import CheckpointError
     from ats_cli.data.images import ImageReadError, max_pixels_limit
-    from ats_cli.predict import check_writable
+    from ats_cli.io import check_writable
     from ats_cli.visualize import render_attention, render_evolution
 
     console = OutputConsole(highlight=False, soft_wrap=True)

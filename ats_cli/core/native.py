@@ -31,7 +31,7 @@ from types import ModuleType
 
 import torch
 
-from ats_cli.data.dataset import atomic_write_bytes
+from ats_cli.io import atomic_write_bytes
 
 __all__ = ["ExtractPatches", "build", "build_dir", "build_key", "is_built", "kernel_for", "status"]
 

@@ -15,21 +15,22 @@ diffs well, and a dataset can reference images anywhere (absolute paths) without
 copying gigabytes. Why validate everything up front: a typo in row 40,000 should fail in
 one second at load time with the row named, not an hour into training.
 
-Everything is written atomically (temporary file in the same directory, then
-``os.replace``), so a crash never leaves a half-written CSV or JSON behind.
+Everything is written atomically (:mod:`ats_cli.io`), so a crash never leaves a
+half-written CSV or JSON behind.
 """
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import io
 import json
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ats_cli.io import atomic_write_text
 
 __all__ = [
     "DATASET_JSON",
@@ -37,11 +38,11 @@ __all__ = [
     "Dataset",
     "DatasetError",
     "Problem",
+    "CsvRow",
+    "CsvTable",
     "Record",
-    "atomic_path",
-    "atomic_write_bytes",
-    "atomic_write_text",
     "load_dataset",
+    "read_csv",
     "write_dataset",
 ]
 
@@ -122,44 +123,6 @@ class Dataset:
 
 
 # ---------------------------------------------------------------------------- writing
-
-
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield a temporary path to write ``path``'s new content to; on success it replaces
-    ``path`` in one step (readers see either the old file or the new one), on any error
-    it is deleted.
-
-    The temporary file lives in the destination directory (``os.replace`` is only atomic
-    within one file system) and is named ``.<name>.<pid>.tmp`` so an interrupted run's
-    leftovers are recognisable and can be swept (``generation.sweep_temporaries``).
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, fsync: bool = True) -> None:
-    """Write ``data`` to ``path`` atomically (:func:`atomic_path`).
-
-    ``fsync`` makes the content durable before the rename (power loss); callers that
-    verify their files on reuse anyway, like the image generator, may skip it for speed.
-    """
-    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
-        fh.write(data)
-        if fsync:
-            fh.flush()
-            os.fsync(fh.fileno())
-
-
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """UTF-8 text variant of :func:`atomic_write_bytes`."""
-    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def _csv_text(rows: Sequence[Mapping[str, Any]], split: str) -> str:
@@ -287,53 +250,30 @@ def load_dataset(root: str | os.PathLike[str], *, check_files: bool = True) -> D
     splits: dict[str, list[Record]] = {}
     for split in _split_names(root, meta, problems):
         name = f"{split}.csv"
-        path = root / name
-        if not path.is_file():
+        if not (root / name).is_file():
             problems.append(Problem(name, 0, "missing"))
             continue
-        with open(path, newline="", encoding="utf-8") as fh:
-            reader = csv.DictReader(fh)
-            header = reader.fieldnames or []
-            absent = [c for c in ("path", "label") if c not in header]
-            if absent:
-                problems.append(Problem(name, 1, f"header {header} lacks column(s) {absent}"))
+        table = read_csv(root / name, name=name)
+        records: list[Record] = []
+        for row in table.rows:
+            if row.problem is not None:
+                problems.append(row.problem)
                 continue
-            records: list[Record] = []
-            n_rows = 0
-            rows = _rows(reader, name, problems)
-            for row in rows:
-                n_rows += 1
-                line = reader.line_num
-                raw_path = (row.get("path") or "").strip()
-                label_name = (row.get("label") or "").strip()
-                if "\n" in raw_path or "\n" in label_name:  # a quote left open swallows the lines after it
-                    problems.append(Problem(name, rows.start, "a quote opened on this line is never closed (the "
-                                            f"field runs on to line {line}); close or remove it"))
-                    continue
-                if None in row:  # more fields than the header has
-                    n_fields = len(header) + len(row[None])
-                    problems.append(Problem(name, line, f"{n_fields} fields, the header has {len(header)}"))
-                    continue
-                if not raw_path:
-                    problems.append(Problem(name, line, "empty path"))
-                    continue
-                file = Path(raw_path).expanduser()
-                file = file if file.is_absolute() else root / file
-                file = Path(os.path.normpath(file))
-                if file in seen:
-                    problems.append(Problem(name, line, f"duplicate path {raw_path!r} (first at {seen[file]})"))
-                else:
-                    seen[file] = f"{name}:{line}"
-                if label_name not in index:
-                    problems.append(Problem(name, line, f"unknown label {label_name!r} (classes: {_short(classes)})"))
-                    continue
-                if check_files and not file.is_file():
-                    problems.append(Problem(name, line, f"missing file {raw_path!r}"))
-                    continue
-                extra = {k: v for k, v in row.items() if k not in ("path", "label") and k is not None}
-                records.append(Record(file, index[label_name], label_name, extra, line))
-            if n_rows == 0:
-                problems.append(Problem(name, 0, "empty split: no rows after the header"))
+            if row.path in seen:
+                problems.append(Problem(name, row.line, f"duplicate path {row.raw_path!r} (first at {seen[row.path]})"))
+            else:
+                seen[row.path] = f"{name}:{row.line}"
+            if row.label not in index:
+                problems.append(Problem(name, row.line, f"unknown label {row.label!r} (classes: {_short(classes)})"))
+                continue
+            if check_files and not row.path.is_file():
+                problems.append(Problem(name, row.line, f"missing file {row.raw_path!r}"))
+                continue
+            records.append(Record(row.path, index[row.label], row.label, row.extra, row.line))
+        if table.error is not None:  # it also explains why there are no (more) rows
+            problems.append(table.error)
+        elif not table.rows:
+            problems.append(Problem(name, 0, "empty split: no rows after the header"))
         splits[split] = records
     if problems:
         raise DatasetError(root, problems)
@@ -341,26 +281,85 @@ def load_dataset(root: str | os.PathLike[str], *, check_files: bool = True) -> D
     return Dataset(root=root, classes=classes, splits=splits, hints=hints, meta=meta)
 
 
-class _rows:
-    """The rows of a ``csv.DictReader`` with the line each starts on (``start``); a CSV
-    syntax error (a NUL byte, an over-long field) becomes a problem naming the line
-    instead of an exception."""
+@dataclass(frozen=True)
+class CsvRow:
+    """One data row of a dataset CSV, as :func:`read_csv` parsed it.
 
-    def __init__(self, reader: csv.DictReader, name: str, problems: list[Problem]):
-        self.reader, self.name, self.problems = reader, name, problems
-        self.start = reader.line_num + 1
+    ``path`` is absolute and normalised (a relative ``path`` cell is relative to the CSV's
+    directory); ``raw_path`` is the cell as written (for messages); ``label`` is the
+    stripped ``label`` cell ("" when absent); ``extra`` holds the other columns. ``line``
+    is where the row ends (header = line 1). A row that cannot be used has ``problem``
+    set, naming its line, and nothing else.
+    """
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        while True:
-            self.start = self.reader.line_num + 1
+    line: int
+    path: Path = Path()
+    raw_path: str = ""
+    label: str = ""
+    extra: Mapping[str, str] = field(default_factory=dict)
+    problem: Problem | None = None
+
+
+@dataclass(frozen=True)
+class CsvTable:
+    """What :func:`read_csv` read: the rows in file order, and ``error``, the problem that
+    stopped it (a missing column, invalid CSV, not UTF-8) after the rows before it."""
+
+    rows: list[CsvRow]
+    error: Problem | None = None
+
+
+def read_csv(path: str | os.PathLike[str], *, required: Sequence[str] = ("path", "label"),
+             name: str | None = None) -> CsvTable:
+    """Parse a dataset CSV (``path,label[,more]``) or ``ats predict``'s CSV input (where
+    only ``path`` is ``required``): the one CSV reader, so both accept and refuse the same
+    rows with the same messages. Never raises for the file's content or an unreadable
+    file: every problem is a :class:`Problem` naming ``name`` (default: the path) and the
+    line, so that callers can report them all at once.
+
+    Row problems: a quote never closed (it swallows the lines after it into one field,
+    so it is named by the line it opens on rather than reported as a missing file), more
+    fields than the header, an empty path.
+    """
+    path = Path(path)
+    name = str(path) if name is None else name
+    rows: list[CsvRow] = []
+    try:
+        with open(path, newline="", encoding="utf-8") as fh:
+            reader = csv.DictReader(fh)
             try:
-                row = next(self.reader)
-            except StopIteration:
-                return
-            except csv.Error as e:
-                self.problems.append(Problem(self.name, self.reader.line_num, f"not valid CSV ({e})"))
-                return
-            yield row
+                header = reader.fieldnames or []
+                absent = [c for c in required if c not in header]
+                if absent:
+                    return CsvTable(rows, Problem(name, 1, f"header {header} lacks column(s) {absent}"))
+                start = reader.line_num + 1  # the line the next row starts on
+                for row in reader:
+                    rows.append(_csv_row(row, name, start, reader.line_num, len(header), path.parent))
+                    start = reader.line_num + 1
+            except csv.Error as e:  # a NUL byte, an over-long field
+                return CsvTable(rows, Problem(name, reader.line_num, f"not valid CSV ({e})"))
+    except UnicodeDecodeError as e:
+        return CsvTable(rows, Problem(name, 0, f"not UTF-8 text ({e})"))
+    except OSError as e:
+        return CsvTable(rows, Problem(name, 0, f"cannot be read ({e.strerror or e})"))
+    return CsvTable(rows)
+
+
+def _csv_row(row: Mapping[str | None, Any], name: str, start: int, end: int, n_columns: int, base: Path) -> CsvRow:
+    raw_path = (row.get("path") or "").strip()
+    label = (row.get("label") or "").strip()
+    if "\n" in raw_path or "\n" in label:  # a quote left open swallows the lines after it
+        return CsvRow(start, problem=Problem(name, start, "a quote opened on this line is never closed (the field "
+                                             f"runs on to line {end}); close or remove it"))
+    if None in row:  # more fields than the header has
+        return CsvRow(end, problem=Problem(name, end, f"{n_columns + len(row[None])} fields, the header has "
+                                           f"{n_columns}"))
+    if not raw_path:
+        return CsvRow(end, problem=Problem(name, end, "empty path"))
+    file = Path(raw_path).expanduser()
+    file = Path(os.path.normpath(file if file.is_absolute() else base / file))
+    extra = {k: v for k, v in row.items() if k not in ("path", "label") and k is not None}
+    return CsvRow(end, file, raw_path, label, extra)
 
 
 def _short(items: Sequence[str], limit: int = 12) -> str:

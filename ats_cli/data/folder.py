@@ -17,19 +17,15 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
 
 from ats_cli.data.dataset import DATASET_JSON, Dataset, DatasetError, Problem, load_dataset, write_dataset
+from ats_cli.data.formats import INPUT_SUFFIXES, PILLOW, backend
+from ats_cli.data.images import pil_channels
+from ats_cli.io import atomic_path
 
-__all__ = ["IMAGE_EXTENSIONS", "MODES", "dataset_from_folder", "stratified_split"]
+__all__ = ["MODES", "dataset_from_folder", "stratified_split"]
 
-IMAGE_EXTENSIONS = (
-    ".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm",
-    # whole-slide formats OpenSlide reads
-    ".svs", ".ndpi", ".mrxs", ".scn", ".vms", ".vmu", ".bif", ".svslide", ".dcm",
-)
 MODES = ("reference", "copy", "link")
-_PIL_CHANNELS = {"1": 1, "L": 1, "I": 1, "F": 1, "I;16": 1, "P": 3, "RGB": 3, "RGBA": 4, "LA": 2, "CMYK": 4}
 
 
 def stratified_split(n: int, fractions: dict[str, float], rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -69,11 +65,17 @@ def _files(folder: Path, extensions: Iterable[str]) -> list[Path]:
 
 
 def _channels(path: Path) -> int | None:
+    """The channels the readers will give ``path`` (the ``channels`` hint), from its
+    header; None (no hint rather than a wrong one) when it cannot be opened."""
+    if backend(path) in (None, PILLOW):
+        return pil_channels(path)
     try:
-        with Image.open(path) as im:
-            return _PIL_CHANNELS.get(im.mode)
-    except (UnidentifiedImageError, OSError, ValueError):
-        return None  # e.g. a whole-slide file: no hint rather than a wrong one
+        from ats_cli.data.slides import open_image  # torch: only for a dataset of TIFFs or slides
+
+        with open_image(path) as slide:
+            return slide.channels
+    except Exception:  # noqa: BLE001 - any reader, any failure (OpenSlide not installed): no hint
+        return None
 
 
 def dataset_from_folder(
@@ -84,7 +86,7 @@ def dataset_from_folder(
     val_fraction: float = 0.0,
     seed: int = 0,
     mode: str = "reference",
-    extensions: Iterable[str] = IMAGE_EXTENSIONS,
+    extensions: Iterable[str] = INPUT_SUFFIXES,
     overwrite: bool = False,
 ) -> Dataset:
     """Write ``train.csv``/``test.csv`` (and ``val.csv`` if ``val_fraction`` > 0) for ``src`` into ``out``.
@@ -155,15 +157,10 @@ def _place_file(file: Path, src: Path, out: Path, label: str, mode: str) -> str:
     rel = Path("images") / label / file.relative_to(src / label)
     dest = out / rel
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
-    try:
+    with atomic_path(dest) as tmp:
         if mode == "copy":
             shutil.copy2(file, tmp)
         else:
-            tmp.unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)  # a stale one would make symlink fail
             os.symlink(file, tmp)
-        os.replace(tmp, dest)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return rel.as_posix()

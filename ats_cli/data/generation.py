@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from ats_cli.data.dataset import DATASET_JSON, DatasetError, Problem, atomic_write_text, write_dataset
+from ats_cli.data.dataset import DATASET_JSON, DatasetError, Problem, write_dataset
+from ats_cli.io import atomic_write_text, sweep_temporaries
 
 __all__ = ["LOCK_NAME", "SPLITS", "ChunkJob", "GenerationReport", "check_output", "run_generation"]
 
@@ -102,12 +103,6 @@ def check_output(out: str | os.PathLike[str], block: Mapping[str, Any],
         if diffs:
             raise DatasetError(out, [Problem(where, 0, "was generated with different parameters (" + "; ".join(diffs)
                                              + "); use a new output directory, or the same parameters to resume")])
-
-
-def sweep_temporaries(folder: Path) -> None:
-    """Delete temporary files an interrupted run left behind (``.<name>.<pid>.tmp``)."""
-    for stray in folder.glob(".*.tmp"):
-        stray.unlink(missing_ok=True)
 
 
 _WORKER_JOB: ChunkJob | None = None

@@ -1,5 +1,11 @@
-"""Reading ordinary image files (PNG, JPEG, TIFF) into uint8 tensors, with errors that
-name the file.
+"""Reading ordinary image files (the ``pillow`` backend of :mod:`ats_cli.data.formats`:
+PNG, JPEG, ...) into uint8 arrays and tensors, with errors that name the file.
+
+:func:`decode_pil` is the one PIL decoder (:func:`read_image` and the slide module's
+``PillowReader`` both use it) and :data:`PIL_MODES` the one table of what each PIL mode
+becomes, so an image reads the same whichever path reaches it. torch is imported only by
+the functions that return tensors: the torch-free from-folder converter reads headers
+here too.
 
 Images stay uint8 on the host: a 1500x1500 grayscale image is 2.25 MB as uint8 and 9 MB
 as float32, and only the low-res view and the sampled patches are ever converted.
@@ -17,16 +23,17 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
-__all__ = ["DEFAULT_MAX_PIXELS", "ImageReadError", "read_image", "IMAGE_SUFFIXES", "max_pixels_limit",
-           "open_pil", "over_budget", "resize_in_bands"]
+if TYPE_CHECKING:
+    import torch
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp")
-_MODES = {1: "L", 3: "RGB"}
+__all__ = ["DEFAULT_MAX_PIXELS", "PIL_MODES", "ImageReadError", "decode_pil", "max_pixels_limit", "open_pil",
+           "over_budget", "pil_channels", "read_image", "resize_in_bands"]
+
 # The most pixels decoded at once from one input. 64 M (8000 x 8000) keeps the peak memory
 # of ats predict / info / visualize on any input under about 1.5 GB (measured: an RGB PNG
 # that size, a model with a 0.25 low-res scale: 1.4-1.5 GB, of which ~0.6 GB is PyTorch
@@ -35,6 +42,19 @@ DEFAULT_MAX_PIXELS = 64_000_000
 MAX_PIXELS_ENV = "ATS_MAX_PIXELS"
 BAND_BYTES = 64 << 20  # float32 bytes converted at once by resize_in_bands
 _PIL_GUARD = threading.Lock()  # Image.MAX_IMAGE_PIXELS is process-wide
+
+# The one PIL mode table: what an image of each mode is converted to before use. Models
+# take gray (1 channel) or RGB (3), so alpha is dropped (a transparent background would
+# be a fourth channel the model never saw) and palette, CMYK, YCbCr, ... become RGB; a
+# mode not listed becomes RGB too. None: refused, since 16/32-bit samples have no one
+# right 8-bit mapping (clip, or scale from which range?): the user converts them knowingly.
+PIL_MODES: dict[str, str | None] = {
+    "1": "L", "L": "L", "LA": "L", "La": "L",
+    "P": "RGB", "PA": "RGB", "RGB": "RGB", "RGBA": "RGB", "RGBa": "RGB", "RGBX": "RGB", "CMYK": "RGB",
+    "YCbCr": "RGB", "LAB": "RGB", "HSV": "RGB",
+    "I": None, "I;16": None, "I;16B": None, "I;16L": None, "I;16N": None, "F": None,
+}
+_CHANNELS = {"L": 1, "RGB": 3}
 
 
 class ImageReadError(ValueError):
@@ -71,21 +91,65 @@ def over_budget(path: str | os.PathLike[str], what: str, pixels: int, limit: int
                           "(a tiled pyramidal TIFF is read without such large decodes)")
 
 
+def _open_unguarded(path: str | os.PathLike[str]) -> Image.Image:
+    """``Image.open`` (the header only) without PIL's decompression-bomb guard, which
+    the pixel budget replaces."""
+    with _PIL_GUARD:
+        saved, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+        try:
+            return Image.open(path)
+        finally:
+            Image.MAX_IMAGE_PIXELS = saved
+
+
 def open_pil(path: str | os.PathLike[str], max_pixels: int | None = None) -> Image.Image:
     """``Image.open`` with the pixel budget in place of PIL's decompression-bomb guard:
     only the header is read, and an image larger than the budget is refused by name
     before anything is decoded. Raises what ``Image.open`` raises for unreadable files."""
     limit = max_pixels_limit(max_pixels)
-    with _PIL_GUARD:
-        saved, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
-        try:
-            im = Image.open(path)
-        finally:
-            Image.MAX_IMAGE_PIXELS = saved
+    im = _open_unguarded(path)
     if im.width * im.height > limit:
         im.close()
         raise over_budget(path, f"{im.width}x{im.height} (width x height)", im.width * im.height, limit)
     return im
+
+
+def _target_mode(path: str | os.PathLike[str], mode: str) -> str:
+    """:data:`PIL_MODES`' conversion for ``mode``; ImageReadError for a refused one."""
+    target = PIL_MODES.get(mode, "RGB")
+    if target is None:
+        raise ImageReadError(path, f"{mode} (16/32-bit) images are not supported; convert to 8-bit")
+    return target
+
+
+def pil_channels(path: str | os.PathLike[str]) -> int | None:
+    """The channels :func:`decode_pil` gives ``path`` (1 or 3), from the header alone;
+    None when PIL cannot open it or its mode is refused."""
+    try:
+        with _open_unguarded(path) as im:
+            return _CHANNELS[_target_mode(path, im.mode)]
+    except (OSError, SyntaxError, ValueError):  # ImageReadError is a ValueError
+        return None
+
+
+def decode_pil(path: str | os.PathLike[str], max_pixels: int | None = None) -> np.ndarray:
+    """The one PIL decoder: ``path`` as a uint8 array [H, W, C] with C = 1 (gray) or 3
+    (RGB), converted by :data:`PIL_MODES`. An image of more than ``max_pixels`` pixels
+    (:func:`max_pixels_limit`) or of a refused mode is refused from its header, before
+    decoding; every failure is an :class:`ImageReadError` naming the file."""
+    path = Path(path)
+    if not path.exists():
+        raise ImageReadError(path, "file not found")
+    try:
+        with open_pil(path, max_pixels) as im:
+            target = _target_mode(path, im.mode)  # a refused mode is refused before decoding
+            im.load()
+            arr = np.array(im if im.mode == target else im.convert(target))  # a writable copy
+    except ImageReadError:
+        raise
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise ImageReadError(path, f"cannot decode image ({type(e).__name__}: {e})") from e
+    return arr[:, :, None] if arr.ndim == 2 else arr
 
 
 def resize_in_bands(rows: Callable[[int, int], torch.Tensor], shape: tuple[int, int, int], size: tuple[int, int],
@@ -99,6 +163,7 @@ def resize_in_bands(rows: Callable[[int, int], torch.Tensor], shape: tuple[int, 
     exactly its output. ``align``: read the rows in multiples of this (a TIFF's strip or
     tile height), so that no segment is decoded twice.
     """
+    import torch
     import torch.nn.functional as F
 
     C, H, W = shape
@@ -129,27 +194,9 @@ def read_image(path: str | os.PathLike[str], channels: int | None = None, *,
     model never saw colour. Alpha is dropped. An image of more than ``max_pixels`` pixels
     (:func:`max_pixels_limit`) is refused from its header, before decoding.
     """
-    path = Path(path)
-    if not path.exists():
-        raise ImageReadError(path, "file not found")
-    limit = max_pixels_limit(max_pixels)
-    try:
-        with open_pil(path, limit) as im:
-            im.load()
-            mode = im.mode
-            if mode in ("I;16", "I;16B", "I;16L", "I"):
-                raise ImageReadError(path, f"{mode} (16/32-bit) images are not supported; convert to 8-bit")
-            if mode in ("1", "LA"):
-                im = im.convert("L")
-            elif mode != "L" and mode != "RGB":  # RGBA, P, CMYK, YCbCr, ...
-                im = im.convert("RGB")
-            arr = np.array(im)  # a writable copy owned by the tensor
-    except ImageReadError:
-        raise
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise ImageReadError(path, f"cannot decode image ({type(e).__name__}: {e})") from e
-    if arr.ndim == 2:
-        arr = arr[:, :, None]
+    import torch
+
+    arr = decode_pil(path, max_pixels)
     if channels is not None and arr.shape[2] != channels:
         if channels == 3 and arr.shape[2] == 1:
             arr = np.repeat(arr, 3, axis=2)

@@ -9,12 +9,12 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from ats_cli.core.geometry import low_res_size
 from ats_cli.core.source import PatchSource, TensorSource
+from ats_cli.data.formats import LAZY_BACKENDS, backend
 from ats_cli.data.images import ImageReadError, read_image, resize_in_bands
 
 __all__ = ["OpenedImage", "open_input", "is_lazy", "batch_sources", "batch_support"]
@@ -22,12 +22,10 @@ __all__ = ["OpenedImage", "open_input", "is_lazy", "batch_sources", "batch_suppo
 
 def is_lazy(path: str | os.PathLike[str], reader: str | None = None, level: int | None = None,
             mpp: float | None = None) -> bool:
-    """Whether ``path`` is read through the lazy slide readers (TIFFs and slide formats,
-    or any file when a reader, level or mpp is asked for) rather than decoded whole."""
-    from ats_cli.data.slides import SLIDE_SUFFIXES, TIFF_SUFFIXES
-
-    return reader not in (None, "auto") or level is not None or mpp is not None or \
-        Path(path).name.lower().endswith(SLIDE_SUFFIXES + TIFF_SUFFIXES)
+    """Whether ``path`` is read through the lazy slide readers (a lazy backend in
+    :mod:`ats_cli.data.formats`: TIFFs and slide formats, or any file when a reader, level
+    or mpp is asked for) rather than decoded whole."""
+    return reader not in (None, "auto") or level is not None or mpp is not None or backend(path) in LAZY_BACKENDS
 
 
 @dataclass

@@ -51,12 +51,10 @@ import numpy as np
 from PIL import Image
 
 from ats_cli.data import generation
-from ats_cli.data.dataset import (
-    atomic_write_bytes,
-)
 from ats_cli.data.generation import SPLITS, GenerationReport, run_generation
 from ats_cli.data.mnist import DigitSet
 from ats_cli.data.noise import FAMILIES, REFERENCE_MARGIN, NoiseContext, parse_families, reference_patterns
+from ats_cli.io import atomic_write_bytes
 
 __all__ = [
     "GENERATOR_NAME",

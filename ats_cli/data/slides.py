@@ -9,14 +9,16 @@ low-res view and the patches, not by the slide.
 Every reader implements the core's ``PatchSource`` (``size``, ``channels``,
 ``read_patches``), so the model reads a slide exactly as it reads an in-memory tensor.
 
-Backends, chosen by ``open_image`` unless ``reader=`` forces one:
+Backends, chosen by ``open_image`` from the suffix table of :mod:`ats_cli.data.formats`
+unless ``reader=`` forces one:
 
 - ``openslide``: vendor formats (svs, ndpi, mrxs, scn, vms, bif, Philips TIFF, DICOM),
   tried first for those suffixes and for TIFFs OpenSlide recognises (e.g. Aperio).
 - ``tifffile``: OME-TIFF, pyramidal TIFF (separate IFDs or SubIFDs) and large
   non-pyramidal tiled/stripped TIFF; reads only the tiles/strips a region touches.
-- ``pillow``: PNG/JPEG/BMP, read whole but with an explicit pixel limit
-  (``max_pixels``) instead of switching the decompression-bomb guard off.
+- ``pillow``: PNG/JPEG/BMP/GIF/WebP/..., read whole by the one PIL decoder
+  (:func:`ats_cli.data.images.decode_pil`) with an explicit pixel limit (``max_pixels``)
+  instead of switching the decompression-bomb guard off.
 - ``array``: an in-memory [H, W, C] uint8 array (tests, generated data).
 
 Bounded memory: every reader has a pixel budget (``max_pixels``: ``--max-pixels``, else
@@ -40,21 +42,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ats_cli.data.formats import OPENSLIDE, PILLOW, TIFFFILE, backend
 from ats_cli.data.images import (
     DEFAULT_MAX_PIXELS,
     ImageReadError,
+    decode_pil,
     max_pixels_limit,
-    open_pil,
     over_budget,
     resize_in_bands,
 )
 
-__all__ = ["SlideReadError", "SlideInfo", "SlideReader", "open_image", "tissue_mask", "READERS", "SLIDE_SUFFIXES"]
+__all__ = ["SlideReadError", "SlideInfo", "SlideReader", "open_image", "tissue_mask", "READERS"]
 
-READERS = ("auto", "openslide", "tifffile", "pillow")
-# Suffixes only OpenSlide understands; generic TIFFs go to OpenSlide only when it says so.
-SLIDE_SUFFIXES = (".svs", ".ndpi", ".mrxs", ".scn", ".vms", ".vmu", ".bif", ".dcm", ".svslide")
-TIFF_SUFFIXES = (".tif", ".tiff", ".btf", ".ome.tif", ".ome.tiff")
+READERS = ("auto", OPENSLIDE, TIFFFILE, PILLOW)
 PARALLEL_SEGMENT_PIXELS = 4_000_000  # larger strips/tiles are decoded one patch at a time (memory)
 
 
@@ -274,26 +274,17 @@ class ArrayReader(SlideReader):
 
 
 class PillowReader(ArrayReader):
-    """PNG/JPEG/BMP decoded whole, under an explicit pixel limit rather than no limit."""
+    """PNG/JPEG/... decoded whole by :func:`ats_cli.data.images.decode_pil`, under the
+    pixel budget (checked from the header, before decoding) rather than no limit."""
 
-    name = "pillow"
+    name = PILLOW
 
     def __init__(self, path: Path, max_pixels: int | None = None):
         limit = max_pixels_limit(max_pixels)
         try:
-            with open_pil(path, limit) as im:  # the budget is checked from the header, before decoding
-                if im.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
-                    raise SlideReadError(path, f"{im.mode} (16/32-bit) images are not supported; convert to 8-bit")
-                im.load()
-                if im.mode not in ("L", "RGB"):
-                    im = im.convert("L" if im.mode in ("1", "LA") else "RGB")
-                arr = np.array(im)
-        except SlideReadError:
-            raise
-        except ImageReadError as e:  # over the budget
-            raise SlideReadError(path, e.problem) from None
-        except (OSError, SyntaxError, ValueError) as e:
-            raise SlideReadError(path, f"cannot decode image ({type(e).__name__}: {e})") from e
+            arr = decode_pil(path, limit)
+        except ImageReadError as e:
+            raise SlideReadError(e.path, e.problem) from e.__cause__
         super().__init__(arr, path)
         self.vendor = "image"
         self.max_pixels = limit
@@ -304,7 +295,7 @@ class TiffReader(SlideReader):
     strips) a region overlaps. No zarr needed: segment offsets come from the IFD and
     ``TiffPage.decode`` decodes one segment at a time."""
 
-    name = "tifffile"
+    name = TIFFFILE
 
     def __init__(self, path: Path, max_pixels: int | None = None):
         import tifffile
@@ -428,7 +419,7 @@ def _tiff_mpp(tif) -> tuple[float, float] | None:
 class OpenSlideReader(SlideReader):
     """Vendor whole-slide formats through OpenSlide; reads are level-native regions."""
 
-    name = "openslide"
+    name = OPENSLIDE
 
     def __init__(self, path: Path, max_pixels: int | None = None):
         import openslide
@@ -468,8 +459,9 @@ def open_image(
 ) -> SlideReader:
     """Open ``path`` with the right lazy reader (or the one ``reader`` names).
 
-    auto: vendor suffixes -> OpenSlide; TIFFs -> OpenSlide if it recognises a vendor
-    format (Aperio, Philips, ...), else tifffile; everything else -> pillow.
+    auto: the backend :mod:`ats_cli.data.formats` gives the suffix, except that a TIFF
+    goes to OpenSlide when OpenSlide recognises a vendor format in it (Aperio, Philips,
+    ...); a suffix the table does not list goes to pillow, which decodes it if it can.
     ``max_pixels``: the pixel budget (module docstring; default ``ATS_MAX_PIXELS``, else
     64 M). Only the pillow reader decodes anything here; the others check on reading.
     """
@@ -479,26 +471,26 @@ def open_image(
     if not path.exists():
         raise SlideReadError(path, "file not found")
     max_pixels = max_pixels_limit(max_pixels)
-    if reader == "openslide":
-        return OpenSlideReader(path, max_pixels)
-    if reader == "tifffile":
-        return TiffReader(path, max_pixels)
-    if reader == "pillow":
-        return PillowReader(path, max_pixels)
-    name = path.name.lower()
-    if name.endswith(SLIDE_SUFFIXES):
-        return OpenSlideReader(path, max_pixels)
-    if name.endswith(TIFF_SUFFIXES):
-        import openslide
+    if reader == "auto":
+        reader = backend(path) or PILLOW
+        if reader == TIFFFILE and _vendor_tiff(path):
+            reader = OPENSLIDE
+    return _READER_CLASSES[reader](path, max_pixels)
 
-        try:
-            vendor = openslide.OpenSlide.detect_format(str(path))
-        except openslide.OpenSlideError:
-            vendor = None
-        if vendor and vendor != "generic-tiff":
-            return OpenSlideReader(path, max_pixels)
-        return TiffReader(path, max_pixels)
-    return PillowReader(path, max_pixels)
+
+def _vendor_tiff(path: Path) -> bool:
+    """Whether OpenSlide recognises a vendor format (not a generic TIFF) in ``path``."""
+    import openslide
+
+    try:
+        vendor = openslide.OpenSlide.detect_format(str(path))
+    except openslide.OpenSlideError:
+        vendor = None
+    return bool(vendor) and vendor != "generic-tiff"
+
+
+_READER_CLASSES: dict[str, type[SlideReader]] = {OPENSLIDE: OpenSlideReader, TIFFFILE: TiffReader,
+                                                 PILLOW: PillowReader}
 
 
 _REOPENED: dict[tuple, SlideReader] = {}

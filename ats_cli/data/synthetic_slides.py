@@ -38,8 +38,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ats_cli.data.dataset import atomic_path
 from ats_cli.data.generation import GenerationReport, check_output, run_generation
+from ats_cli.io import atomic_path
 
 __all__ = ["SyntheticSlidesConfig", "generate_synthetic_slides", "render_slide", "write_pyramid", "CLASSES",
            "GENERATOR_NAME", "check_slides_output"]

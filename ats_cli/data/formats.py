@@ -1,0 +1,49 @@
+"""Which files are inputs, and which backend reads each: the one suffix table.
+
+``ats predict DIR`` (which files in a directory are images), ``ats make-dataset
+from-folder`` (which files become rows), and :func:`ats_cli.data.slides.open_image`
+(which reader opens a file, for ``ats info``, ``ats visualize``, ``ats predict`` and the
+training data loader) all decide from :data:`BACKENDS`, so that a file one command
+accepts is one the others accept and read the same way.
+
+Every suffix PIL can decode is listed (WebP, GIF and PPM/PGM too): a file listed here is
+one a command picks up from a directory, and a format missing from one command's list
+but not another's was a dataset that trained but could not be predicted by directory.
+
+Imports nothing beyond the standard library (``ats --help`` reaches it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from types import MappingProxyType
+
+__all__ = ["BACKENDS", "INPUT_SUFFIXES", "LAZY_BACKENDS", "OPENSLIDE", "PILLOW", "TIFFFILE", "backend",
+           "is_input_file"]
+
+PILLOW, TIFFFILE, OPENSLIDE = "pillow", "tifffile", "openslide"
+LAZY_BACKENDS = (TIFFFILE, OPENSLIDE)  # read tile by tile, never decoded whole
+
+BACKENDS: Mapping[str, str] = MappingProxyType({
+    # decoded whole by PIL, under the pixel budget (ats_cli.data.images)
+    **dict.fromkeys((".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".ppm", ".pgm"), PILLOW),
+    # read lazily by tifffile, or by OpenSlide when it recognises a vendor TIFF in the file
+    # (Aperio, Philips, Ventana); OME-TIFF (.ome.tif) ends in .tif
+    **dict.fromkeys((".tif", ".tiff", ".btf"), TIFFFILE),
+    # whole-slide formats only OpenSlide reads
+    **dict.fromkeys((".svs", ".ndpi", ".mrxs", ".scn", ".vms", ".vmu", ".bif", ".svslide", ".dcm"), OPENSLIDE),
+})
+INPUT_SUFFIXES = tuple(BACKENDS)
+
+
+def backend(path: str | os.PathLike[str]) -> str | None:
+    """The backend :data:`BACKENDS` gives ``path``'s suffix (case-insensitive); None for a
+    suffix it does not list."""
+    return BACKENDS.get(Path(path).suffix.lower())
+
+
+def is_input_file(path: str | os.PathLike[str]) -> bool:
+    """Whether a file found in a directory is an input: a listed suffix, not hidden."""
+    return backend(path) is not None and not Path(path).name.startswith(".")
