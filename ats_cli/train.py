@@ -106,9 +106,8 @@ def recalibrate_batch_norm(model: torch.nn.Module, loader: DataLoader, device: t
     with the running averages, which follow the weights with a lag of ~1/momentum = 10
     steps. On a large dataset that lag is a small part of an epoch; on a small one it is
     all of it: synthetic slides (240 images, batch 32) take 8 steps an epoch, and a model
-    whose training accuracy was 90% evaluated at chance (every slide one class) for nine
-    epochs, until the cosine schedule slowed the weights down; with its statistics
-    recomputed from 128 training slides the same weights scored as they trained. Training
+    that trained well evaluated at chance (every slide one class) until the cosine
+    schedule slowed the weights down (docs/training.md has the run). Training
     never reads these buffers, so the weights, the optimiser and exact resumption are
     untouched; what changes is what evaluation, ``best.pt`` and the released model see.
     The draws are seeded from ``seed``, so a resumed run computes the same statistics from

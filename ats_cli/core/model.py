@@ -74,18 +74,16 @@ class ATSModel(nn.Module):
     support: sampling without replacement then takes every supported cell first, and the
     extra draws have probability 0, hence weight 0 (wasted work, not a wrong answer).
     Falling back to the whole map there instead would spread the attention over background
-    the network never learned to ignore (measured with one Megapixel MNIST model on 1,000
-    fresh images: 39% accuracy at 300 patches with that fallback, 93% when the support is
-    kept and every bright cell is taken).
+    the network never learned to ignore (docs/training.md, "What closed the gap to 95%",
+    has the run that showed it).
     Only a row with no supported cell at all (a blank image) uses the whole map.
 
     ``feature_scale`` multiplies the L2-normalised patch features before the classifier.
     Normalising keeps every feature's norm equal, which makes sampling from the attention
     optimal (thesis §3.3.4), but with unit-norm features a linear classifier's logits are
     bounded by its weight norm, which grows only by ~lr per step: the softmax stays
-    unconfident and the loss high for hundreds of steps (measured on single MNIST digits
-    in 50x50 patches, one epoch: loss 0.91 at scale 1 vs 0.10 at scale 10, accuracy 94.8%
-    vs 96.7%). A constant scale keeps the norms equal and lifts that bound. 1 = the paper.
+    unconfident and the loss high for hundreds of steps (docs/training.md, "Why the
+    plateau"). A constant scale keeps the norms equal and lifts that bound. 1 = the paper.
     """
 
     def __init__(
@@ -183,7 +181,7 @@ class ATSModel(nn.Module):
     @property
     def active_estimator(self) -> str:
         """The estimator the current mode uses: ``auto`` is the per-image rule in training and
-        the threshold estimator for prediction (fewer changed decisions at every n measured;
+        the threshold estimator for prediction (fewer changed decisions, benchmarks/README.md;
         see ats_cli.core.sampling)."""
         return "threshold" if self.estimator == "auto" and not self.training else self.estimator
 

@@ -11,10 +11,10 @@ itself on stderr (where it goes, then every 15 s, then how long it took), so a f
 ``ats predict`` does not look hung. If anything fails -- no compiler, no nvcc, a toolkit
 that does not match torch -- the torch implementation is used and ONE log line says why.
 
-CPU: the C++ kernel is used too, because it measured 2-6x faster than the vectorised
-torch gather on realistic sizes (benchmarks/patch_extraction.py; figures in
-csrc/README.md), above the 1.5x that makes a native build worth its first-use compile
-(~1 minute, once). ``ATS_NATIVE=0`` disables both kernels. ``ats doctor`` prints
+CPU: the C++ kernel is used too, because it is faster than the vectorised torch gather on
+realistic sizes by more than the 1.5x that makes a native build worth its one-time
+first-use compile (benchmarks/patch_extraction.py; figures in csrc/README.md).
+``ATS_NATIVE=0`` disables both kernels. ``ats doctor`` prints
 :func:`status`.
 """
 

@@ -27,16 +27,10 @@ can predict with the other (``ESTIMATORS``):
   smaller squared error of the pooled feature, which is what the gradient carries. The
   choice depends on ``a`` and n only, never on the draw, so the estimate stays unbiased.
   For prediction :class:`~ats_cli.core.model.ATSModel` in eval mode uses ``threshold``:
-  on a trained model it changed the predicted class less often than ``sequential`` at
-  every n measured (10 to 100 patches; at 10 only by a hair), even where its squared
-  error is larger -- presumably because the error is mostly in the pooled feature's
-  size, which moves the arg-max less than an error in its direction.
-
-Measured on the released Megapixel MNIST model (fresh images, perplexity 52-82 cells;
-benchmarks/README.md): with 100 patches one sampling scores 93.9% with ``sequential``
-and 95.0% with ``threshold``; the class differs from the exact expectation's in 3.2% vs
-0.5% of samplings at 100 patches, 8.2% vs 4.2% at 50, 19.3% vs 16.4% at 25, 37.3% vs
-36.3% at 10.
+  on a trained model it changed the predicted class less often than ``sequential``
+  (benchmarks/README.md, estimator variance), even where its squared error is larger --
+  presumably because the error is mostly in the pooled feature's size, which moves the
+  arg-max less than an error in its direction.
 """
 
 from __future__ import annotations

@@ -35,9 +35,8 @@ __all__ = ["DEFAULT_MAX_PIXELS", "PIL_MODES", "ImageReadError", "decode_pil", "m
            "over_budget", "pil_channels", "read_image", "resize_in_bands"]
 
 # The most pixels decoded at once from one input. 64 M (8000 x 8000) keeps the peak memory
-# of ats predict / info / visualize on any input under about 1.5 GB (measured: an RGB PNG
-# that size, a model with a 0.25 low-res scale: 1.4-1.5 GB, of which ~0.6 GB is PyTorch
-# itself; a 0.12 scale: 1.15 GB). PIL holds RGB in 4 bytes a pixel while it decodes.
+# of ats predict / info / visualize on any input near 1.5 GB (figures: docs/runs-and-inputs.md).
+# PIL holds RGB in 4 bytes a pixel while it decodes.
 DEFAULT_MAX_PIXELS = 64_000_000
 MAX_PIXELS_ENV = "ATS_MAX_PIXELS"
 BAND_BYTES = 64 << 20  # float32 bytes converted at once by resize_in_bands

@@ -108,5 +108,5 @@ def readable(loader: Iterable[Batch | Unreadable]) -> Iterator[Batch]:
 def single_thread_worker(_: int) -> None:
     """DataLoader worker init: one intra-op thread per worker. Decoding and resizing are
     per-image work; letting every worker also spawn a full thread pool oversubscribes the
-    cores and starves the training step (measured: 2x more system time on 2 cores)."""
+    cores and starves the training step."""
     torch.set_num_threads(1)
