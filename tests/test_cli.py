@@ -140,10 +140,12 @@ def test_train_writes_a_run_with_the_flags_and_the_defaults(run, mnist):
     saved = json.loads((out / "config.json").read_text())
     given = {k[2:].replace("-", "_"): v for k, v in TRAIN_FLAGS.items()}
     defaults = {k: v for k, v in TrainConfig().to_dict().items() if k not in given}
-    del defaults["data"], defaults["out"], defaults["min_brightness"]  # -1 = auto: settled from the images
+    # -1 = auto: settled from the images
+    del defaults["data"], defaults["out"], defaults["min_brightness"], defaults["rarity_prior"]
     assert {k: saved[k] for k in given} == given
     assert {k: saved[k] for k in defaults} == defaults
     assert saved["min_brightness"] == AUTO_MIN_BRIGHTNESS  # Megapixel MNIST: a black background
+    assert saved["rarity_prior"] == 0.0  # not slides: no tissue mask
     assert saved["data"] == str(mnist[0]) and saved["out"] == str(out)
 
 
