@@ -15,7 +15,10 @@ unless ``reader=`` forces one:
 - ``openslide``: vendor formats (svs, ndpi, mrxs, scn, vms, bif, Philips TIFF, DICOM),
   tried first for those suffixes and for TIFFs OpenSlide recognises (e.g. Aperio).
 - ``tifffile``: OME-TIFF, pyramidal TIFF (separate IFDs or SubIFDs) and large
-  non-pyramidal tiled/stripped TIFF; reads only the tiles/strips a region touches.
+  non-pyramidal tiled/stripped TIFF; reads only the tiles/strips a region touches. What
+  a TIFF holds (levels, pixel size, which samples are colour, its codec) is decided in
+  :mod:`ats_cli.data.tiff_meta`, which refuses by name what would otherwise be read
+  wrongly: more than gray or RGB channels, samples wider than 8 bits, a missing codec.
 - ``pillow``: PNG/JPEG/BMP/GIF/WebP/..., read whole by the one PIL decoder
   (:func:`ats_cli.data.images.decode_pil`) with an explicit pixel limit (``max_pixels``)
   instead of switching the decompression-bomb guard off.
@@ -50,6 +53,15 @@ from ats_cli.data.images import (
     max_pixels_limit,
     over_budget,
     resize_in_bands,
+)
+from ats_cli.data.tiff_meta import (
+    APERIO_JP2K_YCBCR,
+    aperio_ycbcr_to_rgb,
+    codec_message,
+    codec_problem,
+    colour_samples,
+    level_pages,
+    tiff_mpp,
 )
 
 __all__ = ["SlideReadError", "SlideInfo", "SlideReader", "open_image", "tissue_mask", "READERS"]
@@ -302,29 +314,48 @@ class TiffReader(SlideReader):
 
         try:
             self._tif = tifffile.TiffFile(path)
-            series = self._tif.series[0]
-            pages = [lv.keyframe for lv in series.levels]
+            series, pages = level_pages(self._tif)
         except Exception as e:  # tifffile raises many types for broken files
             raise SlideReadError(path, f"not a readable TIFF ({type(e).__name__}: {e})") from e
-        for p in pages:
-            if p.dtype != np.uint8:
-                raise SlideReadError(path, f"{p.dtype} samples are not supported; convert to 8-bit")
-            if p.planarconfig != 1 and p.samplesperpixel > 1:
-                raise SlideReadError(path, "planar (separate) sample layout is not supported")
-        self._pages = pages
-        self._lock = threading.Lock()
+        try:
+            self._open(path, series, pages, max_pixels)
+        except BaseException:
+            self._tif.close()
+            raise
+
+    def _open(self, path: Path, series, pages, max_pixels: int | None) -> None:
         fh = self._tif.filehandle
         self._check_complete(path, pages, fh.size)
+        channels, problem = colour_samples(series, pages[0])
+        for level, page in enumerate(pages):
+            problem = problem or codec_problem(page)
+            if not problem and colour_samples(series, page)[0] != channels:
+                problem = f"level {level} has other samples ({page.samplesperpixel}, {page.dtype}) than level 0"
+            if problem:
+                raise SlideReadError(path, problem)
+        self._keep = channels  # colour samples kept per pixel; alpha or padding after them is dropped
+        self._pages = pages
+        self._lock = threading.Lock()
         # Positional reads (pread) when the TIFF is a plain file: they neither use nor move
         # the file offset, which a forked DataLoader worker shares with this process (a
         # buffered file object finalised there seeks the shared offset: measured as tiles
         # decoded from the wrong bytes after a few epochs). Else seek+read under a lock.
         self._fd = fh.fileno() if getattr(fh, "is_file", False) and not getattr(fh, "_offset", 0) \
             and hasattr(os, "pread") else None
-        channels = _to_rgb_or_gray(np.zeros((1, 1, pages[0].samplesperpixel), np.uint8)).shape[2]
         vendor = "ome" if self._tif.is_ome else ("aperio" if self._tif.is_svs else "generic-tiff")
-        super().__init__(path, [(p.imagelength, p.imagewidth) for p in pages], channels, vendor, _tiff_mpp(self._tif))
+        mpp = tiff_mpp(self._tif, pages[0])
+        super().__init__(path, [(p.imagelength, p.imagewidth) for p in pages], channels, vendor, mpp)
         self.max_pixels = max_pixels_limit(max_pixels)
+        self._probe_codec()
+
+    def _probe_codec(self) -> None:
+        """Decode one segment of the smallest level now, so that a codec imagecodecs was
+        built without (its stand-in raises ImportError only when called) is refused when
+        the file is opened, by ``ats info`` too, rather than at the first patch."""
+        level = len(self._pages) - 1
+        present = np.flatnonzero(np.asarray(self._pages[level].databytecounts) > 0)
+        if len(present) and self._segment_pixels(level) <= self.max_pixels:  # else refused when read
+            self._segment(level, int(present[0]))
 
     def _check_complete(self, path: Path, pages, size: int) -> None:
         """Refuse a file cut short (an interrupted copy or download) by name, before its
@@ -355,30 +386,47 @@ class TiffReader(SlideReader):
             raise _too_big(self.path, f"{kind}s of level {level} are {cw}x{ch}", ch * cw, self.max_pixels)
         tiles = [(ty, tx) for ty in range(row // ch, (row + h - 1) // ch + 1)
                  for tx in range(col // cw, (col + w - 1) // cw + 1)]
+        keep = self._keep
         out = None
         for ty, tx in tiles:
             index = ty * n_across + tx
-            nbytes = page.databytecounts[index]
-            if nbytes == 0:  # sparse tile: background
+            seg = self._segment(level, index)
+            if seg is None:  # sparse tile: background
                 continue
-            try:
-                data = self._read_bytes(int(page.dataoffsets[index]), int(nbytes))
-                seg, (_, _, y0, x0, _), _ = page.decode(data, index, jpegtables=page.jpegtables)
-                seg = seg.reshape(seg.shape[-3:])
-                ys, xs = max(row, y0), max(col, x0)
-                ye = min(row + h, y0 + seg.shape[0], page.imagelength)
-                xe = min(col + w, x0 + seg.shape[1], page.imagewidth)
-                part = seg[ys - y0 : ye - y0, xs - x0 : xe - x0]
-                if len(tiles) == 1 and part.shape[:2] == (h, w):  # one strip/tile covers it: no new array,
-                    # but no view either that would keep a large decoded strip alive for a small patch
-                    return _to_rgb_or_gray(part if 2 * part.size >= seg.size else part.copy())
-                if out is None:
-                    out = np.zeros((h, w, page.samplesperpixel), dtype=np.uint8)
-                out[ys - row : ye - row, xs - col : xe - col] = part
-            except Exception as e:  # whatever the codec raises: name the file and where
-                raise SlideReadError(self.path, f"cannot decode {kind} {index} (row {ty * ch}, column {tx * cw}) of "
-                                     f"level {level} ({type(e).__name__}: {e})") from e
-        return _to_rgb_or_gray(out if out is not None else np.zeros((h, w, page.samplesperpixel), dtype=np.uint8))
+            y0, x0 = ty * ch, tx * cw
+            ys, xs = max(row, y0), max(col, x0)
+            ye = min(row + h, y0 + seg.shape[0], page.imagelength)
+            xe = min(col + w, x0 + seg.shape[1], page.imagewidth)
+            part = seg[ys - y0 : ye - y0, xs - x0 : xe - x0, :keep]
+            if len(tiles) == 1 and part.shape[:2] == (h, w):  # one strip/tile covers it: no new array,
+                # but no view either that would keep a large decoded strip alive for a small patch
+                return part if 2 * part.size >= seg.size else part.copy()
+            if out is None:
+                out = np.zeros((h, w, keep), dtype=np.uint8)
+            out[ys - row : ye - row, xs - col : xe - col] = part
+        return out if out is not None else np.zeros((h, w, keep), dtype=np.uint8)
+
+    def _segment(self, level: int, index: int) -> np.ndarray | None:
+        """Strip or tile ``index`` of ``level`` decoded, [rows, cols, samples]; None when the
+        file leaves it out (sparse: background). Errors name the file and the segment."""
+        page = self._pages[level]
+        nbytes = int(page.databytecounts[index])
+        if nbytes == 0:
+            return None
+        kind = "tile" if page.is_tiled else "strip"
+        try:
+            data = self._read_bytes(int(page.dataoffsets[index]), nbytes)
+            seg = page.decode(data, index, jpegtables=page.jpegtables)[0]
+            seg = seg.reshape(seg.shape[-3:])
+            if page.compression == APERIO_JP2K_YCBCR:
+                seg = aperio_ycbcr_to_rgb(seg, data)
+            return seg
+        except ImportError as e:  # imagecodecs built without this codec
+            raise SlideReadError(self.path, codec_message(page, str(e))) from e
+        except Exception as e:  # whatever the codec raises: name the file and where
+            ty, tx = divmod(index, page.chunked[1])
+            raise SlideReadError(self.path, f"cannot decode {kind} {index} (row {ty * page.chunks[0]}, column "
+                                 f"{tx * page.chunks[1]}) of level {level} ({type(e).__name__}: {e})") from e
 
     def _read_bytes(self, offset: int, n: int) -> bytes:
         if self._fd is not None:
@@ -389,31 +437,6 @@ class TiffReader(SlideReader):
 
     def close(self):
         self._tif.close()
-
-
-def _tiff_mpp(tif) -> tuple[float, float] | None:
-    """Microns per pixel from OME metadata, an Aperio description or the resolution tags."""
-    try:
-        if tif.is_ome:
-            import re
-
-            xml = tif.ome_metadata or ""
-            x = re.search(r'PhysicalSizeX="([0-9.eE+-]+)"', xml)
-            y = re.search(r'PhysicalSizeY="([0-9.eE+-]+)"', xml)
-            if x and y:
-                return float(y.group(1)), float(x.group(1))
-        if tif.is_svs:
-            mpp = tif.pages[0].description.split("MPP = ")[1].split("|")[0].strip()
-            return float(mpp), float(mpp)
-        page = tif.pages[0]
-        unit = page.tags.get("ResolutionUnit")
-        xr, yr = page.tags.get("XResolution"), page.tags.get("YResolution")
-        per_um = {2: 25_400.0, 3: 10_000.0}.get(int(unit.value) if unit else 0)
-        if per_um and xr and yr:
-            return per_um * yr.value[1] / yr.value[0], per_um * xr.value[1] / xr.value[0]
-    except (IndexError, ValueError, ZeroDivisionError, AttributeError):
-        pass
-    return None
 
 
 class OpenSlideReader(SlideReader):
@@ -462,8 +485,12 @@ def open_image(
     auto: the backend :mod:`ats_cli.data.formats` gives the suffix, except that a TIFF
     goes to OpenSlide when OpenSlide recognises a vendor format in it (Aperio, Philips,
     ...); a suffix the table does not list goes to pillow, which decodes it if it can.
+    A TIFF that OpenSlide cannot open goes to tifffile (e.g. an SVS written by tifffile with
+    JPEG 2000 tiles under TIFF compression 34712: OpenSlide decodes JPEG 2000 only under
+    Aperio's codes 33003 and 33005); when neither opens it, the message gives both reasons.
     ``max_pixels``: the pixel budget (module docstring; default ``ATS_MAX_PIXELS``, else
-    64 M). Only the pillow reader decodes anything here; the others check on reading.
+    64 M). The pillow reader decodes the image here and the tifffile reader one tile of
+    its smallest level (to refuse a missing codec now); the others check on reading.
     """
     path = Path(path)
     if reader not in READERS:
@@ -471,11 +498,26 @@ def open_image(
     if not path.exists():
         raise SlideReadError(path, "file not found")
     max_pixels = max_pixels_limit(max_pixels)
-    if reader == "auto":
-        reader = backend(path) or PILLOW
-        if reader == TIFFFILE and _vendor_tiff(path):
-            reader = OPENSLIDE
-    return _READER_CLASSES[reader](path, max_pixels)
+    if reader != "auto":
+        return _READER_CLASSES[reader](path, max_pixels)
+    reader = backend(path) or PILLOW
+    if reader == TIFFFILE and _vendor_tiff(path):
+        reader = OPENSLIDE
+    try:
+        return _READER_CLASSES[reader](path, max_pixels)
+    except SlideReadError as e:
+        if reader != OPENSLIDE or not _is_tiff(path):
+            raise
+        try:
+            return TiffReader(path, max_pixels)
+        except SlideReadError as e2:
+            raise SlideReadError(path, f"{e.problem}; tifffile cannot read it either: {e2.problem}") from e2
+
+
+def _is_tiff(path: Path) -> bool:
+    """Whether ``path`` starts like a TIFF or BigTIFF (SVS and other vendor files are TIFFs)."""
+    with open(path, "rb") as f:
+        return f.read(4) in (b"II*\0", b"MM\0*", b"II+\0", b"MM\0+")
 
 
 def _vendor_tiff(path: Path) -> bool:
