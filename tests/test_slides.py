@@ -255,3 +255,26 @@ def test_ats_predict_on_slides_keeps_going_past_a_bad_one(tmp_path):
     # a forced reader and a level work too; and the same seed gives the same CSV
     result = CliRunner().invoke(app, args[:3] + args[4:] + ["--reader", "openslide", "--level", "1"])
     assert result.exit_code == 0, result.output
+
+
+def test_tissue_mask_equals_scikit_images_saturation_and_otsu():
+    """tissue_mask computes HSV saturation and Otsu's threshold itself (to keep SciPy out of
+    a slide prediction's start-up); scikit-image, the reference implementation, agrees."""
+    from skimage.color import rgb2hsv
+    from skimage.filters import threshold_otsu
+
+    from ats_cli.data.slides import otsu_threshold, saturation, tissue_mask
+
+    g = torch.Generator().manual_seed(0)
+    views = [torch.rand(3, 40, 50, generator=g),  # noise
+             torch.rand(3, 40, 50, generator=g) ** 4]  # skewed
+    pink = torch.tensor([0.9, 0.6, 0.75])[:, None, None].expand(3, 40, 50).clone()
+    pink[:, :, :25] = 0.95 + 0.02 * torch.rand(3, 40, 25, generator=g)  # glass on the left
+    views.append(pink)
+    for low in views:
+        rgb = low.permute(1, 2, 0).numpy()
+        sat = rgb2hsv(rgb)[..., 1]
+        np.testing.assert_allclose(saturation(rgb), sat, atol=1e-6)
+        assert otsu_threshold(sat) == pytest.approx(threshold_otsu(sat), abs=1e-9)
+        assert torch.equal(tissue_mask(low), torch.from_numpy(sat > threshold_otsu(sat)))
+    assert tissue_mask(pink)[:, 25:].all() and tissue_mask(pink)[:, :25].float().mean() < 0.05

@@ -567,13 +567,41 @@ def tissue_mask(low: torch.Tensor) -> torch.Tensor:
     are bright and grey (low saturation), stained tissue is coloured. The mask becomes the
     attention's support (``ATSModel.support``), so background is never sampled. A
     grayscale view or one of uniform saturation has no tissue/background split: all True.
-    """
-    from skimage.color import rgb2hsv
-    from skimage.filters import threshold_otsu
 
+    Saturation and threshold are computed here, in numpy, exactly as scikit-image's
+    ``rgb2hsv`` and ``threshold_otsu`` compute them (tests/test_slides.py checks the two
+    agree pixel for pixel): importing ``skimage.filters`` pulls in much of SciPy, which
+    was a large part of a one-slide ``ats predict``'s start-up, for a dozen lines of
+    arithmetic.
+    """
     if low.shape[0] != 3:
         return torch.ones(low.shape[-2:], dtype=torch.bool)
-    sat = rgb2hsv(low.permute(1, 2, 0).clamp(0, 1).numpy())[..., 1]
+    sat = saturation(low.permute(1, 2, 0).clamp(0, 1).numpy())
     if float(sat.max() - sat.min()) < 1e-3:
         return torch.ones(low.shape[-2:], dtype=torch.bool)
-    return torch.from_numpy(sat > threshold_otsu(sat))
+    return torch.from_numpy(sat > otsu_threshold(sat))
+
+
+def saturation(rgb: np.ndarray) -> np.ndarray:
+    """HSV saturation of an RGB array [..., 3] in [0, 1]: (max - min) / max, 0 where max is 0."""
+    rgb = rgb.astype(np.float64, copy=False)
+    top = rgb.max(-1)
+    spread = top - rgb.min(-1)
+    out = np.zeros_like(top)
+    np.divide(spread, top, out=out, where=top > 0)
+    return out
+
+
+def otsu_threshold(values: np.ndarray, bins: int = 256) -> float:
+    """Otsu's threshold: the bin centre (of ``bins`` over the values' range) that maximises
+    the between-class variance ``w1 w2 (m1 - m2)^2`` of the two classes it splits."""
+    hist, edges = np.histogram(values.ravel(), bins=bins, range=(float(values.min()), float(values.max())))
+    hist = hist.astype(np.float64)
+    centres = (edges[:-1] + edges[1:]) / 2
+    w1 = np.cumsum(hist)
+    w2 = np.cumsum(hist[::-1])[::-1]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        m1 = np.cumsum(hist * centres) / w1
+        m2 = (np.cumsum((hist * centres)[::-1]) / w2[::-1])[::-1]
+    between = w1[:-1] * w2[1:] * (m1[:-1] - m2[1:]) ** 2
+    return float(centres[int(np.nanargmax(between))])
