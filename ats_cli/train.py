@@ -3,7 +3,8 @@
 One run directory holds everything: ``config.json`` (resolved configuration),
 ``metrics.jsonl`` (one line per epoch), ``last.pt`` and ``best.pt`` (full checkpoints),
 ``epochs/epoch_NNN.pt`` (weights after each epoch, for the attention-evolution figure)
-and ``curves.png``.
+and ``curves.png``; where the ``tensorboard`` package is installed, also ``tb/`` (the
+same per-epoch records for TensorBoard; :class:`_TensorBoard`).
 
 Several processes (``torchrun`` or ``ats train --devices N``; see
 :mod:`ats_cli.distributed` and docs/distributed.md): ``--batch-size`` is per process, a
@@ -21,6 +22,7 @@ so a run can also be resumed with another number of processes (see docs/distribu
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -254,8 +256,9 @@ def train(
     unless the caller already did.
     """
     # the run directory is this run's alone while it trains (ats_cli.rundir): rank 0 holds its lock
-    with process_group(cfg.device) as (ctx, device), claim(cfg.out, resume=resume, enabled=ctx.is_main):
-        return _train(cfg, ctx, device, resume=resume, progress=progress if ctx.is_main else None,
+    with process_group(cfg.device) as (ctx, device), claim(cfg.out, resume=resume, enabled=ctx.is_main), \
+            _TensorBoard(Path(cfg.out) / "tb", log, enabled=ctx.is_main) as board:
+        return _train(cfg, ctx, device, resume=resume, board=board, progress=progress if ctx.is_main else None,
                       log=log if ctx.is_main else lambda s: None)
 
 
@@ -328,7 +331,7 @@ def _resolve_auto(cfg: TrainConfig, train_set: ImageDataset, log: Callable[[str]
                 f"(--rarity-prior {AUTO_RARITY_PRIOR})")
 
 
-def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool,
+def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, board: _TensorBoard,
            progress: Callable[[str, int, int, dict], None] | None, log: Callable[[str], None]) -> list[dict[str, Any]]:
     run = Path(cfg.out)
     if ctx.is_main:  # other ranks write nothing, anywhere
@@ -451,6 +454,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool,
             except OSError as e:  # a full disk, a directory gone read-only: one line, then --resume
                 raise RunDirError(f"{run}: cannot save epoch {epoch + 1} ({e.strerror or e}); make room or fix the "
                                   f"directory, then continue with --resume {run}") from None
+            board.add(record)
         best_acc = max(best_acc, test["acc"])
         log(f"epoch {epoch + 1}/{cfg.epochs}: train loss {record['train_loss']:.4f} acc {record['train_acc']:.3f} | "
             f"test loss {record['test_loss']:.4f} acc {record['test_acc']:.3f} | entropy {record['entropy']:.2f} | "
@@ -484,3 +488,56 @@ def _plot_curves(history: list[dict[str, Any]], path: Path) -> None:
             fig.savefig(tmp, dpi=100, format="png")
     finally:
         plt.close(fig)
+
+
+class _TensorBoard:
+    """The epoch records as TensorBoard scalars in ``RUN/tb``, written by rank 0 when the
+    ``tensorboard`` package is installed (``pip install 'ats[tensorboard]'``); else nothing.
+
+    ``metrics.jsonl`` stays the record of the run and this only a view of it, so a failure
+    here (a broken install, a full disk) costs one warning line and never the training.
+    The writer opens at the first record this process writes and hides, from that epoch on,
+    what an interrupted run wrote before (``purge_step``): a resumed run shows each epoch once.
+    """
+
+    SCALARS = {"loss/train": "train_loss", "loss/test": "test_loss", "accuracy/train": "train_acc",
+               "accuracy/test": "test_acc", "attention/entropy": "entropy", "lr": "lr",
+               "samples_per_s": "samples_per_s"}
+
+    def __init__(self, folder: Path, log: Callable[[str], None], *, enabled: bool = True):
+        self.folder, self.log, self.enabled = folder, log, enabled
+        self.writer = None
+
+    def __enter__(self) -> _TensorBoard:
+        return self
+
+    def add(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        try:
+            if self.writer is None:
+                from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only where it is used
+
+                self.writer = SummaryWriter(str(self.folder), purge_step=record["epoch"])
+            for tag, key in self.SCALARS.items():
+                self.writer.add_scalar(tag, record[key], record["epoch"])
+            self.writer.flush()
+        except Exception as e:
+            self.enabled = False  # one warning, then no more tries
+            writer, self.writer = self.writer, None
+            if writer is not None:
+                with contextlib.suppress(Exception):
+                    writer.close()
+            if not (isinstance(e, ModuleNotFoundError) and e.name == "tensorboard"):  # not installed: say nothing
+                self._warn(e)
+
+    def __exit__(self, *exc: object) -> None:
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            try:
+                writer.close()
+            except Exception as e:
+                self._warn(e)
+
+    def _warn(self, e: Exception) -> None:
+        self.log(f"warning: TensorBoard logging stopped ({type(e).__name__}: {e}); metrics.jsonl has every epoch")
