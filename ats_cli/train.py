@@ -3,7 +3,8 @@
 One run directory holds everything: ``config.json`` (resolved configuration),
 ``metrics.jsonl`` (one line per epoch), ``last.pt`` and ``best.pt`` (full checkpoints),
 ``epochs/epoch_NNN.pt`` (weights after each epoch, for the attention-evolution figure)
-and ``curves.png``.
+and ``curves.png``; where the ``tensorboard`` package is installed, also ``tb/`` (the
+same per-epoch records for TensorBoard; :class:`_TensorBoard`).
 
 Several processes (``torchrun`` or ``ats train --devices N``; see
 :mod:`ats_cli.distributed` and docs/distributed.md): ``--batch-size`` is per process, a
@@ -21,11 +22,13 @@ so a run can also be resumed with another number of processes (see docs/distribu
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +48,7 @@ from ats_cli.models import create_model, model_spec
 from ats_cli.rundir import RunDirError, append_metrics, claim, make_dirs, rewrite_metrics
 from ats_cli.runtime import peak_memory_mb, reset_peak_memory
 
-__all__ = ["train", "evaluate", "TrainingInterrupted"]
+__all__ = ["train", "train_one_epoch", "evaluate", "TrainingInterrupted"]
 
 EVAL_SEED = 12345  # the test set is always sampled the same way, so epochs compare
 
@@ -91,6 +94,81 @@ def _seed(*keys: int) -> int:
     per rank, under torch.distributed) and keeps it valid with another number of ranks.
     """
     return int.from_bytes(hashlib.blake2b(repr(keys).encode(), digest_size=8).digest(), "little")
+
+
+@dataclass
+class Position:
+    """Where training stands in an epoch: what ``last.pt`` holds after Ctrl-C and what
+    ``--resume`` continues from. ``done`` counts images of the epoch's order already
+    trained on (all processes together), so it survives a change of the number of
+    processes; ``running`` holds the epoch's sums so far (loss, correct, ent, n, time)."""
+
+    epoch: int
+    step: int
+    done: int
+    running: dict[str, float]
+
+
+def train_one_epoch(cfg: TrainConfig, ctx: Dist, device: torch.device, net: torch.nn.Module,
+                    opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler, train_set: ImageDataset,
+                    order: list[int], pos: Position, *, save: Callable[[Position], None],
+                    progress: Callable[[str, int, int, dict], None] | None) -> None:
+    """Train on the images of ``order`` from ``pos.done`` on, one step per global batch,
+    updating ``pos`` after every step.
+
+    The learning rate of a step comes from the fractional epoch it starts at, and its
+    sampling noise from (seed, epoch, images done, rank): a step does the same thing
+    whether or not the run was interrupted before it. Ctrl-C calls ``save(pos)`` with the
+    last finished step and raises :class:`TrainingInterrupted`.
+    """
+    model = net.module if isinstance(net, DistributedDataParallel) else net
+    # the auxiliary terms exist for models that sample patches (ats, uniform); see auxiliary_losses
+    aux = {"patch_loss": cfg.patch_loss, "attention_loss": cfg.attention_loss} \
+        if isinstance(model, ATSModel) else {}
+    global_batch = cfg.batch_size * ctx.world_size
+    batches = shard_batches(order, pos.done, cfg.batch_size, ctx)
+    loader = _loader(train_set, batches, cfg, device)
+    sampling_gen = torch.Generator(device=device)
+    total_steps = pos.step + len(batches)
+    acc = pos.running
+    net.train()
+    t_last = time.perf_counter()
+    try:
+        for batch in readable(loader):
+            batch: Batch
+            for group in opt.param_groups:
+                group["lr"] = _lr_at(cfg, pos.epoch + pos.done / len(train_set))
+            labels = batch.labels.to(device)
+            sampling_gen.manual_seed(_seed(cfg.seed, pos.epoch, pos.done, ctx.rank))
+            with _autocast(cfg, device):
+                out = net(batch.low.to(device, non_blocking=True), batch.sources, generator=sampling_gen,
+                          support_mask=batch.support_on(device))
+                loss = model.loss(out, labels, **aux)
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()  # DDP averages the gradients over the ranks here
+            n = len(labels)
+            stats = all_reduce([float(loss.detach()) * n, float((out.logits.argmax(1) == labels).sum()),
+                                float(out.entropy.detach().sum()), n], ctx, device)
+            if cfg.clip_norm:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
+            scaler.step(opt)
+            scaler.update()
+            # no waiting from here to the end of the step, so Ctrl-C saves a consistent state
+            pos.step += 1
+            pos.done = min(pos.done + global_batch, len(train_set))
+            now = time.perf_counter()
+            for key, value in zip(("loss", "correct", "ent", "n"), stats, strict=True):
+                acc[key] += value
+            acc["time"] += now - t_last  # wall time (the ranks run in lockstep)
+            t_last = now
+            if progress:
+                progress("train", pos.step, total_steps,
+                         {"epoch": pos.epoch + 1, "loss": acc["loss"] / acc["n"], "acc": acc["correct"] / acc["n"]})
+    except KeyboardInterrupt:
+        save(pos)
+        raise TrainingInterrupted(f"interrupted at epoch {pos.epoch + 1}, step {pos.step}; state saved to "
+                                  f"{Path(cfg.out) / 'last.pt'}; continue with --resume") from None
 
 
 BN_BATCHES = 16  # training batches whose statistics become the batch norms' running statistics after an epoch
@@ -178,8 +256,9 @@ def train(
     unless the caller already did.
     """
     # the run directory is this run's alone while it trains (ats_cli.rundir): rank 0 holds its lock
-    with process_group(cfg.device) as (ctx, device), claim(cfg.out, resume=resume, enabled=ctx.is_main):
-        return _train(cfg, ctx, device, resume=resume, progress=progress if ctx.is_main else None,
+    with process_group(cfg.device) as (ctx, device), claim(cfg.out, resume=resume, enabled=ctx.is_main), \
+            _TensorBoard(Path(cfg.out) / "tb", log, enabled=ctx.is_main) as board:
+        return _train(cfg, ctx, device, resume=resume, board=board, progress=progress if ctx.is_main else None,
                       log=log if ctx.is_main else lambda s: None)
 
 
@@ -252,7 +331,7 @@ def _resolve_auto(cfg: TrainConfig, train_set: ImageDataset, log: Callable[[str]
                 f"(--rarity-prior {AUTO_RARITY_PRIOR})")
 
 
-def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool,
+def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, board: _TensorBoard,
            progress: Callable[[str, int, int, dict], None] | None, log: Callable[[str], None]) -> list[dict[str, Any]]:
     run = Path(cfg.out)
     if ctx.is_main:  # other ranks write nothing, anywhere
@@ -314,60 +393,21 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool,
                         scaler=scaler.state_dict(), epoch=epoch, step=step, samples=done,
                         world_size=ctx.world_size, history=history, running=running_state, config=cfg.to_dict())
 
-    # the auxiliary terms exist for models that sample patches (ats, uniform); see auxiliary_losses
-    aux = {"patch_loss": cfg.patch_loss, "attention_loss": cfg.attention_loss} \
-        if isinstance(model, ATSModel) else {}
+    def save_position(pos: Position) -> None:  # Ctrl-C: last.pt at the step reached; --resume continues there
+        if ctx.is_main:
+            save(run / "last.pt", pos.epoch, pos.step, pos.done, pos.running)
+
+    # ---- the epochs
     global_batch = cfg.batch_size * ctx.world_size
-    sampling_gen = torch.Generator(device=device)
-    net.train()
     for epoch in range(start_epoch, cfg.epochs):
         order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch))
         done = start_done if epoch == start_epoch else 0  # images of this epoch already trained on
-        batches = shard_batches(order.tolist(), done, cfg.batch_size, ctx)
-        loader = _loader(train_set, batches, cfg, device)
         acc = running if (epoch == start_epoch and running) else {"loss": 0.0, "correct": 0.0, "ent": 0.0,
                                                                      "n": 0.0, "time": 0.0}
+        pos = Position(epoch, step=done // global_batch, done=done, running=acc)
         reset_peak_memory(device)
-        step = done // global_batch
-        total_steps = step + len(batches)
-        t_last = time.perf_counter()
-        try:
-            for batch in readable(loader):
-                batch: Batch
-                for group in opt.param_groups:
-                    group["lr"] = _lr_at(cfg, epoch + done / len(train_set))
-                labels = batch.labels.to(device)
-                sampling_gen.manual_seed(_seed(cfg.seed, epoch, done, ctx.rank))
-                with _autocast(cfg, device):
-                    out = net(batch.low.to(device, non_blocking=True), batch.sources, generator=sampling_gen,
-                              support_mask=batch.support_on(device))
-                    loss = model.loss(out, labels, **aux)
-                opt.zero_grad(set_to_none=True)
-                scaler.scale(loss).backward()  # DDP averages the gradients over the ranks here
-                n = len(labels)
-                stats = all_reduce([float(loss.detach()) * n, float((out.logits.argmax(1) == labels).sum()),
-                                    float(out.entropy.detach().sum()), n], ctx, device)
-                if cfg.clip_norm:
-                    scaler.unscale_(opt)
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
-                scaler.step(opt)
-                scaler.update()
-                # no waiting from here to the end of the step, so Ctrl-C saves a consistent state
-                step += 1
-                done = min(done + global_batch, len(train_set))
-                now = time.perf_counter()
-                for key, value in zip(("loss", "correct", "ent", "n"), stats, strict=True):
-                    acc[key] += value
-                acc["time"] += now - t_last  # wall time (the ranks run in lockstep)
-                t_last = now
-                if progress:
-                    progress("train", step, total_steps,
-                             {"epoch": epoch + 1, "loss": acc["loss"] / acc["n"], "acc": acc["correct"] / acc["n"]})
-        except KeyboardInterrupt:
-            if ctx.is_main:
-                save(run / "last.pt", epoch, step, done, acc)
-            raise TrainingInterrupted(f"interrupted at epoch {epoch + 1}, step {step}; state saved to "
-                                      f"{run / 'last.pt'}; continue with --resume") from None
+        train_one_epoch(cfg, ctx, device, net, opt, scaler, train_set, order.tolist(), pos, save=save_position,
+                        progress=progress)
 
         try:
             # the running statistics of the weights as they are now (recalibrate_batch_norm),
@@ -379,10 +419,11 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool,
             broadcast_buffers(model, ctx)  # e.g. batch-norm statistics: evaluate and save rank 0's
             test = evaluate(model, test_loader, device, n_patches=cfg.eval_n_patches or None, ctx=ctx)
         except KeyboardInterrupt:  # the epoch's steps are done: keep them, --resume evaluates
-            if ctx.is_main:
-                save(run / "last.pt", epoch, step, done, acc)
-            raise TrainingInterrupted(f"interrupted while evaluating epoch {epoch + 1}; its {step} training steps are "
-                                      f"saved to {run / 'last.pt'}; continue with --resume") from None
+            save_position(pos)
+            raise TrainingInterrupted(f"interrupted while evaluating epoch {epoch + 1}; its {pos.step} training steps "
+                                      f"are saved to {run / 'last.pt'}; continue with --resume") from None
+
+        # ---- the epoch's record
         (peak_mb,) = all_reduce([peak_memory_mb(device)], ctx, device, op="max")
         record = {
             "epoch": epoch + 1,
@@ -413,6 +454,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool,
             except OSError as e:  # a full disk, a directory gone read-only: one line, then --resume
                 raise RunDirError(f"{run}: cannot save epoch {epoch + 1} ({e.strerror or e}); make room or fix the "
                                   f"directory, then continue with --resume {run}") from None
+            board.add(record)
         best_acc = max(best_acc, test["acc"])
         log(f"epoch {epoch + 1}/{cfg.epochs}: train loss {record['train_loss']:.4f} acc {record['train_acc']:.3f} | "
             f"test loss {record['test_loss']:.4f} acc {record['test_acc']:.3f} | entropy {record['entropy']:.2f} | "
@@ -446,3 +488,56 @@ def _plot_curves(history: list[dict[str, Any]], path: Path) -> None:
             fig.savefig(tmp, dpi=100, format="png")
     finally:
         plt.close(fig)
+
+
+class _TensorBoard:
+    """The epoch records as TensorBoard scalars in ``RUN/tb``, written by rank 0 when the
+    ``tensorboard`` package is installed (``pip install 'ats[tensorboard]'``); else nothing.
+
+    ``metrics.jsonl`` stays the record of the run and this only a view of it, so a failure
+    here (a broken install, a full disk) costs one warning line and never the training.
+    The writer opens at the first record this process writes and hides, from that epoch on,
+    what an interrupted run wrote before (``purge_step``): a resumed run shows each epoch once.
+    """
+
+    SCALARS = {"loss/train": "train_loss", "loss/test": "test_loss", "accuracy/train": "train_acc",
+               "accuracy/test": "test_acc", "attention/entropy": "entropy", "lr": "lr",
+               "samples_per_s": "samples_per_s"}
+
+    def __init__(self, folder: Path, log: Callable[[str], None], *, enabled: bool = True):
+        self.folder, self.log, self.enabled = folder, log, enabled
+        self.writer = None
+
+    def __enter__(self) -> _TensorBoard:
+        return self
+
+    def add(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        try:
+            if self.writer is None:
+                from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only where it is used
+
+                self.writer = SummaryWriter(str(self.folder), purge_step=record["epoch"])
+            for tag, key in self.SCALARS.items():
+                self.writer.add_scalar(tag, record[key], record["epoch"])
+            self.writer.flush()
+        except Exception as e:
+            self.enabled = False  # one warning, then no more tries
+            writer, self.writer = self.writer, None
+            if writer is not None:
+                with contextlib.suppress(Exception):
+                    writer.close()
+            if not (isinstance(e, ModuleNotFoundError) and e.name == "tensorboard"):  # not installed: say nothing
+                self._warn(e)
+
+    def __exit__(self, *exc: object) -> None:
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            try:
+                writer.close()
+            except Exception as e:
+                self._warn(e)
+
+    def _warn(self, e: Exception) -> None:
+        self.log(f"warning: TensorBoard logging stopped ({type(e).__name__}: {e}); metrics.jsonl has every epoch")

@@ -463,7 +463,7 @@ def test_7_ctrl_c_in_predict_saves_the_rows_done_and_says_so(tmp_path, monkeypat
             raise KeyboardInterrupt
         return real(path, **kw)
 
-    monkeypatch.setattr(predict_mod, "open_input", interrupt_second)
+    monkeypatch.setattr(predict_mod.predictor, "open_input", interrupt_second)  # where Predictor finds it
     out = tmp_path / "p.csv"
     try:
         result = runner.invoke(app, ["predict", *map(str, images), "-m", str(model), "--out", str(out)])

@@ -143,13 +143,13 @@ def test_evaluate_counts_unknown_labels_as_wrong():
 def test_samples_and_n_patches_reach_the_model(setup, monkeypatch):
     model, images = setup
     seen = []
-    real = predict_mod.predict_probs
+    real = predict_mod.predictor.predict_probs
 
     def spy(net, low, sources, **kwargs):
         seen.append(kwargs)
         return real(net, low, sources, **kwargs)
 
-    monkeypatch.setattr(predict_mod, "predict_probs", spy)
+    monkeypatch.setattr(predict_mod.predictor, "predict_probs", spy)  # where Predictor finds it
     result = run(images[0], "--model", model, "--samples", "3", "--n-patches", "7")
     assert result.exit_code == 0, result.output
     assert seen and seen[0]["samples"] == 3 and seen[0]["n_patches"] == 7

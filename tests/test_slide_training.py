@@ -131,24 +131,59 @@ TRAIN_FLAGS = ["--epochs", "2", "--batch-size", "2", "--scale", "0.03125", "--pa
 
 
 def test_train_predict_visualize_on_slides_end_to_end(slides, tmp_path):
-    """Training reads slides lazily in DataLoader workers (the readers are reopened in the
-    training process), the reading options are saved in the model, and predict and
-    visualize read the slides the same way by default."""
+    """What a user checks after training on slides: every epoch is in the metrics, the
+    model reads back with the classes and reading options it was trained with, predict
+    gives one row per slide with a class and probabilities, the attention (and so every
+    patch read at full resolution) is on tissue, never on the glass around it, and
+    visualize draws it. Training reads slides lazily in DataLoader workers (the readers are
+    reopened in the training process); predict and visualize read the slides the same way
+    by default."""
+    from ats_cli.predict import load_predictor, read_inputs_csv
+
     run = tmp_path / "run"
     result = runner.invoke(app, ["train", str(slides), "--out", str(run), "--workers", "2", "--level", "0",
                                  "--tissue-mask", "on", *TRAIN_FLAGS])
     assert result.exit_code == 0, result.output
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 2 and all(np.isfinite(m["train_loss"]) for m in metrics)
+    assert [m["epoch"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["samples"] == SMALL.n_train  # every training slide, every epoch
+        assert all(np.isfinite(m[k]) and m[k] >= 0 for k in ("train_loss", "test_loss", "entropy", "lr"))
+        assert 0 <= m["train_acc"] <= 1 and 0 <= m["test_acc"] <= 1
     spec = torch.load(run / "best.pt", weights_only=True)["spec"]
     assert spec["input"] == {"reader": None, "level": None, "mpp": None, "tissue": True}
     assert spec["channels"] == 3
+    predictor = load_predictor(run, "cpu")  # the run directory stands for its best.pt
+    assert predictor.path == run / "best.pt" and predictor.classes == ["normal", "tumor"]
 
     csv_out = tmp_path / "preds.csv"
     result = runner.invoke(app, ["predict", str(slides / "test.csv"), "--model", str(run), "--out", str(csv_out)])
     assert result.exit_code == 0, result.output
-    rows = csv_out.read_text().splitlines()
-    assert rows[0] == "path,prediction,prob_normal,prob_tumor,label" and len(rows) == 1 + SMALL.n_test
+    header, *rows = [line.split(",") for line in csv_out.read_text().splitlines()]
+    assert header == ["path", "prediction", "prob_normal", "prob_tumor", "label"]
+    truth = {str(item.path): item.label for item in read_inputs_csv(slides / "test.csv")}
+    assert sorted(r[0] for r in rows) == sorted(truth) and len(rows) == SMALL.n_test  # each slide once
+    for path, prediction, p_normal, p_tumor, label in rows:
+        assert prediction in predictor.classes and label == truth[path]
+        assert float(p_normal) + float(p_tumor) == pytest.approx(1, abs=1e-5)
+        assert prediction == ("tumor" if float(p_tumor) > float(p_normal) else "normal")
+
+    # the attention of those predictions (the library's are the CLI's): all on the tissue mask, and so every patch
+    looked = []
+
+    def look(index, row, opened, out, b):
+        looked.append((opened, out.attention[b], out.offsets[b]))
+
+    again = predictor.predict(read_inputs_csv(slides / "test.csv"), on_output=look)
+    assert sorted((str(r.path), r.prediction) for r in again) == sorted((r[0], r[1]) for r in rows)
+    assert len(looked) == SMALL.n_test
+    for opened, attention, offsets in looked:
+        tissue = opened.support
+        assert tissue is not None  # the tissue-mask option saved in the model reached prediction
+        assert attention.shape == tissue.shape and 0.2 < float(tissue.float().mean()) < 0.8  # glass around tissue
+        assert float(attention[tissue].sum()) == pytest.approx(1, abs=1e-5)  # none on the glass
+        cells = (offsets + torch.tensor(predictor.model.patch_size) // 2) * predictor.model.scale  # patch centres
+        assert all(tissue[int(r), int(c)] for r, c in cells.floor().long().tolist())
 
     png = tmp_path / "att.png"
     result = runner.invoke(app, ["visualize", str(slides / "test" / "0001.tif"), "--model", str(run),

@@ -6,6 +6,8 @@ import importlib
 import json
 import pickle
 import re
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -214,3 +216,73 @@ def test_cli_train_runs_and_reports(squares, tmp_path, monkeypatch):
     assert re.search(r"epoch 1: step \d+/\d+, loss \d\.\d{3} acc", result.output), result.output
     bad = CliRunner().invoke(app, ["train", str(tmp_path / "nope"), "--out", str(tmp_path / "r2")])
     assert bad.exit_code == 1 and "nope" in bad.output
+
+
+# ---------------------------------------------------------------------------- TensorBoard (optional)
+
+
+@pytest.fixture
+def fake_tensorboard(monkeypatch):
+    """torch.utils.tensorboard with a SummaryWriter that keeps what it is given (the tests
+    must not depend on the package being installed); returns the writers made."""
+    made = []
+
+    class SummaryWriter:
+        def __init__(self, log_dir, purge_step=None):
+            self.log_dir, self.purge_step, self.scalars, self.closed = log_dir, purge_step, {}, False
+            made.append(self)
+
+        def add_scalar(self, tag, value, step):
+            self.scalars[tag, step] = value
+
+        def flush(self):
+            pass
+
+        def close(self):
+            self.closed = True
+
+    module = types.ModuleType("torch.utils.tensorboard")
+    module.SummaryWriter = SummaryWriter
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", module)
+    return made
+
+
+def _metrics(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_tensorboard_shows_each_epochs_record_once_across_a_resume(squares, tmp_path, fake_tensorboard):
+    run = tmp_path / "run"
+    train(_cfg(squares, run, epochs=1), log=lambda s: None)
+    train(_cfg(squares, run), resume=True, log=lambda s: None)
+    first, second = fake_tensorboard
+    assert first.log_dir == second.log_dir == str(run / "tb") and first.closed and second.closed
+    assert (first.purge_step, second.purge_step) == (1, 2)  # the resumed writer hides epoch 2 onward of the first
+    shown = {**first.scalars, **second.scalars}
+    for record in _metrics(run):  # metrics.jsonl is the record; TensorBoard shows the same numbers
+        e = record["epoch"]
+        assert shown["loss/train", e] == record["train_loss"] and shown["loss/test", e] == record["test_loss"]
+        assert shown["accuracy/train", e] == record["train_acc"] and shown["accuracy/test", e] == record["test_acc"]
+        assert shown["attention/entropy", e] == record["entropy"] and shown["lr", e] == record["lr"]
+        assert shown["samples_per_s", e] == record["samples_per_s"]
+
+
+def test_a_failing_tensorboard_costs_one_warning_line_not_the_run(squares, tmp_path, fake_tensorboard, monkeypatch):
+    def full_disk(self, tag, value, step):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sys.modules["torch.utils.tensorboard"].SummaryWriter, "add_scalar", full_disk)
+    lines = []
+    history = train(_cfg(squares, tmp_path / "run"), log=lines.append)
+    assert [h["epoch"] for h in history] == [1, 2] and len(_metrics(tmp_path / "run")) == 2
+    warnings = [line for line in lines if "TensorBoard" in line]
+    assert len(warnings) == 1 and "No space left on device" in warnings[0], lines
+    assert len(fake_tensorboard) == 1 and fake_tensorboard[0].closed  # no second try
+
+
+def test_without_tensorboard_installed_nothing_is_said_or_written(squares, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # what `import tensorboard` sees when it is absent
+    monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
+    lines = []
+    train(_cfg(squares, tmp_path / "run", epochs=1), log=lines.append)
+    assert not any("TensorBoard" in line for line in lines) and not (tmp_path / "run" / "tb").exists()

@@ -1,0 +1,114 @@
+"""Command-line arguments -> the ordered list of images to predict.
+
+:func:`resolve_inputs` turns what ``ats predict`` is given (files, directories, glob
+patterns, dataset CSVs, dataset directories) into :class:`InputItem` s, with labels when a
+CSV provides them. It only finds paths; opening a file is
+:func:`ats_cli.data.inputs.open_input`'s job, at prediction time.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ats_cli.data.dataset import DATASET_JSON, read_csv
+from ats_cli.data.formats import is_input_file
+
+__all__ = ["InputItem", "read_inputs_csv", "resolve_inputs"]
+
+_GLOB_CHARS = "*?["
+
+
+@dataclass(frozen=True)
+class InputItem:
+    """One image to predict. ``label`` (a class name) comes from a dataset CSV; ``extra``
+    holds that CSV row's other columns (e.g. the ``digits`` boxes); ``error`` is set when
+    the argument could not even be turned into an image path (it then becomes a failed row)."""
+
+    path: Path
+    label: str | None = None
+    extra: Mapping[str, str] = field(default_factory=dict)
+    error: str | None = None
+
+
+def resolve_inputs(specs: Iterable[str | os.PathLike[str]], *, recursive: bool = False) -> list[InputItem]:
+    """Command-line arguments -> images, in argument order, each file once.
+
+    * an existing file: a ``.csv`` is a dataset CSV (``path`` column, optional ``label``;
+      relative paths are relative to the CSV's directory); anything else is an image;
+    * a directory holding ``dataset.json`` and ``test.csv``: that dataset's test split;
+    * any other directory: the image files in it (the suffixes of
+      :data:`ats_cli.data.formats.BACKENDS`, sorted by name, hidden files skipped),
+      including sub-directories when ``recursive``;
+    * a pattern with ``* ? [`` that is not an existing path: expanded here (``**``
+      included), for shells that do not; matched directories and CSVs are treated as
+      above, other matches only if they are image files.
+
+    Problems (a missing path, an empty directory, a pattern that matches nothing, a bad
+    CSV) become items with ``error`` set rather than exceptions, so that one typo does
+    not stop the other inputs. A file reached twice is kept at its first position.
+    """
+    items: list[InputItem] = []
+    seen: set[str] = set()
+
+    def add(item: InputItem) -> None:
+        key = os.path.normcase(os.path.abspath(item.path))
+        if item.error is None and key in seen:
+            return
+        seen.add(key)
+        items.append(item)
+
+    for spec in specs:
+        text = os.fspath(spec)
+        path = Path(text).expanduser()
+        if path.exists():
+            for item in _expand(path, recursive=recursive, explicit=True):
+                add(item)
+        elif any(ch in text for ch in _GLOB_CHARS):
+            matches = sorted(glob.glob(os.path.expanduser(text), recursive=True))
+            found = [item for m in matches for item in _expand(Path(m), recursive=recursive, explicit=False)]
+            if not found:
+                add(InputItem(path, error=f"{text}: the pattern matches no image files"))
+            for item in found:
+                add(item)
+        else:
+            add(InputItem(path, error=f"{path}: no such file or directory"))
+    return items
+
+
+def _expand(path: Path, *, recursive: bool, explicit: bool) -> list[InputItem]:
+    if path.is_dir():
+        if (path / DATASET_JSON).is_file() and (path / "test.csv").is_file():
+            return read_inputs_csv(path / "test.csv")
+        files = path.rglob("*") if recursive else path.iterdir()
+        images = sorted((p for p in files if p.is_file() and is_input_file(p)), key=lambda p: str(p))
+        if not images and explicit:
+            hint = "" if recursive else " (sub-directories are searched with --recursive)"
+            return [InputItem(path, error=f"{path}: a directory with no image files{hint}")]
+        return [InputItem(p) for p in images]
+    if path.suffix.lower() == ".csv":
+        return read_inputs_csv(path)
+    if explicit or is_input_file(path):
+        return [InputItem(path)]
+    return []
+
+
+def read_inputs_csv(path: str | os.PathLike[str]) -> list[InputItem]:
+    """The rows of a dataset CSV (the ats dataset format, or any CSV with a ``path``
+    column) as input items, read by the dataset loader's parser
+    (:func:`ats_cli.data.dataset.read_csv`); ``label`` is kept when the column exists and
+    the cell is not empty, every other column goes to ``extra``. Relative paths are
+    relative to the CSV's directory, as in the dataset format. A row that cannot be used
+    is a failed item naming the CSV and line; a CSV that cannot be read (no ``path``
+    column, not CSV, not UTF-8) is one failed item naming it."""
+    path = Path(path)
+    table = read_csv(path, required=("path",))
+    if table.error is not None:
+        return [InputItem(path, error=str(table.error))]
+    if not table.rows:
+        return [InputItem(path, error=f"{path}: the CSV has no rows")]
+    return [InputItem(path, error=str(row.problem)) if row.problem is not None
+            else InputItem(row.path, label=row.label or None, extra=row.extra) for row in table.rows]

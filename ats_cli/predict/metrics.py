@@ -1,0 +1,49 @@
+"""How good the predictions are, when the inputs came with labels (a dataset CSV or
+directory): accuracy and a confusion matrix over the rows that were predicted."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ats_cli.predict.predictor import PredictionRow
+
+__all__ = ["Evaluation", "evaluate"]
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Accuracy over the predicted rows that have a label, and the confusion matrix
+    ``matrix[i][j]`` = images of label ``labels[i]`` predicted as ``classes[j]``.
+    ``labels`` is the model's classes followed by any label the model does not know
+    (those rows can never be right, and hiding them would overstate accuracy)."""
+
+    n: int
+    correct: int
+    labels: list[str]
+    classes: list[str]
+    matrix: list[list[int]]
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.n if self.n else float("nan")
+
+    @property
+    def unknown_labels(self) -> list[str]:
+        return self.labels[len(self.classes):]
+
+
+def evaluate(rows: Sequence[PredictionRow], classes: Sequence[str]) -> Evaluation | None:
+    """Accuracy and confusion matrix of the labelled, successful rows; None if there are none."""
+    scored = [r for r in rows if r.ok and r.label is not None]
+    if not scored:
+        return None
+    classes = [str(c) for c in classes]
+    labels = classes + sorted({r.label for r in scored if r.label not in classes})
+    li = {name: i for i, name in enumerate(labels)}
+    ci = {name: i for i, name in enumerate(classes)}
+    matrix = [[0] * len(classes) for _ in labels]
+    for r in scored:
+        matrix[li[r.label]][ci[r.prediction]] += 1
+    correct = sum(r.label == r.prediction for r in scored)
+    return Evaluation(n=len(scored), correct=correct, labels=labels, classes=classes, matrix=matrix)
