@@ -41,7 +41,7 @@ if [ -f "$RUN/last.pt" ]; then WHAT=(--resume "$RUN"); else WHAT=("$DATA" --out 
 log "training (${WHAT[*]}), at most ${BUDGET}s in this call"
 timeout -s INT "$BUDGET" $ATS train "${WHAT[@]}" --epochs "$EPOCHS" --n-patches "$NPATCH" \
   --batch-size "$BATCH" --workers "$WORKERS" --device "$DEVICE" || log "ats train stopped (exit $?)"
-done_epochs=$(wc -l < "$RUN/metrics.jsonl" 2>/dev/null || echo 0)
+done_epochs=0; [ -f "$RUN/metrics.jsonl" ] && done_epochs=$(wc -l < "$RUN/metrics.jsonl")
 if [ "$done_epochs" -lt "$EPOCHS" ]; then
   log "$done_epochs of $EPOCHS epochs done: call $0 $OUT_DIR again to continue"
   exit 0
