@@ -91,7 +91,7 @@ def _z_of_classification_gradient(m: ATSModel, groups=40, per_group=400, *, valu
     for _ in range(groups):
         out = m(low, source, generator=gen)
         classification = (out.logits * c).sum(1).mean()
-        values.append(float(classification))
+        values.append(float(classification.detach()))
         # the auxiliary terms are computed in the same forward pass, as in training
         patch, attention = auxiliary_losses(out, labels)
         assert torch.isfinite(patch) and torch.isfinite(attention)
