@@ -11,17 +11,15 @@ import math
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 from skimage.color import rgb2hed
+from test_train import _cfg, _weights, _write_squares_dataset
 from typer.testing import CliRunner
 
 from ats_cli import augment
 from ats_cli.augment import Augmentation, brightness_contrast, dihedral, hed_jitter
-from ats_cli.checkpoint import load_checkpoint
 from ats_cli.cli import app
 from ats_cli.config import resolve_config
 from ats_cli.core.model import ATSModel
-from ats_cli.data.dataset import write_dataset
 from ats_cli.data.synthetic_slides import SyntheticSlidesConfig, fingerprint, render_slide
 from ats_cli.models import create_model, model_spec
 from ats_cli.train import TrainingInterrupted, _resolve_auto, train
@@ -178,41 +176,9 @@ def test_the_hook_changes_the_inputs_not_the_sampling_or_the_pooling():
 # ---------------------------------------------------------------------------- training
 
 
-def _write_rgb_dataset(root, n_train=24, n_test=8, size=48, box=12, seed=0):
-    """A tinted square whose stripe direction (class) shows only at full resolution, on a
-    light pink background: colour, flips and rotations all have something to change."""
-    rng = np.random.default_rng(seed)
-    yy, xx = np.mgrid[:box, :box]
-    rows = {}
-    for split, n in (("train", n_train), ("test", n_test)):
-        (root / split).mkdir(parents=True)
-        rows[split] = []
-        for i in range(n):
-            label = int(rng.integers(2))
-            img = np.empty((size, size, 3), np.uint8)
-            img[:] = (235, 200, 220)
-            r, c = (int(v) for v in rng.integers(0, size - box, 2))
-            stripes = (yy if label == 0 else xx) % 2 == 0
-            img[r:r + box, c:c + box] = np.where(stripes[..., None], (90, 50, 130), (200, 120, 180))
-            Image.fromarray(img).save(root / split / f"{i}.png")
-            rows[split].append({"path": f"{split}/{i}.png", "label": ["horizontal", "vertical"][label]})
-    write_dataset(root, ["horizontal", "vertical"], rows, hints={"channels": 3})
-    return root
-
-
 @pytest.fixture(scope="module")
 def rgb_data(tmp_path_factory):
-    return _write_rgb_dataset(tmp_path_factory.mktemp("rgb"))
-
-
-def _cfg(data, out, **kw):
-    base = dict(data=str(data), out=str(out), n_patches=2, patch_size=12, scale=0.25, feature_width=8,
-                attention_width=4, batch_size=6, epochs=2, workers=0, entropy=0.0, seed=0, schedule="constant")
-    return resolve_config(None, **{**base, **kw})
-
-
-def _weights(run):
-    return load_checkpoint(run / "last.pt")["model"]
+    return _write_squares_dataset(tmp_path_factory.mktemp("rgb"), n_train=24, n_test=8, channels=3)
 
 
 def _same(a, b):
