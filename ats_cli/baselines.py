@@ -80,10 +80,11 @@ class DeepMIL(nn.Module):
 
     def forward(self, low: torch.Tensor, sources: Sources, *, n_patches: int | None = None,
                 generator: torch.Generator | None = None, return_patches: bool = False,
-                support_mask: torch.Tensor | None = None) -> ATSOutput:
+                support_mask: torch.Tensor | None = None, patch_transform=None) -> ATSOutput:
         """``n_patches``, ``generator`` and ``support_mask`` (a slide's tissue mask) are
         accepted for a common interface and ignored: Deep MIL is deterministic and always
-        reads the whole grid, as the baseline of the thesis does."""
+        reads the whole grid, as the baseline of the thesis does. ``patch_transform``: as
+        :meth:`ats_cli.core.model.ATSModel.forward`'s (training's augmentation)."""
         sizes = source_sizes(sources)
         if (sizes != sizes[0]).any():
             raise ValueError("Deep MIL needs the images of a batch to share a size; use --batch-size 1")
@@ -91,6 +92,8 @@ class DeepMIL(nn.Module):
         B = low.shape[0]
         offsets = grid[None].expand(B, -1, -1).contiguous()
         patches = pixels_to_float(gather_patches(sources, offsets, self.patch_size).to(low.device))
+        if patch_transform is not None:
+            patches = patch_transform(patches)
         feats = F.normalize(self.feature_net(patches.flatten(0, 1)).view(B, grid.shape[0], -1), dim=-1)
         scores = self.att_w(torch.tanh(self.att_v(feats)) * torch.sigmoid(self.att_u(feats)))[..., 0]
         a = torch.softmax(scores, dim=1)
@@ -122,9 +125,10 @@ class CNNClassifier(nn.Module):
 
     def forward(self, low: torch.Tensor, sources: Sources, *, n_patches: int | None = None,
                 generator: torch.Generator | None = None, return_patches: bool = False,
-                support_mask: torch.Tensor | None = None) -> ATSOutput:
+                support_mask: torch.Tensor | None = None, patch_transform=None) -> ATSOutput:
         """Reads nothing at full resolution; the output has one attention cell and no patches.
-        ``support_mask`` is ignored: the CNN sees the whole downsampled image."""
+        ``support_mask`` is ignored: the CNN sees the whole downsampled image; so is
+        ``patch_transform`` (there are no patches; training augments ``low`` itself)."""
         if return_patches:
             self.attention_net  # noqa: B018  (raises: there are no patches or map to show)
         B = low.shape[0]

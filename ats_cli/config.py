@@ -105,6 +105,12 @@ class TrainConfig:
     schedule: str = _key("cosine", "{choices}", OPT_PANEL, choices={"constant": "", "cosine": ""})
     warmup_epochs: int = _key(0, "Linear warm-up epochs", OPT_PANEL)
     clip_norm: float = _key(1.0, "Gradient norm clip, 0 = off", OPT_PANEL)
+    # training only (ats_cli.augment; never saved in the model): per-image colour jitter of the
+    # low-res view and its patches alike, optionally each patch in a random orientation
+    augment: str = _key("auto", "Training augmentation: {choices}; docs/training.md", OPT_PANEL, choices={
+        "auto": "colour+flips for RGB slides, i.e. a tissue mask, else none",
+        "none": "", "colour": "HED stain jitter, brightness and contrast",
+        "colour+flips": "and every patch flipped or rotated by a multiple of 90 degrees"})
     batch_size: int = _key(32, "Images per step, per process", OPT_PANEL)
     epochs: int = _key(20, "Epochs", OPT_PANEL)
     # running; "" = random init

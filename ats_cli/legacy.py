@@ -72,6 +72,9 @@ RUN_CONFIG_LEGACY: dict[str, Any] = {
     # estimator, the only one then (unlike SPEC_LEGACY's prediction-time `auto`: the
     # estimator's noise shapes the gradients of the epochs still to come).
     "estimator": "sequential",
+    # Runs saved before --augment existed trained on the images as they are: resuming one
+    # keeps that (today's default, auto, would start augmenting a slide run half-way).
+    "augment": "none",
 }
 
 

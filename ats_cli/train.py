@@ -36,6 +36,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
+from ats_cli.augment import Augmentation
 from ats_cli.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ats_cli.config import TrainConfig
 from ats_cli.core.model import ATSModel
@@ -140,9 +141,13 @@ def train_one_epoch(cfg: TrainConfig, ctx: Dist, device: torch.device, net: torc
                 group["lr"] = _lr_at(cfg, pos.epoch + pos.done / len(train_set))
             labels = batch.labels.to(device)
             sampling_gen.manual_seed(_seed(cfg.seed, pos.epoch, pos.done, ctx.rank))
+            low = batch.low.to(device, non_blocking=True)
+            # ats_cli.augment: the same per-image colours for the low-res view and its patches
+            aug = Augmentation.draw(cfg.augment, len(low), _seed(cfg.seed, pos.epoch, pos.done, ctx.rank, "augment"))
+            extra = {"patch_transform": aug.patches} if aug else {}
             with _autocast(cfg, device):
-                out = net(batch.low.to(device, non_blocking=True), batch.sources, generator=sampling_gen,
-                          support_mask=batch.support_on(device))
+                out = net(aug.low(low) if aug else low, batch.sources, generator=sampling_gen,
+                          support_mask=batch.support_on(device), **extra)
                 loss = model.loss(out, labels, **aux)
             opt.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()  # DDP averages the gradients over the ranks here
@@ -302,13 +307,18 @@ def _resolve_auto(cfg: TrainConfig, train_set: ImageDataset, log: Callable[[str]
     thousands of cells and uniform draws never meet them (ATSModel.prior); on a black
     canvas the brightness support already does that job, and elsewhere it is off.
 
+    ``augment``: RGB slides get ``colour+flips`` (stain and exposure vary between slides
+    and tissue has no "up"); anything else ``none``: turning a patch would change what a
+    digit means (6 and 9), and other images have no stains to jitter.
+
     Deterministic (the same first images), so every process of a run decides alike. The
     baselines (``--method uniform`` and the others) sample as the thesis's did: everywhere."""
-    if cfg.min_brightness != -1 and cfg.rarity_prior != -1:
+    if cfg.min_brightness != -1 and cfg.rarity_prior != -1 and cfg.augment != "auto":
         return
     if cfg.method != "ats":
         cfg.min_brightness = max(cfg.min_brightness, 0.0)
         cfg.rarity_prior = max(cfg.rarity_prior, 0.0)
+        cfg.augment = "none" if cfg.augment == "auto" else cfg.augment
         return
     dark, masked = [], []
     for i in range(min(AUTO_PROBE_IMAGES, len(train_set))):
@@ -323,8 +333,12 @@ def _resolve_auto(cfg: TrainConfig, train_set: ImageDataset, log: Callable[[str]
         if cfg.min_brightness:
             log(f"black background (median {100 * median:.0f}% dark low-res pixels): "
                 f"sampling only cells brighter than {AUTO_MIN_BRIGHTNESS} (--min-brightness)")
+    slides = bool(masked) and sum(masked) * 2 > len(masked)
+    if cfg.augment == "auto":
+        cfg.augment = "colour+flips" if slides and train_set.channels == 3 else "none"
+        if cfg.augment != "none":
+            log(f"RGB slides: training with --augment {cfg.augment} (stain, exposure and orientation vary)")
     if cfg.rarity_prior == -1:
-        slides = bool(masked) and sum(masked) * 2 > len(masked)
         cfg.rarity_prior = AUTO_RARITY_PRIOR if slides else 0.0
         if slides:
             log(f"slides (tissue mask): the attention starts on the tissue's unusual cells "

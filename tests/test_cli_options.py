@@ -86,14 +86,16 @@ def test_flags_left_out_give_the_defaults_and_given_ones_win():
 
 
 def test_validate_allows_exactly_the_values_the_help_lists():
+    from ats_cli.augment import MODES
     from ats_cli.core.sampling import ESTIMATORS
     from ats_cli.data.slides import READERS
     from ats_cli.models import available_methods
 
     allowed = allowed_values()
-    assert set(allowed) == {"method", "estimator", "reader", "tissue_mask", "optimizer", "schedule", "amp"}
+    assert set(allowed) == {"method", "estimator", "reader", "tissue_mask", "optimizer", "schedule", "amp",
+                            "augment"}
     # the lists the library itself works from
-    assert (allowed["estimator"], allowed["reader"]) == (ESTIMATORS, READERS)
+    assert (allowed["estimator"], allowed["reader"], allowed["augment"]) == (ESTIMATORS, READERS, ("auto", *MODES))
     assert set(allowed["method"]) == set(available_methods())
     text = _help_lines("train")
     for key, values in allowed.items():
@@ -103,7 +105,7 @@ def test_validate_allows_exactly_the_values_the_help_lists():
         assert re.search(listing, line) and line.count("|") == len(values) - 1, (key, line)
         for value in values:
             TrainConfig(**{key: value}).validate()
-        with pytest.raises(ConfigError, match=f"{key} must be one of {', '.join(values)} "):
+        with pytest.raises(ConfigError, match=re.escape(f"{key} must be one of {', '.join(values)} ")):
             TrainConfig(**{key: "bogus"}).validate()
 
 

@@ -25,12 +25,13 @@ cli_train = importlib.import_module("ats_cli.cli.train")  # the module; the pack
 
 
 def _write_squares_dataset(root, n_train=48, n_test=16, size=64, box=16, seed=0, *, period=2, floor=80,
-                           n_noise=0):
+                           n_noise=0, channels=1):
     """A bright square at a random place whose stripe direction (class) is invisible at
     low resolution: the model must find it with the attention and read it in a patch.
     ``n_noise`` decoy squares of random dots (as bright on average, so alike at low
     resolution; none overlapping) make finding it harder; ``period`` and ``floor`` set the
-    stripes (every ``period``-th row or column at 255, the others at ``floor``)."""
+    stripes (every ``period``-th row or column at 255, the others at ``floor``). ``channels``
+    3: the same images tinted pink, as RGB (something for a stain jitter to vary)."""
     rng = np.random.default_rng(seed)
     yy, xx = np.mgrid[:box, :box]
     patterns = [(yy % period == 0), (xx % period == 0)]
@@ -52,9 +53,11 @@ def _write_squares_dataset(root, n_train=48, n_test=16, size=64, box=16, seed=0,
                     img[r:r + box, c:c + box] = floor + (255 - floor) * patterns[label]
                 else:
                     img[r:r + box, c:c + box] = 255 * (rng.random((box, box)) < 1 / period)
+            if channels == 3:
+                img = (img[..., None] * np.array([1.0, 0.55, 0.8])).astype(np.uint8)
             Image.fromarray(img).save(root / split / f"{i}.png")
             rows[split].append({"path": f"{split}/{i}.png", "label": ["horizontal", "vertical"][label]})
-    write_dataset(root, ["horizontal", "vertical"], rows, hints={"channels": 1})
+    write_dataset(root, ["horizontal", "vertical"], rows, hints={"channels": channels})
     return root
 
 

@@ -156,6 +156,10 @@ def synthetic_slides(
     spot_radius: Annotated[int, typer.Option("--spot-radius", help="Cluster radius, level-0 pixels.")] = 28,
     mpp: Annotated[float, typer.Option(help="Microns per pixel written to the files.")] = 0.5,
     seed: Annotated[int, typer.Option(help="Seed; train slides use seed+1, test slides seed.")] = 0,
+    stain_jitter: Annotated[float, typer.Option(
+        "--stain-jitter", metavar="S",
+        help="Vary the stain per slide: haematoxylin and eosin amounts times U(1-S, 1+S); 0 = every slide "
+             "stained alike. The layouts do not depend on it (docs/training.md, colour augmentation).")] = 0.0,
     workers: Annotated[int | None, typer.Option(help="Worker processes (default: CPU count); the output does not "
                                                 "depend on it.")] = None,
 ) -> None:
@@ -167,13 +171,14 @@ def synthetic_slides(
     try:
         config = SyntheticSlidesConfig(n_train=n_train, n_test=n_test, size=size, n_spots=n_spots,
                                        max_targets=max_targets, spot_radius=spot_radius, mpp=mpp,
-                                       seed=seed).validate()
+                                       seed=seed, stain_jitter=stain_jitter).validate()
         check_slides_output(out, config)
     except (ValueError, OSError) as err:
         raise _fail(err) from None
     workers = workers or os.cpu_count() or 1
     console.print(f"synthetic slides -> [bold]{out}[/]: {n_train} train + {n_test} test slides, {size}x{size}, "
-                  f"{n_spots} clusters, up to {max_targets} targets, {mpp} um/px, seed {seed}, {workers} worker(s)",
+                  f"{n_spots} clusters, up to {max_targets} targets, {mpp} um/px, seed {seed}"
+                  + (f", stain jitter {stain_jitter:g}" if stain_jitter else "") + f", {workers} worker(s)",
                   highlight=False)
     _generate(lambda progress: generate_synthetic_slides(out, config, workers=workers, progress=progress),
               {"train": n_train, "test": n_test})

@@ -12,6 +12,7 @@ The full-resolution image is only ever touched through a patch source (see
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -194,11 +195,16 @@ class ATSModel(nn.Module):
         generator: torch.Generator | None = None,
         return_patches: bool = False,
         support_mask: torch.Tensor | None = None,
+        patch_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> ATSOutput:
         """``low``: low-res views [B, C, h, w] (float, [0, 1]); ``sources``: the
         full-resolution images, as a tensor [B, C, H, W] or a sequence of patch sources.
         ``n_patches`` overrides the training value (more patches, less variance);
-        ``support_mask`` [B, h, w] restricts sampling (see :meth:`support`)."""
+        ``support_mask`` [B, h, w] restricts sampling (see :meth:`support`).
+        ``patch_transform``: applied to the gathered patches [B, n, C, ph, pw] (float, [0, 1])
+        before the feature net; the training step passes its augmentation here
+        (:class:`ats_cli.augment.Augmentation`), prediction never does. It changes what the
+        feature net sees, not which positions are drawn nor how they are pooled."""
         n = self.n_patches if n_patches is None else int(n_patches)
         scores = self.attention_net(low)
         att_shape = tuple(scores.shape[-2:])
@@ -218,6 +224,8 @@ class ATSModel(nn.Module):
             margin=getattr(self.attention_net, "margin", 0),
         )
         patches = pixels_to_float(gather_patches(sources, offsets, self.patch_size).to(low.device))
+        if patch_transform is not None:
+            patches = patch_transform(patches)
         B = low.shape[0]
         feats = self.feature_net(patches.flatten(0, 1)).view(B, n, -1)
         # equal norms make sampling from a optimal (thesis 3.3.4); the scale: see the class docstring

@@ -15,6 +15,14 @@ task is built so that attention sampling is *needed*, as in pathology:
   attention can learn *where* the spots are, but only the full-resolution patch tells a
   target from a decoy. Label: ``tumor`` if any target, else ``normal`` (alternating with
   the image index, so both classes have equal counts).
+* **Stain.** ``stain_jitter`` S > 0 varies the colours from slide to slide as stains vary
+  between labs and batches: each slide's haematoxylin and eosin amounts are multiplied by
+  factors drawn from U(1 - S, 1 + S) (the colour-deconvolution model of
+  :mod:`ats_cli.augment`, Ruifrok & Johnston 2001). Amounts, not offsets, so that the glass
+  (almost no stain) stays white as on a real slide. The factors come from a stream of their
+  own, so a slide's layout, label and noise are those of the same slide at S = 0; only its
+  colours differ. A model trained at S = 0 and tested at S > 0 measures what
+  ``ats train --augment`` is for (docs/training.md).
 * **File.** RGB, JPEG-compressed 256x256 tiles, a pyramid of separate IFDs down by 4x
   (reduced levels marked ``subfiletype=1``, which OpenSlide and tifffile both read as
   levels) and the resolution tags set to ``mpp`` microns per pixel.
@@ -67,11 +75,12 @@ class SyntheticSlidesConfig:
     spot_radius: int = 28  # pixels at level 0
     mpp: float = 0.5  # microns per pixel written to the file
     seed: int = 0
+    stain_jitter: float = 0.0  # per-slide H and E amounts x U(1 - S, 1 + S); 0 = every slide alike
 
     def validate(self) -> SyntheticSlidesConfig:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name != "mpp" and (not isinstance(value, int) or isinstance(value, bool)):
+            if f.name not in ("mpp", "stain_jitter") and (not isinstance(value, int) or isinstance(value, bool)):
                 raise ValueError(f"{f.name} must be an integer, got {value!r}")
         if self.n_train < 1 or self.n_test < 1:
             raise ValueError("n_train and n_test must be at least 1 (both splits are required)")
@@ -85,10 +94,18 @@ class SyntheticSlidesConfig:
             raise ValueError(f"mpp must be > 0, got {self.mpp}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if not 0 <= self.stain_jitter < 1:
+            raise ValueError(f"stain_jitter must be in [0, 1), got {self.stain_jitter}")
         return self
 
     def params(self) -> dict[str, Any]:
-        return asdict(self)
+        """The parameters ``dataset.json`` records. ``stain_jitter`` only when it is on: at 0
+        the files are those of the generator before the option existed, and so are the
+        records, so a directory generated then is resumed, not refused as different."""
+        params = asdict(self)
+        if not self.stain_jitter:
+            del params["stain_jitter"]
+        return params
 
     def hints(self) -> dict[str, Any]:
         """Training hints for ``dataset.json``: a spot is ~2 low-res pixels at scale 1/32,
@@ -100,9 +117,25 @@ class SyntheticSlidesConfig:
 # ---------------------------------------------------------------------------- one slide
 
 
-def _rng(seed: int, split: str, index: int) -> np.random.Generator:
+def _rng(seed: int, split: str, index: int, stream: int | None = None) -> np.random.Generator:
+    """Slide ``index``'s generator; ``stream``: another, independent one of the same slide."""
     entropy = seed + 1 if split == "train" else seed
-    return np.random.default_rng(np.random.SeedSequence(entropy=entropy, spawn_key=(index,)))
+    key = (index,) if stream is None else (index, stream)
+    return np.random.default_rng(np.random.SeedSequence(entropy=entropy, spawn_key=key))
+
+
+STAIN_STREAM = 1  # the stream of the stain factors (_rng): the layout's stream is untouched by them
+
+
+def _stain(image: np.ndarray, factors: np.ndarray, rows: int = 256) -> None:
+    """Scale the haematoxylin, eosin and DAB amounts of ``image`` [H, W, 3] (float, 0..255)
+    by ``factors`` [3], in place, a band of ``rows`` at a time (bounded memory)."""
+    from ats_cli.augment import hed_jitter
+
+    alpha = torch.from_numpy(factors.astype(np.float32))[None]
+    for r in range(0, image.shape[0], rows):
+        band = torch.from_numpy(image[r:r + rows].clip(0, 255) / 255.0).float().permute(2, 0, 1)[None]
+        image[r:r + rows] = 255.0 * hed_jitter(band, alpha, torch.zeros(1, 3))[0].permute(1, 2, 0).numpy()
 
 
 def _smooth_noise(rng: np.random.Generator, size: int, cells: int) -> np.ndarray:
@@ -200,6 +233,10 @@ def render_slide(config: SyntheticSlidesConfig, split: str, index: int) -> tuple
         for p in _cluster(rng, c, rad, 12.0):
             _stamp(image, p[None], float(rng.uniform(4.2, 5.6)), NUCLEUS, rng, jitter=10.0)
             _stamp(image, p[None] + rng.integers(-3, 4, size=(1, 2)), 2.5, NUCLEUS, rng, jitter=10.0)
+    if config.stain_jitter:  # the stain is in the tissue, the noise in the camera: stain first
+        s = config.stain_jitter
+        h_e = _rng(config.seed, split, index, STAIN_STREAM).uniform(1 - s, 1 + s, size=2)
+        _stain(image, np.array([*h_e, 1.0]))
     image += rng.normal(0.0, 3.0, size=(n, n, 1)).astype(np.float32)  # sensor noise
     return image.clip(0, 255).astype(np.uint8), SlideLayout(label, targets, decoys)
 
