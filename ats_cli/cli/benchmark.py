@@ -124,5 +124,7 @@ def benchmark(
     console.print(table)
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(rows, indent=2) + "\n")
+        from ats_cli.io import atomic_write_text
+
+        atomic_write_text(json_out, json.dumps(rows, indent=2) + "\n")
         console.print(f"rows written to {json_out}")

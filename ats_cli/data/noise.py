@@ -59,6 +59,7 @@ true answer instead and blur that measurement. ``--noise-overlap`` /
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -417,7 +418,11 @@ def _montage(path: str, examples: int = 5, zoom: int = 3) -> None:
             tile = Image.fromarray(patch).resize((cell, cell), Image.NEAREST)
             out.paste(tile, (label_w + j * (cell + pad), y))
     out.paste(view, (grid_w + 2 * pad, title_h))
-    out.save(path, optimize=True)
+    from ats_cli.io import atomic_path
+
+    with atomic_path(path) as tmp:
+        # the temporary name hides the suffix PIL picks the format from
+        out.save(tmp, format=Image.registered_extensions().get(os.path.splitext(path)[1].lower(), "PNG"), optimize=True)
 
 
 if __name__ == "__main__":
