@@ -414,19 +414,20 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
     # ---- the epochs
     global_batch = cfg.batch_size * ctx.world_size
     for epoch in range(start_epoch, cfg.epochs):
-        order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch))
+        order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
+                               ).tolist()
         done = start_done if epoch == start_epoch else 0  # images of this epoch already trained on
         acc = running if (epoch == start_epoch and running) else {"loss": 0.0, "correct": 0.0, "ent": 0.0,
                                                                      "n": 0.0, "time": 0.0}
         pos = Position(epoch, step=done // global_batch, done=done, running=acc)
         reset_peak_memory(device)
-        train_one_epoch(cfg, ctx, device, net, opt, scaler, train_set, order.tolist(), pos, save=save_position,
+        train_one_epoch(cfg, ctx, device, net, opt, scaler, train_set, order, pos, save=save_position,
                         progress=progress)
 
         try:
             # the running statistics of the weights as they are now (recalibrate_batch_norm),
             # from the first batches of this epoch's order, then rank 0's everywhere
-            first = shard_batches(order.tolist()[:BN_BATCHES * global_batch], 0, cfg.batch_size, ctx)
+            first = shard_batches(order[:BN_BATCHES * global_batch], 0, cfg.batch_size, ctx)
             with _autocast(cfg, device):
                 recalibrate_batch_norm(model, _loader(train_set, first, cfg, device), device,
                                        _seed(cfg.seed, epoch, "batch-norm", ctx.rank))
