@@ -558,6 +558,11 @@ def render_attention(
     weights = _weights(net, result, seed)
     sites = patch_sites(result.offsets[0].cpu().tolist(), result.sampled_probs[0].cpu().tolist(),
                         None if weights is None else weights[0].tolist())
+    # Draws beyond the support (more patches asked than cells that may be sampled) land on
+    # probability-0 cells with weight 0 (ats_cli.core.sampling.sample): nothing to show, and
+    # drawn they would line the image's first row with empty boxes.
+    outside = sum(len(s.draws) for s in sites if s.attention <= 0)
+    sites = [s for s in sites if s.attention > 0]
     patches = result.patches[0].cpu()
     info = find_image_info(image, data)
     H, W = opened.source.size
@@ -574,7 +579,7 @@ def render_attention(
     if panel_h > 8.5:  # a tall image: narrower, not taller
         panel_w, panel_h = panel_w * 8.5 / panel_h, 8.5
     panel_h = max(panel_h, 1.5)
-    head_h, caption_h, strip_head_h, foot_h = 0.72, 0.62, 0.3, 0.1
+    head_h, caption_h, strip_head_h, foot_h = 0.72, 0.62 + (0.16 if outside else 0.0), 0.3, 0.1
     cell, gap = 0.78, 0.14  # a strip patch and the gap between two
     row_h = 0.2 + cell * ph / pw + 0.38  # title, patch, two lines under it
     strip_rows = math.ceil(len(shown) / STRIP_PER_ROW)
@@ -597,12 +602,15 @@ def render_attention(
     _colorbar(fig, norm, ax, att.size, cax=cax)
     _weight_key(fig, sites, what, (bar_x, panel_bottom / fig_h, (bar_w - 0.15) / fig_w, panel_h * 0.26 / fig_h))
 
-    distinct = f"{len(sites)} distinct places" if len(sites) < n else "each at its own place"
+    distinct = f"{len(sites)} distinct places" if len(sites) < n - outside else "each at its own place"
     lines = [f"boxes: the {n} sampled {pw}x{ph} patches ({distinct}), brighter and thicker for more {what}, "
              f"#1-#{len(shown)} numbered by {what}" if len(shown) > 1 else f"box: the sampled {pw}x{ph} patch",
              f"heat: each pixel shows the largest attention of the cells whose patch covers it "
              f"({reach}x{reach} cells of {att.shape[0]}x{att.shape[1]})"
              + ("; red: boxes from the dataset CSV" if info and info.boxes else "")]
+    if outside:
+        lines.append(f"{outside} of the {n} draws fell on probability-0 cells (more draws than cells that may be "
+                     "sampled): weight 0, not drawn")
     fig.text(0.5, (panel_bottom - 0.22) / fig_h, "\n".join(lines), ha="center", va="top",
              fontsize=7.5, linespacing=1.4)
 

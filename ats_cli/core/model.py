@@ -148,7 +148,9 @@ class ATSModel(nn.Module):
 
         ``mask`` [B, h, w] (bool, on the low-res view's pixels, e.g. a slide's tissue mask)
         is applied the same way as the brightness test: a cell is kept if any of its pixels is."""
-        keep_px = self._supported_pixels(low, mask)
+        return self._support_cells(self._supported_pixels(low, mask), att_shape)
+
+    def _support_cells(self, keep_px: torch.Tensor | None, att_shape: tuple[int, int]) -> torch.Tensor | None:
         if keep_px is None:
             return None
         keep = self._to_cells(keep_px, att_shape) > 0
@@ -174,10 +176,13 @@ class ATSModel(nn.Module):
         attention is still a distribution the patches are sampled from, so the estimator and
         its gradient stay unbiased for it.
         """
+        return self._prior_cells(low, self._supported_pixels(low, mask), att_shape)
+
+    def _prior_cells(self, low: torch.Tensor, keep_px: torch.Tensor | None, att_shape: tuple[int, int]
+                     ) -> torch.Tensor | None:
         if self.rarity_prior <= 0:  # 0 = off; -1 (auto, unsettled outside training) too
             return None
-        r = rarity(low, self._supported_pixels(low, mask))
-        return self.rarity_prior * self._to_cells(r, att_shape)
+        return self.rarity_prior * self._to_cells(rarity(low, keep_px), att_shape)
 
     @property
     def active_estimator(self) -> str:
@@ -208,10 +213,11 @@ class ATSModel(nn.Module):
         n = self.n_patches if n_patches is None else int(n_patches)
         scores = self.attention_net(low)
         att_shape = tuple(scores.shape[-2:])
-        prior = self.prior(low, att_shape, support_mask)
+        keep_px = self._supported_pixels(low, support_mask)  # shared by the prior and the support
+        prior = self._prior_cells(low, keep_px, att_shape)
         if prior is not None:
             scores = scores + prior[:, None].to(scores.dtype)
-        probs = attention_distribution(scores, self.smoothing, self.support(low, att_shape, support_mask))
+        probs = attention_distribution(scores, self.smoothing, self._support_cells(keep_px, att_shape))
         draw = sample(probs, n, replace=self.replace, generator=generator)
         indices, sampled_probs = draw.indices, draw.probs
 
