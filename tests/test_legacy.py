@@ -32,7 +32,7 @@ def test_a_spec_from_before_versions_gets_what_its_run_used():
         del old[key]
     new = upgrade_spec(old)
     assert new["version"] == SPEC_VERSION and new["method"] == "ats" and new["feature_scale"] == 1.0
-    assert new["input"] == {"reader": None, "level": None, "mpp": None, "tissue": None}
+    assert new["input"] == {"reader": None, "level": None, "mpp": None, "tissue": None, "resample": False}
     assert new["estimator"] == "auto"  # prediction-time choice; see SPEC_LEGACY
     assert "version" not in old, "the caller's spec is not changed"
     # a key a version-0 file did hold keeps its value
