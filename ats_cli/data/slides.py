@@ -160,9 +160,8 @@ class SlideReader:
         if not parts:
             return torch.zeros((0, self.channels, h, w), dtype=torch.uint8)
         out = torch.from_numpy(np.stack(parts).transpose(0, 3, 1, 2).copy())
-        if (rh, rw) != (h, w):  # the core's resize (antialiased bilinear), as the low-res view is made
-            out = torch.nn.functional.interpolate(out.float(), size=(h, w), mode="bilinear", align_corners=False,
-                                                  antialias=True).round().clamp(0, 255).to(torch.uint8)
+        if (rh, rw) != (h, w):
+            out = _resample(out, (h, w))
         return out
 
     # -- multi-resolution --------------------------------------------------------------
@@ -307,6 +306,21 @@ class SlideReader:
     def _segment_pixels(self, level: int) -> int:
         """Pixels of one such unit (0: no units, e.g. in memory)."""
         return 0
+
+
+def _resample(patches: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """uint8 patches [n, C, H, W] resized to ``size``: down by area averaging, as a coarser
+    pyramid level is made (and as a coarser sensor pixel integrates the light over its
+    area), so a 40x scan resampled 2x gives a 20x level's pixels; up (a file coarser than
+    the model) bilinearly. An antialiased bilinear filter, the low-res view's, would blur
+    the patch further than the coarser scan is blurred: measured on the released
+    synthetic-slides model, it moved normal slides towards tumor (docs/slides.md)."""
+    x = patches.float()
+    if size[0] <= patches.shape[-2] and size[1] <= patches.shape[-1]:
+        x = torch.nn.functional.interpolate(x, size=size, mode="area")
+    else:
+        x = torch.nn.functional.interpolate(x, size=size, mode="bilinear", align_corners=False)
+    return x.round().clamp(0, 255).to(torch.uint8)
 
 
 def _to_rgb_or_gray(arr: np.ndarray) -> np.ndarray:
