@@ -53,6 +53,12 @@ class TrainConfig:
     n_patches: int = _key(0, "Patches sampled per image", METHOD_PANEL)
     patch_size: int = _key(0, "Patch side, full-res pixels", METHOD_PANEL)
     scale: float = _key(0.0, "Scale of the low-res view", METHOD_PANEL)
+    # the same two in microns, for slides (ats_cli.data.magnification): converted at the
+    # model's mpp (--mpp, else the training slides' own) into patch_size and scale
+    patch_um: float = _key(0.0, "Slides: patch side in microns, instead of --patch-size (at --mpp, else the training "
+                           "slides' microns per pixel)", METHOD_PANEL, means="off")
+    low_res_um: float = _key(0.0, "Slides: microns per low-res pixel, instead of --scale (scale = mpp / this)",
+                             METHOD_PANEL, means="off")
     replace: bool = _key(False, "Sample with replacement", METHOD_PANEL)
     # auto | threshold | sequential: the unbiased estimator without replacement (same expectation,
     # different variance: ats_cli.core.sampling). Runs and checkpoints from before the choice
@@ -88,7 +94,8 @@ class TrainConfig:
         "auto": "TIFFs and slide formats are read lazily, other images whole", "openslide": "", "tifffile": "",
         "pillow": ""})
     level: int = _key(0, "Slides: pyramid level patches are read from", READ_PANEL)
-    mpp: float = _key(0.0, "Slides: read patches from the level closest to this many microns per pixel",
+    mpp: float = _key(0.0, "Slides: read patches at this many microns per pixel (from the level at or below it, "
+                      "resampled); the model records it, else the training slides' own when they agree",
                       READ_PANEL, means="off")
     tissue_mask: str = _key("auto", "{choices}: sample only tissue (Otsu on saturation)", READ_PANEL, choices={
         "auto": "on for slides and TIFFs, off for other images", "on": "", "off": ""})
@@ -128,7 +135,7 @@ class TrainConfig:
         problems += [f"{k} must be > 0 (got {getattr(self, k)})" for k in positive if not getattr(self, k) > 0]
         non_negative = ("entropy", "weight_decay", "clip_norm", "workers", "warmup_epochs",
                         "eval_n_patches", "level", "mpp", "patch_loss", "attention_loss",
-                        "n_patches", "patch_size", "scale")  # 0: from the data
+                        "n_patches", "patch_size", "scale", "patch_um", "low_res_um")  # 0: from the data
         problems += [f"{k} must be >= 0" for k in non_negative if getattr(self, k) < 0]
         if self.rarity_prior < 0 and self.rarity_prior != -1:
             problems.append(f"rarity_prior must be >= 0, or -1 for auto (got {self.rarity_prior})")

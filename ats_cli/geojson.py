@@ -90,7 +90,9 @@ FORMAT_VERSION = 1
 @dataclass(frozen=True)
 class LevelFrame:
     """Where the model's "full resolution" sits in the file: the level patches are read
-    from, its downsample d (level-0 pixels per pixel of it), its size and level 0's."""
+    from, the downsample d (level-0 pixels per pixel of it: the level's times the
+    resampling factor when the slide is read at the model's microns per pixel), its size
+    and level 0's."""
 
     level: int
     downsample: float
@@ -106,7 +108,7 @@ def level_frame(source) -> LevelFrame:
 
     if isinstance(source, SlideReader):
         level = int(source.level)
-        return LevelFrame(level, float(source.downsamples[level]), tuple(source.size), tuple(source.dimensions),
+        return LevelFrame(level, float(source.patch_downsample), tuple(source.size), tuple(source.dimensions),
                           tuple(source.mpp) if source.mpp else None)
     H, W = (int(v) for v in source.size)
     return LevelFrame(0, 1.0, (H, W), (H, W), None)
@@ -413,6 +415,7 @@ class GeoJSONSummary:
     level: int
     downsample: float
     label: str | None = None
+    reading: str | None = None  # how the slide was read (ats_cli.data.magnification.describe_reading)
 
 
 def write_attention_geojson(
@@ -449,7 +452,7 @@ def write_attention_geojson(
     k = max(range(len(probs)), key=probs.__getitem__)
     return GeoJSONSummary(Path(out), predictor.classes[k], probs[k], len(record.offsets),
                           collection["properties"]["cells"]["written"], record.frame.level, record.frame.downsample,
-                          label)
+                          label, opened.reading)
 
 
 def _image_info(image, data) -> tuple[str | None, list]:

@@ -23,13 +23,16 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-__all__ = ["SPEC_VERSION", "SPEC_LEGACY", "SPEC_LEGACY_2", "RUN_CONFIG_LEGACY", "upgrade_spec", "upgrade_run_config"]
+__all__ = ["SPEC_VERSION", "SPEC_LEGACY", "SPEC_LEGACY_2", "SPEC_INPUT_LEGACY_3", "RUN_CONFIG_LEGACY", "upgrade_spec",
+           "upgrade_run_config"]
 
 # Version 1: the spec carries its version. Every spec written before (all of them "version
 # 0", e.g. the released models/*.pt) is read through SPEC_LEGACY. A future change of what
 # a key *means* (not only a new key) bumps this and adds its step to upgrade_spec.
 # Version 2: the spec carries ``rarity_prior`` (ats_cli.core.model.ATSModel.prior).
-SPEC_VERSION = 2
+# Version 3: the input block's ``mpp`` is the physical scale the model's pixels have, and
+# ``input.resample`` says slides are resampled to it (ats_cli.data.magnification).
+SPEC_VERSION = 3
 
 # Keys a version-0 spec may lack, with the value that stands for its absence.
 SPEC_LEGACY: dict[str, Any] = {
@@ -58,6 +61,14 @@ SPEC_LEGACY_2: dict[str, Any] = {
     # Models saved before the rarity prior existed sampled from the attention net's output
     # alone: a prior of 0 is exactly that model.
     "rarity_prior": 0.0,
+}
+
+# Keys a version-2 (or older) spec's ``input`` block may lack.
+SPEC_INPUT_LEGACY_3: dict[str, Any] = {
+    # Before models knew their microns, an ``input.mpp`` (from `ats train --mpp`) picked the
+    # level closest to it, read as it is, and a file recording no mpp was refused: no
+    # resampling is exactly that reading. (Such models record no mpp otherwise.)
+    "resample": False,
 }
 
 # Keys a run's config.json may lack because the run was saved before the key existed,
@@ -92,6 +103,9 @@ def upgrade_spec(spec: dict[str, Any]) -> dict[str, Any]:
         if version < since:
             for key, value in legacy.items():
                 out.setdefault(key, copy.deepcopy(value))
+    if version < 3 and isinstance(out.get("input"), dict):
+        for key, value in SPEC_INPUT_LEGACY_3.items():
+            out["input"].setdefault(key, value)
     out["version"] = SPEC_VERSION
     return out
 

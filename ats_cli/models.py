@@ -59,9 +59,12 @@ def create_model(spec: dict[str, Any]) -> nn.Module:
     return _METHODS.create(spec["method"], spec=spec)
 
 
-def model_spec(cfg: TrainConfig, *, n_classes: int, channels: int) -> dict[str, Any]:
+def model_spec(cfg: TrainConfig, *, n_classes: int, channels: int, mpp: float | None = None) -> dict[str, Any]:
     """The spec of the model ``cfg`` trains on data of ``n_classes`` and ``channels``;
-    plain values only, so that a checkpoint holding it loads without running code."""
+    plain values only, so that a checkpoint holding it loads without running code.
+    ``mpp``: the microns per pixel of the model's patches when known (--mpp, else the
+    training slides': :func:`ats_cli.data.magnification.settle_physical_scale`); predict
+    reads slides at that scale (``input.resample``)."""
     return {
         "version": SPEC_VERSION,
         "method": cfg.method,
@@ -82,7 +85,7 @@ def model_spec(cfg: TrainConfig, *, n_classes: int, channels: int) -> dict[str, 
         "feature_scale": cfg.feature_scale,
         "rarity_prior": cfg.rarity_prior,
         # how inputs were read in training: predict and visualize read them alike by default
-        "input": cfg.input_options(),
+        "input": {**cfg.input_options(), **({"mpp": float(mpp)} if mpp else {}), "resample": True},
     }
 
 

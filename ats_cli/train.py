@@ -42,6 +42,7 @@ from ats_cli.config import TrainConfig
 from ats_cli.core.model import ATSModel
 from ats_cli.data.dataset import load_dataset
 from ats_cli.data.loader import Batch, ImageDataset, Unreadable, collate, readable, single_thread_worker
+from ats_cli.data.magnification import settle_physical_scale
 from ats_cli.distributed import Dist, all_reduce, broadcast_buffers, from_main, process_group, shard_batches
 from ats_cli.inference import predict_probs
 from ats_cli.io import atomic_path, atomic_write_text
@@ -356,6 +357,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
 
     # ---- data: every rank reads the dataset (same path on every node)
     data = load_dataset(cfg.data)
+    mpp = settle_physical_scale(cfg, data["train"], log)  # before from_data: --patch-um settles patch_size
     settled = cfg.from_data(data.hints)
     if settled:
         log("from the data: " + ", ".join(settled))
@@ -371,7 +373,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
 
     # ---- model, optimizer, state (the same initial weights on every rank: same seed)
     torch.manual_seed(cfg.seed)
-    spec = model_spec(cfg, n_classes=data.num_classes, channels=channels)
+    spec = model_spec(cfg, n_classes=data.num_classes, channels=channels, mpp=mpp)
     model = create_model(spec).to(device)
     opt = _optimizer(cfg, model)
     scaler = torch.amp.GradScaler("cuda", enabled=amp == "fp16")  # fp16 only: bf16 has float32's range

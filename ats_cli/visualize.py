@@ -212,6 +212,7 @@ class RenderSummary:
     n_boxes: int = 0
     n_sites: int = 0  # distinct sampled patch locations, one box each
     strip: tuple[tuple[int, int], ...] = ()  # (row, col) of the patches in the strip, in its order
+    reading: str | None = None  # how a slide was read (ats_cli.data.magnification.describe_reading)
 
 
 @dataclass(frozen=True)
@@ -653,7 +654,7 @@ def render_attention(
     size = _save(fig, Path(out))
     return RenderSummary(Path(out), size, prediction=prediction, probability=probability, label=label,
                          n_boxes=len(info.boxes) if info else 0, n_sites=len(sites),
-                         strip=tuple((s.row, s.col) for s in shown))
+                         strip=tuple((s.row, s.col) for s in shown), reading=opened.reading)
 
 
 def render_evolution(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,7 +33,7 @@ def test_a_spec_from_before_versions_gets_what_its_run_used():
         del old[key]
     new = upgrade_spec(old)
     assert new["version"] == SPEC_VERSION and new["method"] == "ats" and new["feature_scale"] == 1.0
-    assert new["input"] == {"reader": None, "level": None, "mpp": None, "tissue": None}
+    assert new["input"] == {"reader": None, "level": None, "mpp": None, "tissue": None, "resample": False}
     assert new["estimator"] == "auto"  # prediction-time choice; see SPEC_LEGACY
     assert "version" not in old, "the caller's spec is not changed"
     # a key a version-0 file did hold keeps its value
@@ -64,3 +65,30 @@ def test_released_models_are_version_0_specs_read_as_auto(name):
     assert "version" not in torch.load(path, weights_only=True)["spec"]  # written before specs had one
     model, ckpt = load_model(path)
     assert ckpt["spec"]["version"] == SPEC_VERSION and model.estimator == "auto"
+
+
+def test_a_version_2_model_trained_with_mpp_reads_the_closest_level_as_it_is(tmp_path):
+    """Before models knew their microns, --mpp picked the closest level and never resampled:
+    such a model (spec version 2, input.mpp set) keeps reading that way (SPEC_INPUT_LEGACY_3)."""
+    import tifffile
+
+    from ats_cli.predict import load_predictor
+
+    old = model_spec(TrainConfig(patch_size=16, scale=0.25, n_patches=4, feature_width=8, min_brightness=0.0, mpp=0.5),
+                     n_classes=3, channels=3)
+    old["version"] = 2
+    old["input"] = {k: v for k, v in old["input"].items() if k != "resample"}
+    path = tmp_path / "v2.pt"
+    save_checkpoint(path, spec=old, classes=["a", "b", "c"], model=create_model(old))
+    predictor = load_predictor(path, "cpu")
+    assert predictor.input_options["resample"] is False and predictor.input_options["mpp"] == 0.5
+    slide = tmp_path / "x40.tif"  # levels at 0.25, 0.75 µm/px: 0.75 is the closest to 0.5 (in log scale)
+    with tifffile.TiffWriter(slide) as tw:
+        image = np.full((192, 192, 3), 128, np.uint8)
+        for k, step in enumerate((1, 3)):
+            tw.write(image[::step, ::step].copy(), tile=(64, 64), subfiletype=1 if k else 0, photometric="rgb",
+                     metadata=None,
+                     resolution=(1e4 / (0.25 * step), 1e4 / (0.25 * step)), resolutionunit="CENTIMETER")
+    kw = {"channels": 3, "scale": 0.25, "patch_size": (16, 16)}
+    assert predictor.opener()(slide, **kw).source.size == (64, 64)  # level 1, as it is
+    assert predictor.opener(mpp=0.5)(slide, **kw).source.size == (96, 96)  # --mpp today: level 0 resampled 1.5x

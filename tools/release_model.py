@@ -1,11 +1,15 @@
 """Write a released model: a run's checkpoint without its optimizer state.
 
-    python tools/release_model.py RUN_DIR/best.pt models/NAME.pt
+    python tools/release_model.py RUN_DIR/best.pt models/NAME.pt [--mpp MPP]
 
 Keeps what prediction and a model card need (spec, classes, weights, the training
 configuration and the per-epoch history) and drops the optimizer and scaler state, so
 the file is a few hundred kB. Loadable with ``torch.load(weights_only=True)`` like any
 ats checkpoint; ``ats train --init`` accepts it for fine-tuning.
+
+``--mpp MPP``: record that the model was trained at MPP microns per pixel, for a
+checkpoint written before models recorded it (ats_cli.data.magnification); the weights
+are unchanged, and predict then reads slides that record their mpp at that scale.
 """
 
 from __future__ import annotations
@@ -17,8 +21,12 @@ from ats_cli.checkpoint import load_checkpoint, save_checkpoint
 from ats_cli.models import create_model
 
 
-def main(src: str, dst: str) -> None:
+def main(src: str, dst: str, mpp: float | None = None) -> None:
     ckpt = load_checkpoint(src)
+    if mpp is not None:
+        if not mpp > 0:
+            raise SystemExit(f"--mpp must be > 0, got {mpp}")
+        ckpt["spec"]["input"] = {**ckpt["spec"]["input"], "mpp": float(mpp), "level": None, "resample": True}
     model = create_model(ckpt["spec"])
     model.load_state_dict(ckpt["model"])
     save_checkpoint(dst, spec=ckpt["spec"], classes=ckpt["classes"], model=model, epoch=ckpt.get("epoch"),
@@ -27,6 +35,10 @@ def main(src: str, dst: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
+    args = sys.argv[1:]
+    if len(args) == 4 and args[2] == "--mpp":
+        main(args[0], args[1], float(args[3]))
+    elif len(args) == 2:
+        main(args[0], args[1])
+    else:
         raise SystemExit(__doc__)
-    main(sys.argv[1], sys.argv[2])

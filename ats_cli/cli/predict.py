@@ -72,6 +72,7 @@ def predict(
     """
     from ats_cli.checkpoint import CheckpointError
     from ats_cli.data.images import max_pixels_limit
+    from ats_cli.data.magnification import announce_readings
     from ats_cli.io import check_writable
     from ats_cli.predict import AttentionSaver, PredictionInterrupted, load_predictor, resolve_inputs
     from ats_cli.predict.report import estimator_note, print_results, run_with_progress
@@ -117,6 +118,7 @@ def predict(
         raise typer.Exit(2)
     opener = predictor.opener(reader=reader, level=level, mpp=mpp, tissue=tissue_setting(tissue_mask),
                               max_pixels=max_pixels)
+    opener = announce_readings(opener, lambda line: err.print(escape(line), soft_wrap=True, highlight=False))
     saver = None if save_attention is None else AttentionSaver(save_attention, items, predictor, seed, samples)
     try:
         rows = run_with_progress(predictor, items, err, n_patches=n_patches, samples=samples,

@@ -128,6 +128,8 @@ def visualize(
         err.print(f"[yellow]interrupted[/]: nothing written to {escape(str(out))}", soft_wrap=True)
         raise typer.Exit(130) from None
 
+    if getattr(summary, "reading", None):
+        err.print(f"{escape(str(target))}: {escape(summary.reading)}", soft_wrap=True, highlight=False)
     if geojson:
         label = "" if summary.label is None else f", label {summary.label}"
         console.print(f"wrote {summary.out}: predicted {summary.prediction} (p = {summary.probability:.2f}){label}; "

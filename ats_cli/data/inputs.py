@@ -36,6 +36,7 @@ class OpenedImage:
     low: torch.Tensor
     source: PatchSource
     support: torch.Tensor | None = None  # bool [h, w] over ``low``: where sampling may go (tissue mask)
+    reading: str | None = None  # how a slide was read (level, resampling), one line: ats_cli.data.magnification
 
 
 def low_res_view(image: torch.Tensor, scale: float) -> torch.Tensor:
@@ -48,15 +49,22 @@ def low_res_view(image: torch.Tensor, scale: float) -> torch.Tensor:
 
 def open_input(path: str | os.PathLike[str], *, channels: int, scale: float,
                patch_size: tuple[int, int], reader: str | None = None, level: int | None = None,
-               mpp: float | None = None, tissue: bool | None = None, max_pixels: int | None = None) -> OpenedImage:
+               mpp: float | None = None, tissue: bool | None = None, max_pixels: int | None = None,
+               resample: bool = True) -> OpenedImage:
     """Read one input file into (low-res view, patch source): the only function that
     knows how files are read.
 
     TIFFs and whole-slide formats (or any file when ``reader`` is given) go through the
     lazy readers of :mod:`ats_cli.data.slides`: the view comes from a small pyramid level
     and patches are decoded tile by tile at the sampled positions, so memory does not grow
-    with the slide. ``level``/``mpp`` choose the level patches are read from. ``tissue``
-    (default: on for slides read lazily, off for ordinary images) restricts sampling to
+    with the slide. ``level``/``mpp`` choose the level patches are read from; with
+    ``resample`` (the default) ``mpp`` is a physical scale to match: a file that records
+    its microns per pixel is read from the level at or below ``mpp`` and resampled to it
+    (:meth:`~ats_cli.data.slides.SlideReader.match_mpp`), any other file at ``level`` as
+    it is (``reading`` says so); without it (models whose spec predates version 3:
+    :mod:`ats_cli.legacy`) ``mpp`` picks the closest level, read as it is, and a file
+    without mpp is refused. ``tissue`` (default: on for slides read lazily, off for
+    ordinary images) restricts sampling to
     the Otsu tissue mask. Other files are read whole with :func:`read_image`, as before.
     ``max_pixels`` is the pixel budget of :mod:`ats_cli.data.slides` (default
     ``ATS_MAX_PIXELS``, else 64 M): larger reads are refused from the file's header.
@@ -66,14 +74,20 @@ def open_input(path: str | os.PathLike[str], *, channels: int, scale: float,
     and the prediction would look confident while meaning little. Raises
     :class:`ImageReadError` naming the file.
     """
+    from ats_cli.data.magnification import describe_reading
     from ats_cli.data.slides import open_image, tissue_mask
 
-    lazy = is_lazy(path, reader, level, mpp)
+    lazy = is_lazy(path, reader, level, None if resample else mpp)
+    note = None
     if lazy:
         slide = open_image(path, reader=reader or "auto", max_pixels=max_pixels).as_channels(channels)
-        slide.set_level(level, mpp)
+        if resample and mpp is not None and slide.mpp is not None:
+            slide.match_mpp(mpp)
+        else:
+            slide.set_level(level, None if resample else mpp)
         low = slide.low_res_view(scale)
         source: PatchSource = slide
+        note = describe_reading(slide, mpp if resample else None)
     else:
         image = read_image(path, channels, max_pixels=max_pixels)
         low, source = low_res_view(image, scale), TensorSource(image)
@@ -82,7 +96,7 @@ def open_input(path: str | os.PathLike[str], *, channels: int, scale: float,
     if H < ph or W < pw:
         raise ImageReadError(path, f"is {W}x{H} pixels (width x height), smaller than the model's {pw}x{ph} patch")
     support = tissue_mask(low) if (lazy if tissue is None else tissue) else None
-    return OpenedImage(low=low, source=source, support=support)
+    return OpenedImage(low=low, source=source, support=support, reading=note)
 
 
 def batch_sources(sources: Sequence[PatchSource]) -> torch.Tensor | list[PatchSource]:

@@ -64,9 +64,14 @@ from ats_cli.data.tiff_meta import (
     tiff_mpp,
 )
 
-__all__ = ["SlideReadError", "SlideInfo", "SlideReader", "open_image", "tissue_mask", "READERS"]
+__all__ = ["SlideReadError", "SlideInfo", "SlideReader", "open_image", "tissue_mask", "choose_level", "READERS",
+           "MPP_TOLERANCE"]
 
 READERS = ("auto", OPENSLIDE, TIFFFILE, PILLOW)
+# Two pixel sizes closer than this (relative) are the same magnification: scanners record
+# 0.2520 or 0.2527 um/px for "0.25", and a 5% change of scale is within the variation the
+# model already sees between slides. Such a level is read as it is, never resampled.
+MPP_TOLERANCE = 0.05
 PARALLEL_SEGMENT_PIXELS = 4_000_000  # larger strips/tiles are decoded one patch at a time (memory)
 
 
@@ -109,13 +114,18 @@ class SlideReader:
         self.vendor = vendor
         self.mpp = mpp
         self.level = 0  # level read_patches reads from (set by --level / --mpp)
+        self.factor = 1.0  # pixels of that level per pixel handed out (match_mpp): 1 = read as it is
         self._out_channels = channels
 
     # -- PatchSource -------------------------------------------------------------------
     @property
     def size(self) -> tuple[int, int]:
-        """Size of the level patches are read from: the model's "full resolution"."""
-        return self.levels[self.level]
+        """Size of the level patches are read from, resampled by ``factor`` (match_mpp):
+        the model's "full resolution"."""
+        H, W = self.levels[self.level]
+        if self.factor == 1.0:
+            return H, W
+        return max(1, round(H / self.factor)), max(1, round(W / self.factor))
 
     @property
     def channels(self) -> int:
@@ -135,12 +145,24 @@ class SlideReader:
         the GIL), each touching only the tiles it overlaps."""
         h, w = int(size[0]), int(size[1])
         offs = [(int(r), int(c)) for r, c in offsets.tolist()]
+        f = self.factor
+        if f != 1.0:  # the patch's footprint in the level's pixels, resized to (h, w) below
+            offs = [(round(r * f), round(c * f)) for r, c in offs]
+            rh, rw = max(1, round(h * f)), max(1, round(w * f))
+            if rh * rw > self.max_pixels:
+                raise _too_big(self.path, f"a {w}x{h} patch resampled by {f:.3g} reads {rw}x{rh} pixels of level "
+                               f"{self.level}", rh * rw, self.max_pixels)
+        else:
+            rh, rw = h, w
         threads = 1 if self._segment_pixels(self.level) > PARALLEL_SEGMENT_PIXELS else min(8, max(1, len(offs)))
         with ThreadPoolExecutor(max_workers=threads) as pool:
-            parts = list(pool.map(lambda rc: self.read_region(rc[0], rc[1], h, w, self.level), offs))
+            parts = list(pool.map(lambda rc: self.read_region(rc[0], rc[1], rh, rw, self.level), offs))
         if not parts:
             return torch.zeros((0, self.channels, h, w), dtype=torch.uint8)
-        return torch.from_numpy(np.stack(parts).transpose(0, 3, 1, 2).copy())
+        out = torch.from_numpy(np.stack(parts).transpose(0, 3, 1, 2).copy())
+        if (rh, rw) != (h, w):
+            out = _resample(out, (h, w))
+        return out
 
     # -- multi-resolution --------------------------------------------------------------
     @property
@@ -152,8 +174,39 @@ class SlideReader:
         h0, w0 = self.levels[0]
         return [(h0 / h + w0 / w) / 2 for h, w in self.levels]
 
+    @property
+    def level_mpps(self) -> list[float] | None:
+        """Microns per pixel of each level (the mean of y and x), or None when the file does not say."""
+        if self.mpp is None:
+            return None
+        base = (self.mpp[0] + self.mpp[1]) / 2
+        return [base * d for d in self.downsamples]
+
+    @property
+    def patch_downsample(self) -> float:
+        """Level-0 pixels per pixel handed out: the level's downsample times ``factor``."""
+        return float(self.downsamples[self.level]) * self.factor
+
+    @property
+    def pixel_mpp(self) -> float | None:
+        """Microns per pixel handed out (patches' and, at the model's scale, the view's), if known."""
+        mpps = self.level_mpps
+        return None if mpps is None else mpps[self.level] * self.factor
+
+    def match_mpp(self, mpp: float) -> None:
+        """Hand out pixels of ``mpp`` microns: read from the coarsest level at or below
+        ``mpp`` (:func:`choose_level`) and resample patches (and the low-res view, made
+        from ``size``) by the remaining factor, so that a patch covers the same tissue on
+        a 40x and a 20x scan. Raises :class:`SlideReadError` when the file records no mpp."""
+        mpps = self.level_mpps
+        if mpps is None:
+            raise SlideReadError(self.path, "the file records no microns per pixel, so it cannot be read at "
+                                 f"{mpp:g} µm/px")
+        self.level, self.factor = choose_level(mpps, mpp)
+
     def set_level(self, level: int | None = None, mpp: float | None = None) -> None:
-        """Choose the level patches come from: explicitly, or the one closest to ``mpp``."""
+        """Choose the level patches come from: explicitly, or the one closest to ``mpp``
+        (read as it is, not resampled: :meth:`match_mpp` resamples)."""
         if level is not None and mpp is not None:
             raise ValueError("give a level or an mpp, not both")
         if mpp is not None:
@@ -164,7 +217,7 @@ class SlideReader:
         level = 0 if level is None else int(level)
         if not 0 <= level < len(self.levels):
             raise SlideReadError(self.path, f"has {len(self.levels)} levels, level {level} does not exist")
-        self.level = level
+        self.level, self.factor = level, 1.0
 
     def read_region(self, row: int, col: int, h: int, w: int, level: int = 0) -> np.ndarray:
         """[h, w, C] uint8 of ``level`` starting at (row, col) in that level's pixels;
@@ -235,7 +288,7 @@ class SlideReader:
         low-res view and hands the reader to the training process, which cannot receive an
         open file handle. The receiving process reopens the file once and keeps it open
         (:func:`_reopen` caches readers per process), so later batches pay nothing."""
-        return _reopen, (self.name, str(self.path), self.level, self._out_channels, self.max_pixels)
+        return _reopen, (self.name, str(self.path), self.level, self._out_channels, self.max_pixels, self.factor)
 
     def __enter__(self):
         return self
@@ -253,6 +306,21 @@ class SlideReader:
     def _segment_pixels(self, level: int) -> int:
         """Pixels of one such unit (0: no units, e.g. in memory)."""
         return 0
+
+
+def _resample(patches: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """uint8 patches [n, C, H, W] resized to ``size``: down by area averaging, as a coarser
+    pyramid level is made (and as a coarser sensor pixel integrates the light over its
+    area), so a 40x scan resampled 2x gives a 20x level's pixels; up (a file coarser than
+    the model) bilinearly. An antialiased bilinear filter, the low-res view's, would blur
+    the patch further than the coarser scan is blurred: measured on the released
+    synthetic-slides model, it moved normal slides towards tumor (docs/slides.md)."""
+    x = patches.float()
+    if size[0] <= patches.shape[-2] and size[1] <= patches.shape[-1]:
+        x = torch.nn.functional.interpolate(x, size=size, mode="area")
+    else:
+        x = torch.nn.functional.interpolate(x, size=size, mode="bilinear", align_corners=False)
+    return x.round().clamp(0, 255).to(torch.uint8)
 
 
 def _to_rgb_or_gray(arr: np.ndarray) -> np.ndarray:
@@ -540,7 +608,8 @@ _REOPEN_LIMIT = 256  # readers kept open per process (a file handle and a few ti
 _REOPEN_LOCK = threading.Lock()
 
 
-def _reopen(name: str, path: str, level: int, channels: int, max_pixels: int | None = None) -> SlideReader:
+def _reopen(name: str, path: str, level: int, channels: int, max_pixels: int | None = None,
+            factor: float = 1.0) -> SlideReader:
     """The unpickling side of :meth:`SlideReader.__reduce__`: one open reader per file,
     level and channel count in each process.
 
@@ -548,16 +617,32 @@ def _reopen(name: str, path: str, level: int, channels: int, max_pixels: int | N
     prefetched by the DataLoader may still hold it; it closes when the last one is done
     with it (garbage collection). The process id is part of the key so that a forked
     child (e.g. a DataLoader worker) never shares its parent's file offsets."""
-    key = (os.getpid(), name, path, level, channels, max_pixels)
+    key = (os.getpid(), name, path, level, channels, max_pixels, factor)
     with _REOPEN_LOCK:
         reader = _REOPENED.get(key)
         if reader is None:
             reader = open_image(path, reader=name, max_pixels=max_pixels).as_channels(channels)
             reader.set_level(level)
+            reader.factor = float(factor)
             if len(_REOPENED) >= _REOPEN_LIMIT:
                 _REOPENED.pop(next(iter(_REOPENED)))
             _REOPENED[key] = reader
         return reader
+
+
+def choose_level(mpps: list[float], mpp: float) -> tuple[int, float]:
+    """(level, factor) that hand out pixels of ``mpp`` microns from a pyramid whose levels
+    have ``mpps`` microns per pixel: the coarsest level at or below ``mpp`` (within
+    :data:`MPP_TOLERANCE`), resampled down by ``factor = mpp / its mpp`` (>= 1: detail is
+    averaged away, never invented). A factor within the tolerance of 1 is 1: that level
+    is read as it is. When every level is coarser than ``mpp`` (a 20x scan for a model
+    trained at 40x), the finest is upsampled (factor < 1): the best the file can give."""
+    if not mpp > 0:
+        raise ValueError(f"mpp must be > 0, got {mpp}")
+    fine = [i for i, m in enumerate(mpps) if m <= mpp * (1 + MPP_TOLERANCE)]
+    level = max(fine, key=lambda i: mpps[i]) if fine else min(range(len(mpps)), key=lambda i: mpps[i])
+    factor = mpp / mpps[level]
+    return level, (1.0 if abs(factor - 1) <= MPP_TOLERANCE else factor)
 
 
 def tissue_mask(low: torch.Tensor) -> torch.Tensor:

@@ -73,7 +73,7 @@ def load_predictor(model: str | os.PathLike[str], device: str = "auto", *, estim
         raise CheckpointError(f"{path}: lists {len(classes)} class names for a model with {n_out} outputs")
     channels = int(ckpt["spec"]["channels"])
     saved = ckpt["spec"]["input"]  # for models saved without it: ats_cli.legacy
-    options = {k: saved.get(k) for k in ("reader", "level", "mpp", "tissue")}
+    options = {k: saved.get(k) for k in ("reader", "level", "mpp", "tissue", "resample")}
     return Predictor(model=net, classes=classes, channels=channels, device=dev, path=path, input_options=options)
 
 
@@ -110,8 +110,9 @@ class Predictor:
         opts = dict(self.input_options)
         if max_pixels is not None:
             opts["max_pixels"] = max_pixels
-        if level is not None or mpp is not None:
+        if level is not None or mpp is not None:  # --mpp always resamples (ats_cli.data.magnification)
             opts["level"], opts["mpp"] = level, mpp
+            opts["resample"] = True
         if reader is not None:
             opts["reader"] = reader
         if tissue is not None:

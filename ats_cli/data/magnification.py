@@ -1,0 +1,170 @@
+"""Magnification: models that know their microns.
+
+A pathologist thinks in microns, not pixels: a 64-pixel patch of a 40x scan (0.25 µm/px)
+covers a quarter of the tissue the same patch covers on a 20x scan (0.5 µm/px). A model
+trained on one and shown the other sees cells twice the size it learned, and answers
+something else. So a model records the physical scale of its pixels, and every slide is
+read at that scale:
+
+* **Training** records the microns per pixel (mpp) the patches were read at in the
+  model's spec (``input.mpp``): ``--mpp`` when given (every training slide is then read
+  at that scale, :meth:`~ats_cli.data.slides.SlideReader.match_mpp`), else the training
+  slides' own mpp at ``--level`` when all of them record one and agree within
+  :data:`~ats_cli.data.slides.MPP_TOLERANCE`. When they disagree, or some record none,
+  the model records none (and the log says why): predict then reads slides as it always
+  did, by level.
+* ``--patch-um`` / ``--low-res-um`` give the patch side and the low-res view's pixel in
+  microns instead of ``--patch-size`` (pixels) and ``--scale`` (a ratio): at the mpp
+  above they are ``patch_size = round(patch_um / mpp)`` and ``scale = mpp / low_res_um``.
+  The spec stores pixels and the mpp, so the microns follow from it; giving both forms of
+  one setting is accepted only when they agree (a resumed run's config.json holds both).
+* **Predict / visualize**: a slide that records its mpp is read from the coarsest level
+  at or below the model's mpp and resampled by the remaining factor
+  (:func:`~ats_cli.data.slides.choose_level`), patches and low-res view alike, so a patch
+  covers the same tissue on a 40x and a 20x scan. Resampling is per patch (each reads its
+  footprint, at most factor² times its pixels, and is resized to the patch size) and the
+  view comes from the smallest pyramid level large enough, as before: memory stays
+  bounded by the view and the patches. A slide without mpp (or a PNG) is read at the
+  model's level as it is, and the one-line reading note says so. ``--mpp`` overrides the
+  model's mpp; ``--level`` reads that level as it is.
+
+:func:`describe_reading` is that one-line note (``ats predict`` and ``ats visualize`` print
+it); :func:`settle_physical_scale` is training's part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ats_cli.config import TrainConfig
+    from ats_cli.data.dataset import Record
+    from ats_cli.data.inputs import OpenedImage
+    from ats_cli.data.slides import SlideReader
+
+__all__ = ["describe_reading", "announce_readings", "file_mpp", "settle_physical_scale"]
+
+
+def _um(v: float) -> str:
+    return f"{v:.3g} µm/px"
+
+
+def describe_reading(slide: SlideReader, target: float | None) -> str:
+    """How ``slide`` is read, one line: its level, that level's mpp and the resampling
+    (``target``: the mpp asked for, the model's or ``--mpp``; None: none to match)."""
+    mpps = slide.level_mpps
+    level = f"level {slide.level}"
+    if mpps is None:
+        if target is None:
+            return f"{level} read as it is (the file records no microns per pixel)"
+        return (f"{level} read as it is: the file records no microns per pixel, so it cannot be matched to the "
+                f"model's {_um(target)}")
+    here = f"{level} ({_um(mpps[slide.level])})"
+    f = slide.factor
+    if target is None:
+        return f"{here} read as it is (no microns per pixel to match)"
+    if f == 1.0:
+        return f"{here} read as it is for {_um(target)}"
+    if f > 1:
+        return f"{here} downsampled {f:.3g}x to {_um(target)}"
+    return f"{here} upsampled {1 / f:.3g}x to {_um(target)} (the file has nothing finer)"
+
+
+def announce_readings(opener: Callable[..., OpenedImage], say: Callable[[str], None]) -> Callable[..., OpenedImage]:
+    """``opener`` that also says how a slide was read (:func:`describe_reading`), on one
+    line naming the file, the first time each way of reading occurs: one line for a folder
+    of slides from one scanner, another for the one that differs."""
+    seen: set[str] = set()
+
+    def read(path: Any, *args: Any, **kwargs: Any) -> OpenedImage:
+        opened = opener(path, *args, **kwargs)
+        note = getattr(opened, "reading", None)
+        if note and note not in seen:
+            seen.add(note)
+            say(f"{path}: {note}")
+        return opened
+
+    return read
+
+
+def file_mpp(path: str | Path, *, reader: str | None = None, level: int | None = None,
+             max_pixels: int | None = None) -> float | None:
+    """Microns per pixel of ``level`` (0 by default) of the file at ``path`` (its header
+    only), or None when it records none, is not read lazily, or cannot be opened (the
+    training loader names unreadable files when it reaches them)."""
+    from ats_cli.data.inputs import is_lazy
+    from ats_cli.data.slides import open_image
+
+    if not is_lazy(path, reader, level, None):
+        return None
+    try:
+        with open_image(path, reader=reader or "auto", max_pixels=max_pixels) as slide:
+            mpps = slide.level_mpps
+            lv = level or 0
+            return None if mpps is None or lv >= len(mpps) else mpps[lv]
+    except Exception:  # noqa: BLE001 - reported by name when training reads the file
+        return None
+
+
+def settle_physical_scale(cfg: TrainConfig, records: Sequence[Record], log: Callable[[str], None]) -> float | None:
+    """The microns per pixel the model's patches are read at (None: unknown), and
+    ``--patch-um`` / ``--low-res-um`` turned into ``patch_size`` / ``scale`` at it, in
+    place. See the module docstring for the rule. Raises ConfigError when ``--mpp`` is given
+    but a training file records no mpp (it would be read at another scale than the rest),
+    when a setting in microns has no mpp to be converted with, or when the two forms of
+    one setting disagree."""
+    from ats_cli.config import ConfigError
+    from ats_cli.data.slides import MPP_TOLERANCE
+
+    opts = cfg.input_options()
+    mpps = [file_mpp(r.path, reader=opts["reader"], level=opts["level"]) for r in records]
+    known = [m for m in mpps if m is not None]
+    if cfg.mpp:
+        missing = [r.path for r, m in zip(records, mpps, strict=True) if m is None]
+        if missing:
+            raise ConfigError(f"{missing[0]}: records no microns per pixel, so it cannot be read at --mpp {cfg.mpp:g} "
+                              f"({len(missing)} of {len(records)} training files do not)")
+        mpp: float | None = float(cfg.mpp)
+        how = "--mpp"
+    elif known and len(known) == len(records) and max(known) <= min(known) * (1 + MPP_TOLERANCE):
+        mpp = sorted(known)[len(known) // 2]
+        how = "the training slides'"
+    else:
+        mpp, how = None, ""
+        if known and len(known) == len(records):
+            log(f"warning: the training slides range from {_um(min(known))} to {_um(max(known))}: the model records "
+                "no microns per pixel (give --mpp to train at one physical scale; slides are resampled to it)")
+        elif known:
+            log(f"warning: {len(records) - len(known)} of {len(records)} training files record no microns per pixel: "
+                "the model records none (predict reads slides by level, as it is)")
+    if cfg.patch_um:
+        if mpp is None:
+            raise ConfigError(f"--patch-um {cfg.patch_um:g} needs the microns per pixel: give --mpp, or train on "
+                              "slides that all record the same one")
+        size = max(1, round(cfg.patch_um / mpp))
+        if cfg.patch_size and cfg.patch_size != size:
+            raise ConfigError(f"--patch-um {cfg.patch_um:g} is {size} pixels at {_um(mpp)}, --patch-size is "
+                              f"{cfg.patch_size}: give one of them")
+        cfg.patch_size = size
+    if cfg.low_res_um:
+        if mpp is None:
+            raise ConfigError(f"--low-res-um {cfg.low_res_um:g} needs the microns per pixel: give --mpp, or train on "
+                              "slides that all record the same one")
+        scale = mpp / cfg.low_res_um
+        if scale > 1:
+            raise ConfigError(f"--low-res-um {cfg.low_res_um:g} is finer than the patches' {_um(mpp)}: the low-res "
+                              "view cannot have more detail than the patches")
+        if cfg.scale and abs(cfg.scale - scale) > 1e-6 * scale:
+            raise ConfigError(f"--low-res-um {cfg.low_res_um:g} is a scale of {scale:.6g} at {_um(mpp)}, --scale is "
+                              f"{cfg.scale:g}: give one of them")
+        cfg.scale = scale
+    if mpp is not None:
+        parts = [f"{_um(mpp)} ({how})"]
+        if cfg.patch_size:
+            parts.append(f"patches {cfg.patch_size} px = {cfg.patch_size * mpp:.3g} µm")
+        if cfg.scale:
+            parts.append(f"low-res view {_um(mpp / cfg.scale)}")
+        log("physical scale recorded in the model: " + ", ".join(parts))
+    return mpp
