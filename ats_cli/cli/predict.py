@@ -384,7 +384,7 @@ def _cohort_rank(params: dict, ctx, device, console: Console, err: Console) -> i
             main_err.print(f"[yellow]interrupted:[/] the inputs finished so far are kept in {escape(out)}.part-*; "
                            "rerun the same command to continue", soft_wrap=True)
             raise _Stop(130) from None
-        _save_interrupted_cohort(stop, out, items, predictor.classes, err)
+        _save_interrupted_cohort(stop, out, items, predictor.classes, err, overwrite=params["overwrite"])
         raise _Stop(130) from None
     writer.close()
     mine_s = time.perf_counter() - start
@@ -398,7 +398,7 @@ def _cohort_rank(params: dict, ctx, device, console: Console, err: Console) -> i
     if not ctx.is_main:
         return 0
     try:
-        rows = merge(out, items, predictor.classes)
+        rows = merge(out, items, predictor.classes, overwrite=params["overwrite"])
     except (OSError, CohortError) as e:
         err.print(f"[red]error:[/] cannot write {escape(out)}: {escape(str(e))} (the predictions are kept in "
                   f"{escape(out)}.part-*; rerun the same command to merge them)", soft_wrap=True)
@@ -437,13 +437,13 @@ class _RankProgress:
             self.err.print(f"{self.tag}{done}/{total} input(s), {rate:.1f}/minute", markup=False)
 
 
-def _save_interrupted_cohort(stop, out: str, items, classes: list[str], err: Console) -> None:
+def _save_interrupted_cohort(stop, out: str, items, classes: list[str], err: Console, *, overwrite: bool) -> None:
     """Ctrl-C in one process: merge what is done into --out (rerunning resumes from it), and say so."""
     from ats_cli.predict.cohort import merge
 
     good = sum(r.ok for r in stop.rows)
     try:
-        merge(out, items, classes)
+        merge(out, items, classes, overwrite=overwrite)
         where = f"written to {out}"
     except OSError as e:
         where = f"kept in {out}.part-0 (cannot write {out}: {e.strerror or e})"

@@ -224,11 +224,12 @@ class PartWriter:
 
 
 def merge(out: str | os.PathLike[str], items: Sequence[InputItem], classes: Sequence[str],
-          *, remove_parts: bool = True) -> list[PredictionRow]:
-    """Write ``out`` from itself and every part file, in input order, atomically; then
-    remove the part files. Returns one row per input found (failures included, for the
-    report); an input's successful row wins over a failure, a later record over an
-    earlier one. The paths and labels are the inputs' own (as this run spells them)."""
+          *, overwrite: bool = False, remove_parts: bool = True) -> list[PredictionRow]:
+    """Write ``out`` from itself (unless ``overwrite``) and every part file, in input
+    order, atomically; then remove the part files. Returns one row per input found
+    (failures included, for the report); an input's successful row wins over a failure, a
+    later record over an earlier one. The paths and labels are the inputs' own (as this
+    run spells them)."""
     out = Path(out)
     parts = part_paths(out)
     found: dict[str, PredictionRow] = {}
@@ -239,7 +240,7 @@ def merge(out: str | os.PathLike[str], items: Sequence[InputItem], classes: Sequ
             if r.ok or key not in found or not found[key].ok:
                 found[key] = r
 
-    if out.exists():
+    if out.exists() and not overwrite:
         add(read_predictions_csv(out, classes))
     for part in parts:
         add(read_part(part, classes))
