@@ -10,7 +10,9 @@ loop then needs only:
 * :func:`shard_batches`: this rank's part of every global batch of an epoch;
 * :func:`all_reduce` and :func:`from_main`: global metrics, and rank 0's checkpoint on
   every rank (so other nodes need not see the run directory);
-* :func:`launch`: ``--devices N`` as one torchrun call.
+* :func:`launch`: ``--devices N`` as one torchrun call (:func:`run_launched` for any
+  sub-command: ``ats predict --devices N`` uses it too);
+* :func:`exit_worker`: how a worker of several leaves (see there).
 
 With ``WORLD_SIZE`` unset (a plain ``ats train``) every helper is a no-op and no process
 group is created, so the single-process path is exactly what it was. The CUDA/NCCL
@@ -20,6 +22,7 @@ branches are the standard ones; the tests exercise gloo on CPU.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import subprocess
@@ -27,7 +30,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -35,7 +38,7 @@ import torch.distributed as dist
 from ats_cli.runtime import resolve_device
 
 __all__ = ["Dist", "from_env", "process_group", "shard_batches", "all_reduce", "broadcast_buffers", "from_main",
-           "launch_command", "launch"]
+           "launch_command", "launch", "run_launched", "check_devices", "exit_worker"]
 
 T = TypeVar("T")
 
@@ -71,12 +74,15 @@ def from_env() -> Dist:
 
 
 @contextlib.contextmanager
-def process_group(device_name: str = "auto") -> Iterator[tuple[Dist, torch.device]]:
+def process_group(device_name: str = "auto", timeout: datetime.timedelta | None = None
+                  ) -> Iterator[tuple[Dist, torch.device]]:
     """Join the process group when ``WORLD_SIZE`` > 1 and yield ``(Dist, device)``.
 
     On GPU each process drives ``cuda:LOCAL_RANK`` (so ``--device`` may say ``cuda`` but
     not which one). A group that the caller already initialised is used and left open;
-    one created here is destroyed on exit.
+    one created here is destroyed on exit. ``timeout``: how long a collective may wait
+    for the slowest rank (PyTorch's default, 30 min for gloo, when None); prediction's
+    final barrier waits for the rank with the slowest share.
     """
     ctx = from_env()
     device = resolve_device(device_name)
@@ -92,7 +98,8 @@ def process_group(device_name: str = "auto") -> Iterator[tuple[Dist, torch.devic
             device = torch.device("cuda", ctx.local_rank)
             torch.cuda.set_device(device)
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+            extra = {} if timeout is None else {"timeout": timeout}
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", **extra)
             created = True
     try:
         yield ctx, device
@@ -173,12 +180,46 @@ def from_main(fn: Callable[[], T], ctx: Dist) -> T:
     return value
 
 
-def launch_command(nproc: int, train_args: Sequence[str]) -> list[str]:
-    """The torchrun command that runs ``ats train TRAIN_ARGS`` in ``nproc`` processes on this
+def launch_command(nproc: int, train_args: Sequence[str], command: str = "train") -> list[str]:
+    """The torchrun command that runs ``ats COMMAND ARGS`` in ``nproc`` processes on this
     machine (``--standalone``: a private rendezvous on a free local port). It is
     ``torchrun ARGS`` run through this module's ``__main__`` (see :func:`_torchrun`)."""
     return [sys.executable, "-m", "ats_cli.distributed", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "ats_cli", "train", *train_args]
+            "-m", "ats_cli", command, *train_args]
+
+
+def check_devices(nproc: int, device: str | None) -> None:
+    """``--devices N`` on a GPU machine (unless ``--device cpu``) needs N GPUs: one per process."""
+    if torch.cuda.is_available() and device != "cpu" and nproc > torch.cuda.device_count():
+        raise ValueError(f"--devices {nproc} but this machine has {torch.cuda.device_count()} GPU(s)")
+
+
+def run_launched(command: Sequence[str], env: dict[str, str] | None = None) -> int:
+    """Run a :func:`launch_command` and return its exit status. Ctrl-C reaches torchrun,
+    which passes it on to the workers; this process just waits for them to stop (130)
+    instead of killing torchrun half-way."""
+    proc = subprocess.Popen(list(command), env=env)
+    interrupted = False
+    while True:
+        try:
+            rc = proc.wait()
+            break
+        except KeyboardInterrupt:
+            interrupted = True
+    return 130 if interrupted else rc
+
+
+def exit_worker(code: int = 0) -> NoReturn:
+    """End a worker of several processes now, after its process group is destroyed:
+    flush the output and ``os._exit``. A normal interpreter exit after
+    ``destroy_process_group`` aborted now and then with "terminate called without an
+    active exception" (gloo, 2 CPU processes: a gloo thread still unwinding at exit);
+    nothing is left to run at that point, so skipping the interpreter's teardown loses
+    nothing and avoids the abort."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def launch(nproc: int, config: dict[str, Any], *, resume: bool) -> int:
@@ -189,21 +230,12 @@ def launch(nproc: int, config: dict[str, Any], *, resume: bool) -> int:
     torchrun, which passes it on to the workers: rank 0 saves the state and all stop; this
     process just waits for that instead of killing torchrun half-way.
     """
-    if torch.cuda.is_available() and config.get("device") != "cpu" and nproc > torch.cuda.device_count():
-        raise ValueError(f"--devices {nproc} but this machine has {torch.cuda.device_count()} GPU(s)")
+    check_devices(nproc, config.get("device"))
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="ats-train-", delete=False) as f:
         json.dump(config, f)
     try:
         where = ["--resume", config["out"]] if resume else [config["data"], "--out", config["out"]]
-        proc = subprocess.Popen(launch_command(nproc, [*where, "--config", f.name]))
-        interrupted = False
-        while True:
-            try:
-                rc = proc.wait()
-                break
-            except KeyboardInterrupt:
-                interrupted = True
-        return 130 if interrupted else rc
+        return run_launched(launch_command(nproc, [*where, "--config", f.name]))
     finally:
         os.unlink(f.name)
 

@@ -134,3 +134,5 @@ def train(
         best = max(history, key=lambda h: h["test_acc"])
         console.print(f"[green]done:[/] best test accuracy {best['test_acc']:.3f} at epoch {best['epoch']}; "
                       f"run directory {cfg.out}")
+    if ctx.enabled:  # a worker of torchrun: its process group is gone; leave without the gloo teardown abort
+        distributed.exit_worker(0)

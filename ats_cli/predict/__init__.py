@@ -14,6 +14,8 @@ The modules, in the order ``ats predict`` uses them:
   ``error`` (naming the file) instead of an exception;
 * :mod:`.output`: :func:`write_predictions_csv` writes the rows, and
   :class:`AttentionSaver` the attention as GeoJSON (``--save-attention``);
+* :mod:`.cohort`: ``--out FILE`` keeps every finished input in a part file per process,
+  resumes from them and merges one CSV (``--devices N``, torchrun);
 * :mod:`.metrics`: :func:`evaluate`, accuracy and a confusion matrix when labels are known;
 * :mod:`.report`: what ``ats predict`` prints on the terminal (not imported here: the
   library needs none of it).

@@ -15,6 +15,7 @@ import functools
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -130,6 +131,8 @@ class Predictor:
         reader: Callable[..., OpenedImage] | None = None,
         progress: Callable[[int, int], None] | None = None,
         on_output: Callable[[int, PredictionRow, OpenedImage, ATSOutput, int], None] | None = None,
+        on_row: Callable[[int, PredictionRow], None] | None = None,
+        prefetch: bool = True,
     ) -> list[PredictionRow]:
         """One row per item, in the items' order; failures are rows with ``error`` set.
 
@@ -147,6 +150,12 @@ class Predictor:
         ``on_output(index, row, opened, output, b)`` is called for each successful row, as
         it is predicted, with the model output of its batch's last sampling (row ``b``),
         e.g. to save the attention (``ats predict --save-attention``); it must not raise.
+        ``on_row(index, row)`` is called for every row, failed ones included, as it is
+        finished (``ats predict --out`` appends it to its part file, for resuming).
+
+        ``prefetch`` (default on): while an image is predicted, the next one is opened (its
+        low-res view and tissue mask read) in a background thread, one image ahead at most;
+        the results are the same either way.
         """
         if samples < 1:
             raise ValueError(f"samples must be >= 1, got {samples}")
@@ -163,6 +172,8 @@ class Predictor:
             nonlocal done
             rows[index] = row
             done += 1
+            if on_row:
+                on_row(index, row)
             if progress:
                 progress(done, len(items))
 
@@ -189,14 +200,17 @@ class Predictor:
                     on_output(index, row, opened, output, b)
                 finish(index, row)
 
+        def open_one(item: InputItem) -> OpenedImage:
+            return read(item.path, channels=self.channels, scale=self.model.scale, patch_size=self.model.patch_size)
+
+        opened_images = _read_ahead(items, open_one, prefetch)
         try:
             for index, item in enumerate(items):
                 if item.error is not None:
                     finish(index, _failed(item, item.error))
                     continue
                 try:
-                    opened = read(item.path, channels=self.channels, scale=self.model.scale,
-                                  patch_size=self.model.patch_size)
+                    opened = opened_images.get(index)
                 except Exception as e:  # whatever a reader raises: this file fails, the others go on
                     text = _first_line(e)
                     if not isinstance(e, (ImageReadError, OSError, ValueError)):
@@ -212,6 +226,8 @@ class Predictor:
                 run(pending.pop(key))
         except KeyboardInterrupt:
             raise PredictionInterrupted([row for row in rows if row is not None], len(items)) from None
+        finally:
+            opened_images.close()
         return [row for row in rows if row is not None]
 
     def _probs(self, images: list[OpenedImage], n_patches: int | None, samples: int, seed: int
@@ -233,6 +249,35 @@ class PredictionInterrupted(KeyboardInterrupt):
     def __init__(self, rows: list[PredictionRow], total: int):
         super().__init__(f"interrupted after {len(rows)} of {total} input(s)")
         self.rows, self.total = rows, total
+
+
+class _read_ahead:  # noqa: N801 (used like a function)
+    """``get(i)`` opens ``items[i]`` (raising what the reader raised); with ``prefetch``,
+    ``items[i+1]``'s opening is started in a background thread as ``get(i)`` returns, so it
+    overlaps the prediction of image i. One image ahead at most: a slide's low-res view is
+    small, but a cohort's would not be. Items with an ``error`` are never opened."""
+
+    def __init__(self, items: Sequence[InputItem], open_one: Callable[[InputItem], OpenedImage], prefetch: bool):
+        self.items, self.open_one = items, open_one
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ats-prefetch") if prefetch else None
+        self.ahead: tuple[int, Future] | None = None
+
+    def get(self, index: int) -> OpenedImage:
+        future = None
+        if self.ahead is not None and self.ahead[0] == index:
+            future = self.ahead[1]
+        self.ahead = None
+        if self.pool is not None:
+            nxt = next((j for j in range(index + 1, len(self.items)) if self.items[j].error is None), None)
+            if future is None:  # the first image, or the caller skipped one: start it now
+                future = self.pool.submit(self.open_one, self.items[index])
+            if nxt is not None:
+                self.ahead = (nxt, self.pool.submit(self.open_one, self.items[nxt]))
+        return future.result() if future is not None else self.open_one(self.items[index])
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _failed(item: InputItem, message: str) -> PredictionRow:

@@ -1,0 +1,259 @@
+"""Many inputs, several processes, interruptions: what ``ats predict --out FILE`` keeps on
+disk while it runs, and how it resumes.
+
+Each process (rank r of N, :mod:`ats_cli.distributed`; one process is rank 0 of 1)
+predicts its share of the inputs that are not done yet (:func:`share`: every N-th, so
+slow slides spread over the ranks) and appends one JSON line per input to its **part
+file** ``FILE.part-r`` as soon as the input is finished, flushed (:class:`PartWriter`): a
+crash loses at most the input being predicted, and a truncated last line is ignored.
+When all ranks are done, rank 0 :func:`merge` s the existing CSV and every part file into
+``FILE`` (atomically, in input order) and removes the part files.
+
+Rerunning the same command resumes (:func:`plan`): the inputs found in ``FILE`` or in a
+part file are not predicted again, failed ones are tried again. What is found must belong
+to this run: a CSV whose class columns are not this model's, a part file written with
+another model or other settings, or rows for files that are not among the inputs are
+refused (:class:`CohortError`, one line naming the file) rather than silently replaced by
+a CSV with fewer rows; ``overwrite`` starts over.
+
+Part files are JSON lines (never pickles): a first line with the run's settings, then
+``{"i": input index, "path", "prediction", "probs", "label"}`` or ``{..., "error"}``.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ats_cli.predict.inputs import InputItem
+from ats_cli.predict.output import write_predictions_csv
+from ats_cli.predict.predictor import PredictionRow
+
+__all__ = ["CohortError", "PartWriter", "Plan", "input_key", "merge", "part_path", "part_paths", "plan", "share"]
+
+PART_FORMAT = "ats-predict-part/1"
+
+
+class CohortError(ValueError):
+    """An existing output that this run must not resume or replace; one line naming the file."""
+
+
+def input_key(path: str | os.PathLike[str]) -> str:
+    """Inputs are matched by absolute, normalised path (as :func:`resolve_inputs` de-duplicates)."""
+    return os.path.normcase(os.path.abspath(os.fspath(path)))
+
+
+def part_path(out: str | os.PathLike[str], rank: int) -> Path:
+    out = Path(out)
+    return out.with_name(f"{out.name}.part-{rank}")
+
+
+def part_paths(out: str | os.PathLike[str]) -> list[Path]:
+    """Every part file next to ``out``, whatever number of processes wrote them."""
+    out = Path(out)
+    found = glob.glob(os.path.join(glob.escape(str(out.parent)), glob.escape(out.name) + ".part-*"))
+    return sorted((Path(p) for p in found if p.rsplit("-", 1)[-1].isdigit()),
+                  key=lambda p: int(str(p).rsplit("-", 1)[-1]))
+
+
+def share(indices: Sequence[int], rank: int, world_size: int) -> list[int]:
+    """Rank ``rank``'s inputs: every ``world_size``-th of ``indices`` from position ``rank``
+    (round-robin, so that a run of large slides in the list is spread over the ranks)."""
+    return list(indices[rank::world_size])
+
+
+class Plan:
+    """What :func:`plan` found: ``done`` (input keys already predicted) out of ``total``."""
+
+    def __init__(self, done: set[str], total: int, sources: list[str]):
+        self.done, self.total, self.sources = done, total, sources
+
+    def todo(self, items: Sequence[InputItem]) -> list[int]:
+        """Indices of the inputs still to predict, in input order."""
+        return [i for i, item in enumerate(items) if item.error is not None or input_key(item.path) not in self.done]
+
+
+def plan(out: str | os.PathLike[str], items: Sequence[InputItem], classes: Sequence[str],
+         settings: Mapping[str, Any], *, overwrite: bool = False) -> Plan:
+    """Which inputs are done already, from ``out`` and its part files; with ``overwrite``,
+    none (the part files are removed; ``out`` is replaced when the new CSV is written).
+
+    Raises :class:`CohortError` for an output that belongs to another run (see the module
+    docstring). Call it in one process (rank 0) before any rank starts writing."""
+    out = Path(out)
+    if overwrite:
+        for part in part_paths(out):
+            part.unlink(missing_ok=True)
+        return Plan(set(), len(items), [])
+    wanted = {input_key(item.path) for item in items}
+    done: set[str] = set()
+    sources: list[str] = []
+    found: list[tuple[Path, list[PredictionRow]]] = []
+    if out.exists():
+        found.append((out, read_predictions_csv(out, classes)))
+    for part in part_paths(out):
+        found.append((part, read_part(part, classes, settings)))
+    for path, rows in found:
+        stray = [r.path for r in rows if r.ok and input_key(r.path) not in wanted]  # failures are not kept
+        if stray:
+            raise CohortError(f"{path}: holds {len(stray)} prediction(s) for files that are not among these inputs "
+                              f"(e.g. {stray[0]}); give --overwrite to replace it, or another --out")
+        ok = {input_key(r.path) for r in rows if r.ok}
+        if ok:
+            sources.append(str(path))
+        done |= ok
+    return Plan(done, len(items), sources)
+
+
+def read_predictions_csv(path: Path, classes: Sequence[str]) -> list[PredictionRow]:
+    """The rows of a predictions CSV written by ``ats predict`` for a model with ``classes``."""
+    expected = ["path", "prediction", *(f"prob_{c}" for c in classes)]
+    try:
+        with open(path, newline="", encoding="utf-8") as fh:
+            reader = csv.reader(fh)
+            header = next(reader, None)
+            if header is None:
+                return []
+            if header[:len(expected)] != expected or header[len(expected):] not in ([], ["label"]):
+                raise CohortError(f"{path}: exists and is not this model's predictions CSV (columns "
+                                  f"{','.join(header)[:80]}); give --overwrite to replace it, or another --out")
+            rows = []
+            for line in reader:
+                if len(line) < len(expected):
+                    continue  # not a row ats wrote; it is predicted again
+                try:
+                    probs = tuple(float(v) for v in line[2:len(expected)])
+                except ValueError:
+                    continue
+                label = line[len(expected)] if len(line) > len(expected) and line[len(expected)] else None
+                rows.append(PredictionRow(path=Path(line[0]), label=label, prediction=line[1], probs=probs))
+            return rows
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise CohortError(f"{path}: cannot read it to resume ({getattr(e, 'strerror', None) or e}); give "
+                          "--overwrite to replace it, or another --out") from None
+
+
+def read_part(path: Path, classes: Sequence[str], settings: Mapping[str, Any] | None = None) -> list[PredictionRow]:
+    """A part file's rows, the latest record of each input last. A line that is not
+    complete JSON (the last one, after a crash) is ignored. With ``settings``, a part file
+    written with others (or another model's classes) raises :class:`CohortError`."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise CohortError(f"{path}: cannot read it to resume ({e.strerror or e})") from None
+    lines = text.split("\n")
+    if not lines or not lines[0].strip():
+        return []
+    try:
+        head = json.loads(lines[0])
+    except json.JSONDecodeError:
+        head = None
+    if not isinstance(head, dict) or head.get("format") != PART_FORMAT:
+        raise CohortError(f"{path}: not a part file of ats predict; remove it or give --overwrite")
+    same_settings = settings is None or head.get("settings") == json.loads(json.dumps(dict(settings)))
+    if list(head.get("classes", [])) != list(classes) or not same_settings:
+        differences = _differences(head, classes, settings)
+        raise CohortError(f"{path}: was written with another model or other settings ({differences}); rerun with "
+                          "those, or give --overwrite to start over")
+    rows = []
+    for line in lines[1:]:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the truncated last line of an interrupted run, or an empty one
+        if not isinstance(rec, dict) or "path" not in rec:
+            continue
+        if rec.get("error") is not None:
+            rows.append(PredictionRow(path=Path(rec["path"]), label=rec.get("label"), error=str(rec["error"])))
+        elif isinstance(rec.get("probs"), list) and len(rec["probs"]) == len(classes):
+            rows.append(PredictionRow(path=Path(rec["path"]), label=rec.get("label"), prediction=rec["prediction"],
+                                      probs=tuple(float(p) for p in rec["probs"])))
+    return rows
+
+
+def _differences(head: Mapping[str, Any], classes: Sequence[str], settings: Mapping[str, Any] | None) -> str:
+    if list(head.get("classes", [])) != list(classes):
+        return f"classes {','.join(map(str, head.get('classes', [])))[:60]}"
+    theirs = head.get("settings") or {}
+    ours = json.loads(json.dumps(settings or {}))
+    keys = [k for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)]
+    return ", ".join(f"{k} {theirs.get(k)!r} (now {ours.get(k)!r})" for k in keys[:3])
+
+
+class PartWriter:
+    """Appends this rank's rows to its part file, one flushed JSON line per input."""
+
+    def __init__(self, path: Path, classes: Sequence[str], settings: Mapping[str, Any]):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.fh = open(path, "a+b")  # noqa: SIM115 (closed in close())
+        self.fh.seek(0, os.SEEK_END)
+        size = self.fh.tell()
+        if size:  # a previous run's file: cut a truncated last line, so the next one starts clean
+            self.fh.seek(0)
+            data = self.fh.read()
+            keep = data.rfind(b"\n") + 1
+            if keep < size:
+                self.fh.truncate(keep)
+            size = keep
+            self.fh.seek(0, os.SEEK_END)
+        if size == 0:
+            self._write({"format": PART_FORMAT, "classes": list(classes), "settings": dict(settings)})
+
+    def _write(self, record: Mapping[str, Any]) -> None:
+        self.fh.write(json.dumps(record, allow_nan=False).encode("utf-8") + b"\n")
+        self.fh.flush()
+
+    def write(self, index: int, row: PredictionRow) -> None:
+        record: dict[str, Any] = {"i": index, "path": str(row.path), "label": row.label}
+        if row.ok:
+            record.update(prediction=row.prediction, probs=list(row.probs or ()))
+        else:
+            record["error"] = row.error
+        self._write(record)
+
+    def close(self) -> None:
+        os.fsync(self.fh.fileno())
+        self.fh.close()
+
+
+def merge(out: str | os.PathLike[str], items: Sequence[InputItem], classes: Sequence[str],
+          *, overwrite: bool = False, remove_parts: bool = True) -> list[PredictionRow]:
+    """Write ``out`` from itself (unless ``overwrite``) and every part file, in input
+    order, atomically; then remove the part files. Returns one row per input found
+    (failures included, for the report); an input's successful row wins over a failure, a
+    later record over an earlier one. The paths and labels are the inputs' own (as this
+    run spells them)."""
+    out = Path(out)
+    parts = part_paths(out)
+    found: dict[str, PredictionRow] = {}
+
+    def add(rows: Iterable[PredictionRow]) -> None:
+        for r in rows:
+            key = input_key(r.path)
+            if r.ok or key not in found or not found[key].ok:
+                found[key] = r
+
+    if out.exists() and not overwrite:
+        add(read_predictions_csv(out, classes))
+    for part in parts:
+        add(read_part(part, classes))
+    merged: list[PredictionRow] = []
+    for item in items:
+        if item.error is not None:
+            merged.append(PredictionRow(path=item.path, label=item.label, error=item.error))
+            continue
+        row = found.get(input_key(item.path))
+        if row is not None:
+            merged.append(replace(row, path=item.path, label=item.label))
+    write_predictions_csv(out, merged, classes)
+    if remove_parts:
+        for part in parts:
+            part.unlink(missing_ok=True)
+    return merged
