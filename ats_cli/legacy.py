@@ -23,7 +23,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-__all__ = ["SPEC_VERSION", "SPEC_LEGACY", "SPEC_LEGACY_2", "SPEC_INPUT_LEGACY_3", "RUN_CONFIG_LEGACY", "upgrade_spec",
+__all__ = ["SPEC_VERSION", "SPEC_LEGACY", "SPEC_LEGACY_2", "SPEC_INPUT_LEGACY_3", "SPEC_LEGACY_4",
+           "RUN_CONFIG_LEGACY", "upgrade_spec",
            "upgrade_run_config"]
 
 # Version 1: the spec carries its version. Every spec written before (all of them "version
@@ -32,7 +33,9 @@ __all__ = ["SPEC_VERSION", "SPEC_LEGACY", "SPEC_LEGACY_2", "SPEC_INPUT_LEGACY_3"
 # Version 2: the spec carries ``rarity_prior`` (ats_cli.core.model.ATSModel.prior).
 # Version 3: the input block's ``mpp`` is the physical scale the model's pixels have, and
 # ``input.resample`` says slides are resampled to it (ats_cli.data.magnification).
-SPEC_VERSION = 3
+# Version 4: the spec carries ``eval_n_patches``, the patches drawn at evaluation and
+# prediction (ats_cli.core.model.ATSModel.patches_now).
+SPEC_VERSION = 4
 
 # Keys a version-0 spec may lack, with the value that stands for its absence.
 SPEC_LEGACY: dict[str, Any] = {
@@ -61,6 +64,13 @@ SPEC_LEGACY_2: dict[str, Any] = {
     # Models saved before the rarity prior existed sampled from the attention net's output
     # alone: a prior of 0 is exactly that model.
     "rarity_prior": 0.0,
+}
+
+# Keys a version-3 (or older) spec may lack.
+SPEC_LEGACY_4: dict[str, Any] = {
+    # Models saved before the evaluation count was recorded predicted with their training
+    # count (0 stands for it), and their cards report figures measured that way.
+    "eval_n_patches": 0,
 }
 
 # Keys a version-2 (or older) spec's ``input`` block may lack.
@@ -99,7 +109,7 @@ def upgrade_spec(spec: dict[str, Any]) -> dict[str, Any]:
     if version > SPEC_VERSION:
         raise ValueError(f"model spec version {version} is newer than this ats ({SPEC_VERSION}); upgrade ats")
     out = copy.deepcopy(spec)
-    for since, legacy in ((1, SPEC_LEGACY), (2, SPEC_LEGACY_2)):
+    for since, legacy in ((1, SPEC_LEGACY), (2, SPEC_LEGACY_2), (4, SPEC_LEGACY_4)):
         if version < since:
             for key, value in legacy.items():
                 out.setdefault(key, copy.deepcopy(value))

@@ -75,6 +75,7 @@ def model_spec(cfg: TrainConfig, *, n_classes: int, channels: int, mpp: float | 
         "n_classes": n_classes,
         "channels": channels,
         "n_patches": cfg.n_patches,
+        "eval_n_patches": cfg.settled_eval_n_patches,  # 0 = n_patches
         "patch_size": [cfg.patch_size, cfg.patch_size],
         "scale": cfg.scale,
         "replace": cfg.replace,
@@ -100,6 +101,7 @@ def _sampling_model(spec: dict[str, Any], attention: nn.Module) -> ATSModel:
         _features(spec),
         spec["n_classes"],
         n_patches=spec["n_patches"],
+        eval_n_patches=spec["eval_n_patches"],
         patch_size=tuple(spec["patch_size"]),
         scale=spec["scale"],
         replace=spec["replace"],

@@ -434,7 +434,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
                 recalibrate_batch_norm(model, _loader(train_set, first, cfg, device), device,
                                        _seed(cfg.seed, epoch, "batch-norm", ctx.rank))
             broadcast_buffers(model, ctx)  # e.g. batch-norm statistics: evaluate and save rank 0's
-            test = evaluate(model, test_loader, device, n_patches=cfg.eval_n_patches or None, ctx=ctx)
+            test = evaluate(model, test_loader, device, ctx=ctx)  # the model's eval_n_patches
         except KeyboardInterrupt:  # the epoch's steps are done: keep them, --resume evaluates
             save_position(pos)
             raise TrainingInterrupted(f"interrupted while evaluating epoch {epoch + 1}; its {pos.step} training steps "

@@ -92,3 +92,23 @@ def test_a_version_2_model_trained_with_mpp_reads_the_closest_level_as_it_is(tmp
     kw = {"channels": 3, "scale": 0.25, "patch_size": (16, 16)}
     assert predictor.opener()(slide, **kw).source.size == (64, 64)  # level 1, as it is
     assert predictor.opener(mpp=0.5)(slide, **kw).source.size == (96, 96)  # --mpp today: level 0 resampled 1.5x
+
+
+def test_evaluation_draws_twice_the_training_patches_and_older_models_their_training_count():
+    """eval_n_patches (spec version 4): a new model draws n_patches in training and twice as
+    many in evaluation and prediction; a model saved before records none and keeps predicting
+    with its training count, as its card measured; 0 = as in training; an argument wins."""
+    low, image = torch.rand(2, 1, 16, 16), torch.rand(2, 1, 64, 64)
+
+    def drawn(spec, train: bool, n=None) -> int:
+        torch.manual_seed(0)
+        model = create_model(spec).train(train)
+        with torch.no_grad():
+            return model(low, image, n_patches=n).offsets.shape[1]
+
+    new = _spec()
+    assert new["eval_n_patches"] == 8
+    assert (drawn(new, True), drawn(new, False), drawn(new, False, n=5)) == (4, 8, 5)
+    old = {k: v for k, v in new.items() if k != "eval_n_patches"} | {"version": 3}
+    assert upgrade_spec(old)["eval_n_patches"] == 0 and drawn(old, False) == 4
+    assert drawn(_spec(eval_n_patches=0), False) == 4 and drawn(_spec(eval_n_patches=6), False) == 6

@@ -57,7 +57,8 @@ def scans(tmp_path_factory) -> dict[str, Path]:
 def make_model(path: Path, *, mpp: float | None = 0.5, n_patches: int = 8) -> Path:
     """A small untrained model (fixed seed) whose answer depends on what its patches show."""
     torch.manual_seed(0)
-    spec = model_spec(TrainConfig(patch_size=32, scale=1 / 16, n_patches=n_patches, feature_width=8,
+    # eval_n_patches=0: prediction draws the n_patches these tests compare between two scans
+    spec = model_spec(TrainConfig(patch_size=32, scale=1 / 16, n_patches=n_patches, eval_n_patches=0, feature_width=8,
                                   min_brightness=0.0, rarity_prior=0.0), n_classes=2, channels=3, mpp=mpp)
     model = create_model(spec)
     nn.init.normal_(model.attention_net.score.weight, std=0.5)

@@ -57,10 +57,14 @@ def test_sizes_left_at_zero_come_from_the_dataset_hints_then_the_paper():
     assert (cfg.n_patches, cfg.patch_size, cfg.scale) == (7, 0, 0.0)
     settled = cfg.from_data({"scale": 1 / 32, "patch_size": [64, 64], "n_patches": 12})
     assert (cfg.n_patches, cfg.patch_size, cfg.scale) == (7, 64, 1 / 32)  # a flag beats a hint
-    assert len(settled) == 2 and all("dataset.json" in s for s in settled)
+    assert settled[:2] == ["patch_size 64 (dataset.json)", "scale 0.03125 (dataset.json)"]
+    assert cfg.eval_n_patches == 14 and settled[2] == "eval_n_patches 14 (twice n_patches)"  # auto: after n_patches
     bare = resolve_config(None, data="d", out="o")
     bare.from_data({"patch_size": "big"})  # an unusable hint is ignored
     assert (bare.n_patches, bare.patch_size, bare.scale) == tuple(DATA_DEFAULTS.values())
+    fixed = resolve_config(None, data="d", out="o", eval_n_patches=0)  # 0: as in training, kept as given
+    fixed.from_data({"n_patches": 12})
+    assert (fixed.n_patches, fixed.eval_n_patches) == (12, 0)
 
 
 def test_auto_min_brightness_stays_off_on_a_light_background(tmp_path):

@@ -126,7 +126,8 @@ MppOption = Annotated[float | None, config_option("mpp", unset=MODEL_SETTING, mi
 TissueOption = Annotated[str | None, config_option("tissue_mask", unset=MODEL_SETTING, check=True)]
 NPatchesOption = Annotated[int | None, typer.Option(
     "--n-patches", min=1, show_default=False,
-    help="Patches sampled per image \\[default: the model's training value].")]
+    help="Patches sampled per image \\[default: the model's evaluation count (twice its training count for "
+         "models trained since it is recorded)].")]
 # Options with a value of their own, the same in every command (`device: str = DEVICE_OPTION`).
 DEVICE_OPTION: Any = config_option("device", FIELDS["device"].default)
 SEED_OPTION: Any = typer.Option(0, "--seed", help="Sampling seed; the same seed gives the same output.")

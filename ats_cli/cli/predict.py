@@ -136,7 +136,7 @@ def predict(
     items = resolve_inputs(inputs, recursive=recursive)
     n_ok_inputs = sum(item.error is None for item in items)
     console.print(f"model {predictor.path} ({len(predictor.classes)} classes, {predictor.device}); "
-                  f"{n_ok_inputs} image(s); n_patches {n_patches or predictor.model.n_patches}, "
+                  f"{n_ok_inputs} image(s); n_patches {n_patches or _default_patches(predictor)}, "
                   f"{estimator_note(predictor.model)}samples {samples}, seed {seed}")
     opener = predictor.opener(reader=reader, level=level, mpp=mpp, tissue=tissue_setting(tissue_mask),
                               max_pixels=max_pixels)
@@ -157,6 +157,13 @@ def predict(
     print_results(console, err, rows, predictor.classes, out=out, to_stdout=to_stdout, saver=saver)
     if any(not r.ok for r in rows) or (saver is not None and saver.errors):
         raise typer.Exit(1)
+
+
+def _default_patches(predictor) -> int | str:
+    """The patches a prediction draws when --n-patches is not given: the model's evaluation
+    count (ATSModel.patches_now in eval mode); '-' for models that do not sample."""
+    m = predictor.model
+    return (getattr(m, "eval_n_patches", 0) or m.n_patches) if hasattr(m, "n_patches") else "-"
 
 
 def _write_csv(rows, classes: list[str], out: str | None, to_stdout: bool) -> None:
@@ -355,7 +362,7 @@ def _cohort_rank(params: dict, ctx, device, console: Console, err: Console) -> i
         n_ok_inputs = sum(item.error is None for item in items)
         procs = f", {ctx.world_size} processes" if ctx.enabled else ""
         console.print(f"model {predictor.path} ({len(predictor.classes)} classes, {predictor.device}{procs}); "
-                      f"{n_ok_inputs} image(s); n_patches {params['n_patches'] or predictor.model.n_patches}, "
+                      f"{n_ok_inputs} image(s); n_patches {params['n_patches'] or _default_patches(predictor)}, "
                       f"{estimator_note(predictor.model)}samples {params['samples']}, seed {params['seed']}")
         if todo_plan.done:
             console.print(f"{len(todo_plan.done)} of {len(items)} already done, skipping (found in "

@@ -103,6 +103,7 @@ class ATSModel(nn.Module):
         feature_scale: float = 1.0,
         estimator: str = "auto",
         rarity_prior: float = 0.0,
+        eval_n_patches: int = 0,
     ):
         super().__init__()
         if estimator not in ESTIMATORS:
@@ -120,6 +121,7 @@ class ATSModel(nn.Module):
         self.feature_scale = float(feature_scale)
         self.estimator = estimator
         self.rarity_prior = float(rarity_prior)
+        self.eval_n_patches = int(eval_n_patches)  # 0 = n_patches
 
     def _supported_pixels(self, low: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
         """Bool [B, 1, h, w]: the low-res pixels that may be sampled (None = all): bright
@@ -185,6 +187,14 @@ class ATSModel(nn.Module):
         return self.rarity_prior * self._to_cells(rarity(low, keep_px), att_shape)
 
     @property
+    def patches_now(self) -> int:
+        """Patches one forward pass draws by default: ``n_patches`` in training,
+        ``eval_n_patches`` (0 = the same) in evaluation and prediction. More patches at
+        evaluation leave the estimate unbiased and lower its variance; they cost compute but
+        no memory for gradients, which is what bounds ``n_patches`` in training."""
+        return self.n_patches if self.training else (self.eval_n_patches or self.n_patches)
+
+    @property
     def active_estimator(self) -> str:
         """The estimator the current mode uses: ``auto`` is the per-image rule in training and
         the threshold estimator for prediction (fewer changed decisions, benchmarks/README.md;
@@ -204,13 +214,13 @@ class ATSModel(nn.Module):
     ) -> ATSOutput:
         """``low``: low-res views [B, C, h, w] (float, [0, 1]); ``sources``: the
         full-resolution images, as a tensor [B, C, H, W] or a sequence of patch sources.
-        ``n_patches`` overrides the training value (more patches, less variance);
+        ``n_patches`` overrides the default (:attr:`patches_now`: more patches, less variance);
         ``support_mask`` [B, h, w] restricts sampling (see :meth:`support`).
         ``patch_transform``: applied to the gathered patches [B, n, C, ph, pw] (float, [0, 1])
         before the feature net; the training step passes its augmentation here
         (:class:`ats_cli.augment.Augmentation`), prediction never does. It changes what the
         feature net sees, not which positions are drawn nor how they are pooled."""
-        n = self.n_patches if n_patches is None else int(n_patches)
+        n = self.patches_now if n_patches is None else int(n_patches)
         scores = self.attention_net(low)
         att_shape = tuple(scores.shape[-2:])
         keep_px = self._supported_pixels(low, support_mask)  # shared by the prior and the support
