@@ -289,3 +289,33 @@ def test_without_tensorboard_installed_nothing_is_said_or_written(squares, tmp_p
     lines = []
     train(_cfg(squares, tmp_path / "run", epochs=1), log=lines.append)
     assert not any("TensorBoard" in line for line in lines) and not (tmp_path / "run" / "tb").exists()
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT-ignored"])
+def test_a_scheduler_stop_saves_the_run_like_ctrl_c(squares, tmp_path, sig):
+    """SIGTERM (SLURM's preemption, `timeout`, `kill`) saves the state and exits 130, as
+    Ctrl-C does; so does SIGINT for a run started in the background by a non-interactive
+    shell, which inherits SIGINT ignored (`timeout -s INT` would otherwise not stop it)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run = tmp_path / "run"
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sig == "SIGINT-ignored" else None
+    proc = subprocess.Popen([sys.executable, "-m", "ats_cli", "train", str(squares), "--out", str(run),
+                             "--epochs", "500", "--n-patches", "2", "--patch-size", "16", "--scale", "0.125",
+                             "--feature-width", "8", "--batch-size", "4", "--workers", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=ignore)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "metrics.jsonl").is_file() and time.monotonic() < deadline:  # one epoch done: training
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[0]
+        proc.send_signal(signal.SIGTERM if sig == "SIGTERM" else signal.SIGINT)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out
+    assert re.search(r"state saved|are saved to|last state saved", out), out
+    assert load_checkpoint(run / "last.pt") is not None

@@ -69,6 +69,7 @@ def train(
     from ats_cli.config import ConfigError, resolve_config
     from ats_cli.data.dataset import DatasetError
     from ats_cli.train import TrainingInterrupted
+    from ats_cli.runtime import stop_signals_interrupt
     from ats_cli.train import train as run_training
 
     console = OutputConsole()
@@ -121,10 +122,16 @@ def train(
                 to_log(step, total, info)
 
         try:
-            history = run_training(cfg, resume=resume is not None, progress=progress, log=bar.console.print)
+            with stop_signals_interrupt():  # SIGTERM (a scheduler's stop) saves and stops as Ctrl-C does
+                history = run_training(cfg, resume=resume is not None, progress=progress, log=bar.console.print)
         except TrainingInterrupted as e:
             if ctx.is_main:
                 console.print(f"[yellow]{e}")
+            raise typer.Exit(130) from None
+        except KeyboardInterrupt:  # between the phases that save their own position (an epoch's end)
+            if ctx.is_main:
+                console.print(f"[yellow]interrupted; the last state saved is {cfg.out}/last.pt (written whole or "
+                              "not at all); continue with --resume")
             raise typer.Exit(130) from None
         except (DatasetError, ValueError, FileNotFoundError) as e:  # on any rank: it may be the only one
             where = f" (rank {ctx.rank})" if ctx.enabled else ""
