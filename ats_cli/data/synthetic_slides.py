@@ -300,7 +300,7 @@ class _Slide:
         self.axis = np.arange(n, dtype=np.float32) / n - 0.5
         self.field_noise = noise(rng, n, 6)
         step = 8 * coarsen
-        samples = np.concatenate([self._field(r0 + (-r0) % step, min(r0 + self.rows, n), step)[:, ::step]
+        samples = np.concatenate([self._field(r0 + (-r0) % step, min(r0 + self.rows, n), step)[:, ::step].copy()
                                   for r0 in range(0, n, self.rows)])
         self.threshold = np.quantile(samples, 0.45)
         del samples
@@ -310,7 +310,7 @@ class _Slide:
         count, coarse = 0, []
         for r0, tissue in self._tissue_bands():
             count += int(tissue.sum())
-            coarse.append(tissue[(-r0) % grid::grid, ::grid])
+            coarse.append(tissue[(-r0) % grid::grid, ::grid].copy())  # a copy: not the band
         k = int(count / (n * n) * n * n / 700)  # = int(tissue.mean() * n * n / 700)
         pts = rng.integers(0, n, size=(k, 2))
         keep = np.zeros(len(pts), bool)
