@@ -10,7 +10,10 @@ process each, with a tiny model, ``--workers 2``, and the auto settings given ex
 
 * cached (the default): epoch 1 makes every low-res view and tissue mask and stores them
   under RUN/cache/views (cold), epoch 2 reads them back (warm);
-* uncached (``ATS_VIEW_CACHE=off``): one epoch, every view made from the file.
+* uncached (``ATS_VIEW_CACHE=off``): one epoch, every view made from the file;
+* same view (cached, 2 epochs, warm epoch reported): ``--scale 96/side``, the low-res view
+  of a 3072-pixel slide at 1/32 (96x96), whatever the side: what an epoch costs when the
+  attention network's input does not grow with the slide.
 
 Epoch time is the training loop's (metrics.jsonl: samples / samples_per_s), without the
 test evaluation; peak RSS is the largest of the training process and its DataLoader
@@ -48,15 +51,19 @@ def write_slide(path: Path, size: int, index: int) -> tuple[float, float]:
 
 
 def make_dataset(folder: Path, size: int, n: int, unique: int) -> list[tuple[float, float]]:
+    """The dataset; returns (seconds, peak RSS MB) of writing each distinct slide (kept in
+    ``write_costs.json``, so a rerun that finds the slides reports what writing them took)."""
     from ats_cli.data.synthetic_slides import CLASSES, SyntheticSlidesConfig
 
     (folder / "train").mkdir(parents=True, exist_ok=True)
     (folder / "test").mkdir(exist_ok=True)
-    costs = []
+    record = folder / "write_costs.json"
+    costs = json.loads(record.read_text()) if record.exists() else []
     for u in range(unique):
         slide = folder / f"slide_{u}.tif"
         if not slide.exists():
             costs.append(write_slide(slide, size, u))
+            record.write_text(json.dumps(costs))
     rows = ["path,label"]
     for i in range(n):
         link = folder / "train" / f"{i:04d}.tif"
@@ -73,10 +80,11 @@ def make_dataset(folder: Path, size: int, n: int, unique: int) -> list[tuple[flo
     return costs
 
 
-def train(data: Path, run: Path, epochs: int, cache: bool) -> tuple[list[float], float, float]:
+def train(data: Path, run: Path, epochs: int, cache: bool, scale: float = 1 / 32) -> tuple[list[float], float, float]:
     shutil.rmtree(run, ignore_errors=True)
-    args = ["-m", "ats_cli", "train", str(data), "--out", str(run),
-            *[a.format(epochs=epochs) for a in TRAIN]]
+    flags = [a.format(epochs=epochs) for a in TRAIN]
+    flags[flags.index("--scale") + 1] = repr(scale)
+    args = ["-m", "ats_cli", "train", str(data), "--out", str(run), *flags]
     old = os.environ.get("ATS_VIEW_CACHE")
     os.environ["ATS_VIEW_CACHE"] = "" if cache else "off"
     try:
@@ -99,9 +107,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/slidetrain"))
     a = ap.parse_args()
     uniques = (a.unique + a.unique[-1:] * len(a.sizes))[:len(a.sizes)]
-    print(f"| side | slides (distinct) | file MB | write 1 slide s | write peak RSS MB | epoch uncached s | "
-          f"epoch 1 cached (cold) s | epoch 2 cached (warm) s | train peak RSS MB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| side | slides (distinct) | file MB | write 1 slide s | write peak RSS MB | epoch uncached s | "
+          "epoch 1 cached (cold) s | epoch 2 cached (warm) s | train peak RSS MB | warm epoch, 96x96 view s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for size, unique in zip(a.sizes, uniques, strict=True):
         data = a.out / f"data_{size}"
         costs = make_dataset(data, size, a.n, unique)
@@ -109,9 +117,10 @@ def main() -> None:
         write_rss = max((c[1] for c in costs), default=float("nan"))
         plain, _, _ = train(data, a.out / f"run_{size}_off", 1, cache=False)
         cached, _, rss = train(data, a.out / f"run_{size}", 2, cache=True)
+        same_view, _, _ = train(data, a.out / f"run_{size}_96", 2, cache=True, scale=96 / size)
         mb = (data / "slide_0.tif").stat().st_size / 2**20
         print(f"| {size:,} | {a.n} ({unique}) | {mb:,.0f} | {write_s:.0f} | {write_rss:,.0f} | {plain[0]:.1f} | "
-              f"{cached[0]:.1f} | {cached[1]:.1f} | {rss:,.0f} |", flush=True)
+              f"{cached[0]:.1f} | {cached[1]:.1f} | {rss:,.0f} | {same_view[1]:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

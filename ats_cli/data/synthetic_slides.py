@@ -525,7 +525,8 @@ def fingerprint(config: SyntheticSlidesConfig) -> dict[str, Any]:
               "seeding": "image i of a split: numpy SeedSequence(entropy=seed+1 for train / seed for test, "
                          "spawn_key=(i,))", "tile": TILE, "jpeg_quality": JPEG_QUALITY}
     if config.size > ONE_SHOT_MAX:
-        record["rendering"] = f"bands (sides above {ONE_SHOT_MAX}; statistics on a grid {config.size // ONE_SHOT_MAX}x sparser)"
+        sparser = config.size // ONE_SHOT_MAX
+        record["rendering"] = f"bands (sides above {ONE_SHOT_MAX}; statistics on a grid {sparser}x sparser)"
     return record
 
 
