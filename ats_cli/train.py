@@ -43,6 +43,7 @@ from ats_cli.core.model import ATSModel
 from ats_cli.data.dataset import load_dataset
 from ats_cli.data.loader import Batch, ImageDataset, Unreadable, collate, readable, single_thread_worker
 from ats_cli.data.magnification import settle_physical_scale
+from ats_cli.data.view_cache import view_cache_for
 from ats_cli.distributed import Dist, all_reduce, broadcast_buffers, from_main, process_group, shard_batches
 from ats_cli.inference import predict_probs
 from ats_cli.io import atomic_path, atomic_write_text
@@ -362,8 +363,9 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
     if settled:
         log("from the data: " + ", ".join(settled))
     channels = int(data.hints.get("channels", 1))
+    # slides' low-res views and tissue masks: made once, then read from RUN/cache/views (ats_cli.data.view_cache)
     reading = {"channels": channels, "scale": cfg.scale, "patch_size": (cfg.patch_size, cfg.patch_size),
-               **cfg.input_options()}
+               "view_cache": view_cache_for(run), **cfg.input_options()}
     train_set = ImageDataset(data["train"], **reading)
     test_set = ImageDataset(data["test"], **reading)
     _resolve_auto(cfg, train_set, log)

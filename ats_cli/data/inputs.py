@@ -50,7 +50,7 @@ def low_res_view(image: torch.Tensor, scale: float) -> torch.Tensor:
 def open_input(path: str | os.PathLike[str], *, channels: int, scale: float,
                patch_size: tuple[int, int], reader: str | None = None, level: int | None = None,
                mpp: float | None = None, tissue: bool | None = None, max_pixels: int | None = None,
-               resample: bool = True) -> OpenedImage:
+               resample: bool = True, view_cache=None) -> OpenedImage:
     """Read one input file into (low-res view, patch source): the only function that
     knows how files are read.
 
@@ -85,17 +85,17 @@ def open_input(path: str | os.PathLike[str], *, channels: int, scale: float,
             slide.match_mpp(mpp)
         else:
             slide.set_level(level, None if resample else mpp)
-        low = slide.low_res_view(scale)
+        low, mask = view_cache.view(slide, scale) if view_cache is not None else (slide.low_res_view(scale), None)
         source: PatchSource = slide
         note = describe_reading(slide, mpp if resample else None)
     else:
         image = read_image(path, channels, max_pixels=max_pixels)
-        low, source = low_res_view(image, scale), TensorSource(image)
+        low, source, mask = low_res_view(image, scale), TensorSource(image), None
     H, W = source.size
     ph, pw = patch_size
     if H < ph or W < pw:
         raise ImageReadError(path, f"is {W}x{H} pixels (width x height), smaller than the model's {pw}x{ph} patch")
-    support = tissue_mask(low) if (lazy if tissue is None else tissue) else None
+    support = (tissue_mask(low) if mask is None else mask) if (lazy if tissue is None else tissue) else None
     return OpenedImage(low=low, source=source, support=support, reading=note)
 
 

@@ -44,12 +44,15 @@ class ImageDataset(TorchDataset):
 
     ``reader``/``level``/``mpp``/``tissue`` are ``ats predict``'s options of the same
     names; a model trained with them is predicted with them (they are saved in its spec).
+    ``view_cache``: where slides' low-res views and tissue masks are kept once made
+    (:mod:`ats_cli.data.view_cache`); None: remade at every read.
     """
 
     def __init__(self, records: Sequence[Record], *, channels: int, scale: float,
                  patch_size: tuple[int, int] = (1, 1), reader: str | None = None, level: int | None = None,
-                 mpp: float | None = None, tissue: bool | None = None):
+                 mpp: float | None = None, tissue: bool | None = None, view_cache=None):
         self.records = list(records)
+        self.view_cache = view_cache
         self.channels = channels
         self.scale = scale
         self.options = {"patch_size": patch_size, "reader": reader, "level": level, "mpp": mpp, "tissue": tissue}
@@ -60,7 +63,8 @@ class ImageDataset(TorchDataset):
     def __getitem__(self, i: int) -> Item | Unreadable:
         rec = self.records[i]
         try:
-            opened = open_input(rec.path, channels=self.channels, scale=self.scale, **self.options)
+            opened = open_input(rec.path, channels=self.channels, scale=self.scale, view_cache=self.view_cache,
+                                **self.options)
         except ImageReadError as e:
             return Unreadable(str(e.path), e.problem)
         return opened.low, opened.source, rec.label, i, opened.support

@@ -35,9 +35,10 @@ targets as ``[["tumor", row, col, h, w], ...]`` (``ats visualize`` draws them).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,8 @@ import torch.nn.functional as F
 from ats_cli.data.generation import GenerationReport, check_output, run_generation
 from ats_cli.io import atomic_path
 
-__all__ = ["SyntheticSlidesConfig", "generate_synthetic_slides", "render_slide", "write_pyramid", "CLASSES",
+__all__ = ["SyntheticSlidesConfig", "generate_synthetic_slides", "render_slide", "render_slide_bands",
+           "write_pyramid", "write_pyramid_bands", "band_rows", "CLASSES",
            "GENERATOR_NAME", "check_slides_output"]
 
 GENERATOR_NAME = "synthetic-slides"
@@ -146,6 +148,63 @@ def _smooth_noise(rng: np.random.Generator, size: int, cells: int) -> np.ndarray
     return big[0, 0, off:off + size, off:off + size].numpy()
 
 
+class _WholeNoise:
+    """:func:`_smooth_noise` computed whole, rows sliced from it: sides up to ONE_SHOT_MAX."""
+
+    def __init__(self, rng: np.random.Generator, size: int, cells: int):
+        self.full = _smooth_noise(rng, size, cells)
+
+    def rows(self, r0: int, r1: int, step: int = 1) -> np.ndarray:
+        return self.full[r0:r1:step]
+
+
+def _cubic_weights(n_in: int, n_out: int) -> tuple[np.ndarray, np.ndarray]:
+    """Input rows [n_out, 4] and weights [n_out, 4] of bicubic upsampling (A = -0.75,
+    align_corners=False, indices clamped at the edges), as ``F.interpolate`` computes them
+    up to rounding (float32 here; torch's differ by ~1e-7)."""
+    a = np.float32(-0.75)
+    real = np.float32(n_in) / np.float32(n_out) * (np.arange(n_out, dtype=np.float32) + np.float32(0.5)) \
+        - np.float32(0.5)
+    idx = np.floor(real).astype(np.int64)
+    t = np.clip(real - idx, 0, 1).astype(np.float32)
+
+    def near(x):  # |x| <= 1
+        return ((a + 2) * x - (a + 3)) * x * x + 1
+
+    def far(x):  # 1 < |x| < 2
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+
+    weights = np.stack([far(t + 1), near(t), near(1 - t), far(2 - t)], 1).astype(np.float32)
+    return np.clip(idx[:, None] + np.arange(-1, 3), 0, n_in - 1), weights
+
+
+class _BandNoise:
+    """The same noise as :func:`_smooth_noise` (the same draws, the same bicubic
+    upsampling), computed for the rows asked for only: memory is that of the rows, not of
+    the slide. Across a row the upsampling is ``F.interpolate``'s own (rows are
+    independent there); down the columns it is a 4-tap sum with :func:`_cubic_weights`,
+    which torch's own computation matches to ~1e-5, not bit for bit: sides above
+    ONE_SHOT_MAX therefore have their own files (``fingerprint`` says so)."""
+
+    def __init__(self, rng: np.random.Generator, size: int, cells: int):
+        self.coarse = torch.from_numpy(rng.standard_normal((1, 1, cells + 3, cells + 3)).astype(np.float32))
+        self.size, self.big, self.off = size, size + size * 3 // cells, size * 3 // cells // 2
+        self.index, self.weight = _cubic_weights(cells + 3, self.big)
+
+    def rows(self, r0: int, r1: int, step: int = 1) -> np.ndarray:
+        out_rows = np.arange(r0, r1, step) + self.off
+        if len(out_rows) == 0:
+            return np.zeros((0, self.size), np.float32)
+        index, weight = self.index[out_rows], torch.from_numpy(self.weight[out_rows])
+        lo, hi = int(index.min()), int(index.max()) + 1
+        across = F.interpolate(self.coarse[:, :, lo:hi], size=(hi - lo, self.big), mode="bicubic",
+                               align_corners=False)[0, 0, :, self.off:self.off + self.size]
+        out = across[index[:, 0] - lo] * weight[:, :1]
+        for j in range(1, 4):
+            out = out + across[index[:, j] - lo] * weight[:, j:j + 1]
+        return out.numpy()
+
+
 def _disc(radius: float) -> tuple[np.ndarray, np.ndarray]:
     r = int(np.ceil(radius))
     dy, dx = np.mgrid[-r:r + 1, -r:r + 1]
@@ -153,16 +212,37 @@ def _disc(radius: float) -> tuple[np.ndarray, np.ndarray]:
     return dy[keep], dx[keep]
 
 
-def _stamp(image: np.ndarray, centres: np.ndarray, radius: float, colour: np.ndarray,
-           rng: np.random.Generator, jitter: float = 12.0) -> None:
-    """Paint discs of ``radius`` at ``centres`` [n, 2] (row, col), colour +- ``jitter``."""
+@dataclass
+class _Stamps:
+    """Discs of ``radius`` at ``centres`` [n, 2] (row, col), one ``shade`` [n, 3] each, to be
+    painted into whichever band of rows they touch (later discs over earlier ones)."""
+
+    centres: np.ndarray
+    radius: float
+    shade: np.ndarray
+
+    def paint(self, band: np.ndarray, r0: int, size: int) -> None:
+        """Paint into ``band`` = rows r0.. of the slide, exactly as painting the whole slide
+        would (discs clipped at the slide's edges; overlaps: the later disc wins)."""
+        dy, dx = _disc(self.radius)
+        r1, reach = r0 + band.shape[0], int(np.ceil(self.radius))
+        near = np.flatnonzero((self.centres[:, 0] >= r0 - reach) & (self.centres[:, 0] < r1 + reach))
+        if len(near) == 0:
+            return
+        rows = np.clip(self.centres[near, :1] + dy[None], 0, size - 1)
+        cols = np.clip(self.centres[near, 1:] + dx[None], 0, size - 1)
+        inside = (rows >= r0) & (rows < r1)
+        shade = np.repeat(self.shade[near][:, None, :], len(dy), axis=1)
+        band[rows[inside] - r0, cols[inside]] = shade[inside]
+
+
+def _stamps(centres: np.ndarray, radius: float, colour: np.ndarray, rng: np.random.Generator,
+            jitter: float = 12.0) -> list[_Stamps]:
+    """Discs of ``radius`` at ``centres`` [n, 2] (row, col), colour +- ``jitter`` (drawn now)."""
     if len(centres) == 0:
-        return
-    dy, dx = _disc(radius)
-    rows = np.clip(centres[:, :1] + dy[None], 0, image.shape[0] - 1)
-    cols = np.clip(centres[:, 1:] + dx[None], 0, image.shape[1] - 1)
+        return []
     shade = colour[None] + rng.uniform(-jitter, jitter, size=(len(centres), 1)).astype(np.float32)
-    image[rows, cols] = np.repeat(shade[:, None, :], len(dy), axis=1)
+    return [_Stamps(centres, radius, shade)]
 
 
 def _cluster(rng: np.random.Generator, centre: tuple[int, int], radius: int, spacing: float) -> np.ndarray:
@@ -186,59 +266,130 @@ class SlideLayout:
                 "n_targets": str(len(self.targets))}
 
 
+ONE_SHOT_MAX = 4096  # sides up to this are rendered whole: generator version 1's files, byte for byte
+BAND_PIXELS = 8_000_000  # larger sides: rendered this many pixels (>= TILE rows) at a time
+
+
+def band_rows(size: int) -> int:
+    """Rows rendered at a time: the whole slide up to ONE_SHOT_MAX, else ~BAND_PIXELS
+    pixels, a multiple of TILE (the file's tiles and the stain's bands are TILE rows)."""
+    return size if size <= ONE_SHOT_MAX else max(TILE, BAND_PIXELS // size // TILE * TILE)
+
+
+class _Slide:
+    """One slide, planned: every random draw but the sensor noise is made here, in the
+    order generator version 1 made them, so that :meth:`bands` paints any band of rows
+    on its own, in bounded memory. Tissue is a threshold on a smooth field the rows are
+    recomputed from (``noise``: :class:`_WholeNoise` up to ONE_SHOT_MAX, else
+    :class:`_BandNoise`); the slide-wide statistics (threshold, tissue fraction, spot
+    candidates) come from passes over the field band by band. Above ONE_SHOT_MAX they are
+    taken on a grid ``coarsen`` = size // ONE_SHOT_MAX times sparser, so they stay small
+    (the threshold from ~512x512 samples, spot candidates every 16 x coarsen pixels)."""
+
+    def __init__(self, config: SyntheticSlidesConfig, split: str, index: int, *, rows: int | None = None,
+                 noise: type | None = None):
+        n = self.size = config.size
+        self.rows = rows or band_rows(n)
+        if self.rows < n and self.rows % TILE:
+            raise ValueError(f"bands must be a multiple of {TILE} rows, got {self.rows}")
+        noise = noise or (_WholeNoise if n <= ONE_SHOT_MAX else _BandNoise)
+        coarsen = max(1, n // ONE_SHOT_MAX)
+        rng = self.rng = _rng(config.seed, split, index)
+        label = index % 2
+        # tissue: smooth noise, tapered towards the border, the top ~55% kept
+        self.axis = np.arange(n, dtype=np.float32) / n - 0.5
+        self.field_noise = noise(rng, n, 6)
+        step = 8 * coarsen
+        samples = np.concatenate([self._field(r0 + (-r0) % step, min(r0 + self.rows, n), step)[:, ::step].copy()
+                                  for r0 in range(0, n, self.rows)])
+        self.threshold = np.quantile(samples, 0.45)
+        del samples
+        self.fibre = noise(rng, n, max(8, n // 48))
+        # scattered nuclei in the tissue, one per ~700 px^2; spot candidates on a grid
+        grid = 16 * coarsen
+        count, coarse = 0, []
+        for r0, tissue in self._tissue_bands():
+            count += int(tissue.sum())
+            coarse.append(tissue[(-r0) % grid::grid, ::grid].copy())  # a copy: not the band
+        k = int(count / (n * n) * n * n / 700)  # = int(tissue.mean() * n * n / 700)
+        pts = rng.integers(0, n, size=(k, 2))
+        keep = np.zeros(len(pts), bool)
+        for r0, tissue in self._tissue_bands():
+            here = np.flatnonzero((pts[:, 0] >= r0) & (pts[:, 0] < r0 + len(tissue)))
+            keep[here] = tissue[pts[here, 0] - r0, pts[here, 1]]
+        self.stamps = _stamps(pts[keep], 3.0, NUCLEUS, rng, jitter=18.0)
+        # spots: centres in tissue, away from the border and from each other
+        rad = config.spot_radius
+        cand = np.argwhere(np.concatenate(coarse)) * grid + grid // 2
+        cand = cand[(cand.min(1) > 2 * rad) & (cand.max(1) < n - 2 * rad)]
+        if len(cand) == 0:
+            cand = np.array([[n // 2, n // 2]])
+        centres: list[tuple[int, int]] = []
+        for i in rng.permutation(len(cand)):
+            c = tuple(int(v) for v in cand[i])
+            if all((c[0] - d[0]) ** 2 + (c[1] - d[1]) ** 2 > (6 * rad) ** 2 for d in centres):
+                centres.append(c)
+            if len(centres) == config.n_spots:
+                break
+        n_targets = int(rng.integers(1, config.max_targets + 1)) if label else 0
+        n_targets = min(n_targets, len(centres))
+        targets, decoys = centres[:n_targets], centres[n_targets:]
+        self.stamps += [_Stamps(np.array([c]), rad, SPOT_BACKGROUND[None]) for c in centres]
+        # same coverage (~50% of the disc) and colour: decoys = many small round nuclei,
+        # targets = fewer, large, irregular ones; alike at 1/32 scale, unlike at full scale
+        for c in decoys:
+            self.stamps += _stamps(_cluster(rng, c, rad, 5.0), 2.0, NUCLEUS, rng, jitter=10.0)
+        for c in targets:
+            for p in _cluster(rng, c, rad, 12.0):
+                self.stamps += _stamps(p[None], float(rng.uniform(4.2, 5.6)), NUCLEUS, rng, jitter=10.0)
+                self.stamps += _stamps(p[None] + rng.integers(-3, 4, size=(1, 2)), 2.5, NUCLEUS, rng, jitter=10.0)
+        self.stain = None
+        if config.stain_jitter:  # the stain is in the tissue, the noise in the camera: stain first
+            s = config.stain_jitter
+            h_e = _rng(config.seed, split, index, STAIN_STREAM).uniform(1 - s, 1 + s, size=2)
+            self.stain = np.array([*h_e, 1.0])
+        self.layout = SlideLayout(label, targets, decoys)
+
+    def _field(self, r0: int, r1: int, step: int = 1) -> np.ndarray:
+        axis = self.axis
+        return self.field_noise.rows(r0, r1, step) - 6.0 * (axis[r0:r1:step, None] ** 2 + axis[None, :] ** 2)
+
+    def _tissue_bands(self):
+        for r0 in range(0, self.size, self.rows):
+            yield r0, self._field(r0, min(r0 + self.rows, self.size)) > self.threshold
+
+    def bands(self):
+        """The slide's rows, [rows, size, 3] uint8, top to bottom; the sensor noise is drawn
+        band after band (numpy draws the same numbers in pieces as at once). Once only."""
+        n = self.size
+        for r0, tissue in self._tissue_bands():
+            image = np.empty((len(tissue), n, 3), np.float32)
+            image[:] = GLASS
+            image[tissue] = STROMA
+            image += (4.0 + 10.0 * tissue[..., None]) * self.fibre.rows(r0, r0 + len(tissue))[..., None]
+            del tissue
+            for stamps in self.stamps:
+                stamps.paint(image, r0, n)
+            if self.stain is not None:
+                _stain(image, self.stain)
+            image += self.rng.normal(0.0, 3.0, size=(len(image), n, 1)).astype(np.float32)  # sensor noise
+            yield image.clip(0, 255).astype(np.uint8)
+
+
+def render_slide_bands(config: SyntheticSlidesConfig, split: str, index: int, *, rows: int | None = None,
+                       noise: type | None = None) -> tuple[SlideLayout, Iterator[np.ndarray]]:
+    """Slide ``index`` of ``split``: where its spots are (at once) and its pixels as bands of
+    ``rows`` rows (default :func:`band_rows`), [rows, size, 3] uint8, rendered lazily
+    (one band in memory at a time). ``noise``: tests force the whole or the banded noise."""
+    slide = _Slide(config, split, index, rows=rows, noise=noise)
+    return slide.layout, slide.bands()
+
+
 def render_slide(config: SyntheticSlidesConfig, split: str, index: int) -> tuple[np.ndarray, SlideLayout]:
     """Slide ``index`` of ``split``: [size, size, 3] uint8 and where its spots are."""
-    rng = _rng(config.seed, split, index)
-    n = config.size
-    label = index % 2
-    # tissue: smooth noise, tapered towards the border, the top ~55% kept
-    axis = np.arange(n, dtype=np.float32) / n - 0.5  # broadcast, not two full [n, n] grids
-    field = _smooth_noise(rng, n, 6) - 6.0 * (axis[:, None] ** 2 + axis[None, :] ** 2)
-    tissue = field > np.quantile(field[:: 8, :: 8], 0.45)
-    fibre = _smooth_noise(rng, n, max(8, n // 48))
-    image = np.empty((n, n, 3), np.float32)
-    image[:] = GLASS
-    image[tissue] = STROMA
-    image += (4.0 + 10.0 * tissue[..., None]) * fibre[..., None]
-    # scattered nuclei in the tissue, one per ~700 px^2
-    k = int(tissue.mean() * n * n / 700)
-    pts = rng.integers(0, n, size=(k, 2))
-    pts = pts[tissue[pts[:, 0], pts[:, 1]]]
-    _stamp(image, pts, 3.0, NUCLEUS, rng, jitter=18.0)
-    # spots: centres in tissue, away from the border and from each other
-    rad = config.spot_radius
-    coarse = tissue[:: 16, :: 16]
-    cand = np.argwhere(coarse) * 16 + 8
-    cand = cand[(cand.min(1) > 2 * rad) & (cand.max(1) < n - 2 * rad)]
-    if len(cand) == 0:
-        cand = np.array([[n // 2, n // 2]])
-    centres: list[tuple[int, int]] = []
-    for i in rng.permutation(len(cand)):
-        c = tuple(int(v) for v in cand[i])
-        if all((c[0] - d[0]) ** 2 + (c[1] - d[1]) ** 2 > (6 * rad) ** 2 for d in centres):
-            centres.append(c)
-        if len(centres) == config.n_spots:
-            break
-    n_targets = int(rng.integers(1, config.max_targets + 1)) if label else 0
-    n_targets = min(n_targets, len(centres))
-    targets, decoys = centres[:n_targets], centres[n_targets:]
-    dy, dx = _disc(rad)
-    for c in centres:
-        image[np.clip(c[0] + dy, 0, n - 1), np.clip(c[1] + dx, 0, n - 1)] = SPOT_BACKGROUND
-    # same coverage (~50% of the disc) and colour: decoys = many small round nuclei,
-    # targets = fewer, large, irregular ones; alike at 1/32 scale, unlike at full scale
-    for c in decoys:
-        _stamp(image, _cluster(rng, c, rad, 5.0), 2.0, NUCLEUS, rng, jitter=10.0)
-    for c in targets:
-        for p in _cluster(rng, c, rad, 12.0):
-            _stamp(image, p[None], float(rng.uniform(4.2, 5.6)), NUCLEUS, rng, jitter=10.0)
-            _stamp(image, p[None] + rng.integers(-3, 4, size=(1, 2)), 2.5, NUCLEUS, rng, jitter=10.0)
-    if config.stain_jitter:  # the stain is in the tissue, the noise in the camera: stain first
-        s = config.stain_jitter
-        h_e = _rng(config.seed, split, index, STAIN_STREAM).uniform(1 - s, 1 + s, size=2)
-        _stain(image, np.array([*h_e, 1.0]))
-    image += rng.normal(0.0, 3.0, size=(n, n, 1)).astype(np.float32)  # sensor noise
-    return image.clip(0, 255).astype(np.uint8), SlideLayout(label, targets, decoys)
+    layout, bands = render_slide_bands(config, split, index)
+    parts = list(bands)
+    return (parts[0] if len(parts) == 1 else np.concatenate(parts)), layout
 
 
 # ---------------------------------------------------------------------------- the file
@@ -254,19 +405,77 @@ def write_pyramid(path: str | os.PathLike[str], image: np.ndarray, *, mpp: float
                   min_side: int = 128) -> None:
     """Write ``image`` [H, W, 3] uint8 as a pyramidal tiled TIFF (JPEG tiles, levels down by
     4x as separate IFDs, reduced ones ``subfiletype=1``), atomically (temp file + rename)."""
+    write_pyramid_bands(path, [image], image.shape[:2], mpp=mpp, tile=tile, min_side=min_side)
+
+
+def write_pyramid_bands(path: str | os.PathLike[str], bands: Iterable[np.ndarray], shape: Sequence[int], *,
+                        mpp: float = 0.5, tile: int = TILE, min_side: int = 128) -> None:
+    """:func:`write_pyramid` of the image whose rows ``bands`` yields top to bottom (each
+    [rows, W, 3] uint8, rows a multiple of ``tile`` but the last), in bounded memory: level
+    0 is encoded tile row by tile row as the bands come, and each next level (4x smaller)
+    goes to a raw temporary file beside the output, read back band by band when its turn
+    comes. The same bytes as writing the whole image at once."""
     import tifffile
 
+    H, W = int(shape[0]), int(shape[1])
     res = (1e4 / mpp, 1e4 / mpp)  # pixels per centimetre
-    with atomic_path(path) as tmp, tifffile.TiffWriter(tmp, bigtiff=image.nbytes > 2**31) as tif:
-        level, sub = image, 0
-        while True:
-            tif.write(level, photometric="rgb", tile=(tile, tile), compression="jpeg",
-                      compressionargs={"level": JPEG_QUALITY}, subfiletype=sub, resolution=res,
-                      resolutionunit="CENTIMETER", metadata=None)
-            if min(level.shape[:2]) // 4 < min_side:
-                break
-            level, sub = _halve_twice(level), 1
-            res = (res[0] / 4, res[1] / 4)
+    raws: list[Path] = []
+    try:
+        with atomic_path(path) as tmp, tifffile.TiffWriter(tmp, bigtiff=H * W * 3 > 2**31) as tif:
+            level, sub, source = (H, W), 0, iter(bands)
+            while True:
+                last = min(level) // 4 < min_side
+                raw = None if last else tmp.with_name(f"{tmp.name[:-4]}.level{len(raws) + 1}.tmp")
+                with contextlib.ExitStack() as stack:
+                    down = None
+                    if raw is not None:
+                        raws.append(raw)
+                        down = stack.enter_context(open(raw, "wb"))
+                    tif.write(_tiles(source, level, tile, down), shape=(*level, 3), dtype=np.uint8,
+                              tile=(tile, tile), photometric="rgb", compression="jpeg",
+                              compressionargs={"level": JPEG_QUALITY}, subfiletype=sub, resolution=res,
+                              resolutionunit="CENTIMETER", metadata=None)
+                if last:
+                    break
+                level, sub = (level[0] // 4, level[1] // 4), 1
+                res = (res[0] / 4, res[1] / 4)
+                source = _raw_bands(raw, level, tile * max(1, BAND_PIXELS // (tile * max(level[1], 1))))
+    finally:
+        for raw in raws:
+            raw.unlink(missing_ok=True)
+
+
+def _tiles(bands: Iterator[np.ndarray], shape: tuple[int, int], tile: int, down) -> Iterator[np.ndarray]:
+    """The tiles of the image ``bands`` make up, row-major, edge tiles padded with zeros
+    (as tifffile pads an array); with ``down`` (a file), the next level's rows written there."""
+    H, W = shape
+    seen = 0
+    for band in bands:
+        if band.shape[1:] != (W, 3) or (seen + len(band) < H and len(band) % tile):
+            raise ValueError(f"band of shape {band.shape} at row {seen} of a {H}x{W} image (tile {tile})")
+        if down is not None:
+            down.write(np.ascontiguousarray(_halve_twice(band)).tobytes())
+        for t in range(0, len(band), tile):
+            strip = band[t:t + tile]
+            for c in range(0, W, tile):
+                part = strip[:, c:c + tile]
+                if part.shape[:2] != (tile, tile):
+                    padded = np.zeros((tile, tile, 3), np.uint8)
+                    padded[:part.shape[0], :part.shape[1]] = part
+                    part = padded
+                yield part
+        seen += len(band)
+    if seen != H:
+        raise ValueError(f"the bands gave {seen} rows of {H}")
+
+
+def _raw_bands(path: Path, shape: tuple[int, int], rows: int) -> Iterator[np.ndarray]:
+    """Bands of ``rows`` rows of the raw [H, W, 3] uint8 image in ``path``."""
+    H, W = shape
+    with open(path, "rb") as f:
+        for r0 in range(0, H, rows):
+            n = min(rows, H - r0)
+            yield np.frombuffer(f.read(n * W * 3), np.uint8).reshape(n, W, 3)
 
 
 def _is_complete(path: Path) -> bool:
@@ -298,19 +507,27 @@ class _Job:
         for index in indices:
             rel = f"{split}/{index:0{self.name_width}d}.tif"
             path = self.out / rel
-            # rendered even when the file exists: the CSV row needs the layout (about 1 s)
-            image, layout = render_slide(self.config, split, index)
+            # planned even when the file exists: the CSV row needs the layout; painted only to be written
+            layout, bands = render_slide_bands(self.config, split, index)
             wrote = not _is_complete(path)
             if wrote:
-                write_pyramid(path, image, mpp=self.config.mpp)
+                write_pyramid_bands(path, bands, (self.config.size, self.config.size), mpp=self.config.mpp)
             results.append((index, layout.row(rel, self.config.spot_radius), wrote))
         return results
 
 
 def fingerprint(config: SyntheticSlidesConfig) -> dict[str, Any]:
-    return {"name": GENERATOR_NAME, "version": GENERATOR_VERSION, "params": config.params(),
-            "seeding": "image i of a split: numpy SeedSequence(entropy=seed+1 for train / seed for test, "
-                       "spawn_key=(i,))", "tile": TILE, "jpeg_quality": JPEG_QUALITY}
+    """What ``dataset.json`` records of the generator. Sides above ONE_SHOT_MAX are rendered
+    in bands (:class:`_Slide`), whose files are not those version 1 made whole at those
+    sides (it needed ~40 bytes of RAM per pixel): the record says so, so that a directory
+    begun by the whole-image renderer is refused, not finished with other slides."""
+    record = {"name": GENERATOR_NAME, "version": GENERATOR_VERSION, "params": config.params(),
+              "seeding": "image i of a split: numpy SeedSequence(entropy=seed+1 for train / seed for test, "
+                         "spawn_key=(i,))", "tile": TILE, "jpeg_quality": JPEG_QUALITY}
+    if config.size > ONE_SHOT_MAX:
+        sparser = config.size // ONE_SHOT_MAX
+        record["rendering"] = f"bands (sides above {ONE_SHOT_MAX}; statistics on a grid {sparser}x sparser)"
+    return record
 
 
 def check_slides_output(out: str | os.PathLike[str], config: SyntheticSlidesConfig) -> None:
