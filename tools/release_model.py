@@ -1,6 +1,6 @@
 """Write a released model: a run's checkpoint without its optimizer state.
 
-    python tools/release_model.py RUN_DIR/best.pt models/NAME.pt [--mpp MPP]
+    python tools/release_model.py RUN_DIR/best.pt models/NAME.pt [--mpp MPP] [--eval-n-patches N]
 
 Keeps what prediction and a model card need (spec, classes, weights, the training
 configuration and the per-epoch history) and drops the optimizer and scaler state, so
@@ -10,23 +10,32 @@ ats checkpoint; ``ats train --init`` accepts it for fine-tuning.
 ``--mpp MPP``: record that the model was trained at MPP microns per pixel, for a
 checkpoint written before models recorded it (ats_cli.data.magnification); the weights
 are unchanged, and predict then reads slides that record their mpp at that scale.
+
+``--eval-n-patches N``: the patches prediction draws by default (spec version 4; a model
+saved before predicts with its training count): e.g. twice the training count, the
+default of models trained since (docs/training.md, "Patches at evaluation").
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 from pathlib import Path
 
 from ats_cli.checkpoint import load_checkpoint, save_checkpoint
+from ats_cli.legacy import upgrade_spec
 from ats_cli.models import create_model
 
 
-def main(src: str, dst: str, mpp: float | None = None) -> None:
+def main(src: str, dst: str, mpp: float | None = None, eval_n_patches: int | None = None) -> None:
     ckpt = load_checkpoint(src)
     if mpp is not None:
         if not mpp > 0:
             raise SystemExit(f"--mpp must be > 0, got {mpp}")
         ckpt["spec"]["input"] = {**ckpt["spec"]["input"], "mpp": float(mpp), "level": None, "resample": True}
+    if eval_n_patches is not None:
+        if eval_n_patches < 0:
+            raise SystemExit(f"--eval-n-patches must be >= 0, got {eval_n_patches}")
+        ckpt["spec"] = {**upgrade_spec(ckpt["spec"]), "eval_n_patches": int(eval_n_patches)}
     model = create_model(ckpt["spec"])
     model.load_state_dict(ckpt["model"])
     save_checkpoint(dst, spec=ckpt["spec"], classes=ckpt["classes"], model=model, epoch=ckpt.get("epoch"),
@@ -35,10 +44,10 @@ def main(src: str, dst: str, mpp: float | None = None) -> None:
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    if len(args) == 4 and args[2] == "--mpp":
-        main(args[0], args[1], float(args[3]))
-    elif len(args) == 2:
-        main(args[0], args[1])
-    else:
-        raise SystemExit(__doc__)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("src")
+    parser.add_argument("dst")
+    parser.add_argument("--mpp", type=float, default=None)
+    parser.add_argument("--eval-n-patches", type=int, default=None)
+    a = parser.parse_args()
+    main(a.src, a.dst, a.mpp, a.eval_n_patches)
