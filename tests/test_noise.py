@@ -9,6 +9,7 @@ anywhere in [28, H-28). Offline like tests/test_megapixel_mnist.py (bundled digi
 from __future__ import annotations
 
 import hashlib
+import csv
 import json
 from pathlib import Path
 
@@ -339,3 +340,35 @@ def test_noise_robustness_benchmark(tmp_path: Path) -> None:
     # only the test split is measured; the sets stay in --work for a rerun
     assert (tmp_path / "work" / "blobs" / "test.csv").is_file()
     assert bench.wilson(0, 10)[0] == 0.0 and abs(sum(bench.wilson(5, 10)) - 1.0) < 1e-9
+
+
+def test_bold_digits_benchmark(tmp_path: Path) -> None:
+    """benchmarks/bold_digits.py: the same layouts twice, the non-target digits dilated in the
+    second set only (more ink there, the targets untouched), predicted, tabled and saved."""
+    import importlib.util
+
+    from PIL import Image
+
+    spec = importlib.util.spec_from_file_location("bold_digits", "benchmarks/bold_digits.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    line = np.zeros((7, 7), np.uint8)
+    line[3, 3] = 200
+    assert (bench.dilate(line, 1) == 200).sum() == 9 and bench.dilate(line, 1)[3, 3] == 200
+
+    result = bench.main(["--model", "models/megapixel-mnist-ats.pt", "--n", "3", "--work", str(tmp_path),
+                         "--json", str(tmp_path / "b.json")])
+    assert [r["bold"] for r in result["rows"]] == [0, 2] and all(r["images"] == 3 for r in result["rows"])
+    assert json.loads((tmp_path / "b.json").read_text())["rows"] == result["rows"]
+    plain_rows = list(csv.DictReader(open(tmp_path / "plain" / "test.csv")))
+    bold_rows = list(csv.DictReader(open(tmp_path / "bold" / "test.csv")))
+    for p, b in zip(plain_rows, bold_rows, strict=True):
+        assert p["digits"] == b["digits"] and p["label"] == b["label"]  # the same layouts
+        plain = np.asarray(Image.open(tmp_path / "plain" / p["path"]))
+        bold = np.asarray(Image.open(tmp_path / "bold" / b["path"]))
+        changed = plain != bold
+        assert changed.any() and (bold >= plain).all()  # ink added, never removed
+        for cls, r, c, h, w in json.loads(p["digits"]):
+            if str(cls) == p["label"]:  # the target digits are untouched (noise may cover others' edges)
+                assert not changed[r + 2:r + h - 2, c + 2:c + w - 2].any()
