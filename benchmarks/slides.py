@@ -61,7 +61,8 @@ def make_model(path: Path) -> None:
     from ats_cli.models import create_model, model_spec
 
     torch.manual_seed(0)
-    cfg = TrainConfig(patch_size=64, scale=0.01, n_patches=20, feature_width=32)
+    # eval_n_patches=0: predict draws the 20 patches the figures in benchmarks/README.md name
+    cfg = TrainConfig(patch_size=64, scale=0.01, n_patches=20, eval_n_patches=0, feature_width=32)
     spec = model_spec(cfg, n_classes=2, channels=3)
     save_checkpoint(path, spec=spec, classes=["a", "b"], model=create_model(spec))
 
