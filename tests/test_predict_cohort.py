@@ -54,7 +54,7 @@ def test_devices_2_gives_the_csv_of_devices_1(cohort, tmp_path):
     one = tmp_path / "one.csv"
     result = run(folder, "-m", model, "--out", one)
     assert result.exit_code == 1, result.output  # the bad file
-    assert f"{N + 1} slides in" in result.output and "slides/minute (1 process)" in result.output
+    assert f"{N + 1} images in" in result.output and "images/minute (1 process)" in result.output  # PNGs
 
     two = tmp_path / "two.csv"
     done = subprocess.run([sys.executable, "-m", "ats_cli", "predict", str(folder), "-m", str(model), "--out",
@@ -64,7 +64,7 @@ def test_devices_2_gives_the_csv_of_devices_1(cohort, tmp_path):
     assert two.read_text() == one.read_text()  # same rows, same probabilities, same (input) order
     assert len(two.read_text().splitlines()) == N + 1
     assert "s03b.png" in output and "1 failed" in output
-    assert "slides/minute (2 processes)" in output and output.count("Predictions") == 1  # rank 0 alone reports
+    assert "images/minute (2 processes)" in output and output.count("Predictions") == 1  # rank 0 alone reports
     assert "rank 0: 4 input(s)" in output and "rank 1: 4 input(s)" in output  # round-robin shares of 8
     assert not part_paths(two) and "Traceback" not in output and "terminate called" not in output
 

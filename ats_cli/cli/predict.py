@@ -423,8 +423,12 @@ def _cohort_rank(params: dict, ctx, device, console: Console, err: Console) -> i
         err.print(f"({int(att_errors) - len(saver.errors)} more attention file(s) not written by other processes, "
                   "listed above)")
     if todo:
-        console.print(f"{len(todo)} slide{'s' if len(todo) != 1 else ''} in {elapsed:.1f} s: "
-                      f"{60 * len(todo) / elapsed:.1f} slides/minute "
+        from ats_cli.data.inputs import is_lazy
+
+        # slides (read lazily: TIFFs, slide formats) or ordinary images: what the user counts in
+        noun = "slide" if any(is_lazy(items[i].path) for i in todo) else "image"
+        console.print(f"{len(todo)} {noun}{'s' if len(todo) != 1 else ''} in {elapsed:.1f} s: "
+                      f"{60 * len(todo) / elapsed:.1f} {noun}s/minute "
                       f"({ctx.world_size} process{'es' if ctx.world_size > 1 else ''})")
     else:
         console.print(f"nothing left to predict: all {len(items)} input(s) were done already")
