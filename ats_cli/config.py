@@ -137,8 +137,9 @@ class TrainConfig:
         problems = []
         positive = ("batch_size", "epochs", "lr", "feature_scale")
         problems += [f"{k} must be > 0 (got {getattr(self, k)})" for k in positive if not getattr(self, k) > 0]
-        non_negative = ("entropy", "weight_decay", "clip_norm", "workers", "warmup_epochs", "level", "mpp", "patch_loss", "attention_loss",
-                        "n_patches", "patch_size", "scale", "patch_um", "low_res_um")  # 0: from the data
+        non_negative = ("entropy", "weight_decay", "clip_norm", "workers", "warmup_epochs", "level", "mpp",
+                        "patch_loss", "attention_loss", "n_patches", "patch_size", "scale", "patch_um",
+                        "low_res_um")  # 0: from the data
         problems += [f"{k} must be >= 0" for k in non_negative if getattr(self, k) < 0]
         if self.rarity_prior < 0 and self.rarity_prior != -1:
             problems.append(f"rarity_prior must be >= 0, or -1 for auto (got {self.rarity_prior})")
@@ -163,7 +164,8 @@ class TrainConfig:
         """Settle ``n_patches``, ``patch_size`` and ``scale`` left at 0 from the dataset's
         hints (a generator knows its images: Megapixel MNIST's 0.12 and 50x50, synthetic
         slides' 1/32 and 64x64), else from DATA_DEFAULTS; in place; then ``eval_n_patches``
-        left at auto (-1): twice ``n_patches``. Returns what was set, for the log. ``image_size``-like hints are lists; the first value is taken."""
+        left at auto (-1): twice ``n_patches``. Returns what was set, for the log.
+        ``image_size``-like hints are lists; the first value is taken."""
         settled = []
         for key, fallback in DATA_DEFAULTS.items():
             if getattr(self, key):

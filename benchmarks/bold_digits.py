@@ -58,7 +58,8 @@ def write_set(out: Path, config, digits, bold: int) -> list[dict[str, str]]:
     for i in range(config.n_test):
         layout = image_layout(config, digits, "test", i)
         pool = images
-        others = [int(idx) for idx, cls in zip(layout.digit_index, layout.digit_classes) if cls != layout.target]
+        others = [int(idx) for idx, cls in zip(layout.digit_index, layout.digit_classes, strict=True)
+                  if cls != layout.target]
         if bold:
             pool = images.copy()
             for idx in others:
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
         preds = predictor.predict(resolve_inputs([out / "test.csv"]))
         ev = evaluate(preds, predictor.classes)
         correct = ev.correct if ev else 0
-        to_bold = sum(p.ok and p.prediction in r["bold_class"].split(";") for p, r in zip(preds, rows))
+        to_bold = sum(p.ok and p.prediction in r["bold_class"].split(";") for p, r in zip(preds, rows, strict=True))
         lo, hi = wilson(correct, len(rows))
         lines.append(f"| {name} | {len(rows)} | {100 * correct / len(rows):.1f}% | {100 * lo:.1f}-{100 * hi:.1f}% | "
                      f"{100 * to_bold / len(rows):.1f}% |")

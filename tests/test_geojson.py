@@ -76,8 +76,8 @@ def write_pyramid(path: Path, image: np.ndarray) -> Path:
 def make_model(path: Path, *, n_patches: int = 1, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     # eval_n_patches=0: prediction draws exactly n_patches, which these tests count
-    spec = model_spec(TrainConfig(patch_size=PATCH, scale=SCALE, n_patches=n_patches, eval_n_patches=0, feature_width=8),
-                      n_classes=len(CLASSES), channels=3)
+    spec = model_spec(TrainConfig(patch_size=PATCH, scale=SCALE, n_patches=n_patches, eval_n_patches=0,
+                                  feature_width=8), n_classes=len(CLASSES), channels=3)
     model = create_model(spec)
     nn.init.normal_(model.attention_net.score.weight, std=0.5)  # a peaked, non-uniform attention
     save_checkpoint(path, spec=spec, classes=CLASSES, model=model)

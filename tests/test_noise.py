@@ -8,8 +8,8 @@ anywhere in [28, H-28). Offline like tests/test_megapixel_mnist.py (bundled digi
 
 from __future__ import annotations
 
-import hashlib
 import csv
+import hashlib
 import json
 from pathlib import Path
 

@@ -68,8 +68,8 @@ def train(
     from ats_cli import distributed, rundir
     from ats_cli.config import ConfigError, resolve_config
     from ats_cli.data.dataset import DatasetError
-    from ats_cli.train import TrainingInterrupted
     from ats_cli.runtime import stop_signals_interrupt
+    from ats_cli.train import TrainingInterrupted
     from ats_cli.train import train as run_training
 
     console = OutputConsole()
