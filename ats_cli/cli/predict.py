@@ -90,11 +90,8 @@ def predict(
     torchrun) shares the inputs among processes and merges one CSV (docs/predict-visualize.md).
     """
     from ats_cli import distributed
-    from ats_cli.checkpoint import CheckpointError
-    from ats_cli.data.images import max_pixels_limit
-    from ats_cli.data.magnification import announce_readings
-    from ats_cli.predict import AttentionSaver, PredictionInterrupted, load_predictor, resolve_inputs
-    from ats_cli.predict.report import estimator_note, print_results, run_with_progress
+    from ats_cli.predict import AttentionSaver, PredictionInterrupted, resolve_inputs
+    from ats_cli.predict.report import print_results, run_with_progress
 
     to_stdout = out == "-"
     # with --out -, stdout carries the CSV only; everything else goes to stderr
@@ -124,23 +121,13 @@ def predict(
         raise typer.Exit(_launch(devices, params, err))
     if out is not None and not to_stdout:
         raise typer.Exit(_predict_cohort(params, console, err))
-    try:
-        max_pixels_limit(max_pixels)  # a bad ATS_MAX_PIXELS is a usage error, not one per image
-        predictor = load_predictor(model, device, estimator=estimator)
-    except (CheckpointError, ValueError, RuntimeError) as e:
-        err.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)
-        raise typer.Exit(2) from None
-    if save_attention is not None and not _attention_writable(save_attention, predictor, err):
+    predictor = _load(params, device, err, check_out=False)
+    if predictor is None:
         raise typer.Exit(2)
 
     items = resolve_inputs(inputs, recursive=recursive)
-    n_ok_inputs = sum(item.error is None for item in items)
-    console.print(f"model {predictor.path} ({len(predictor.classes)} classes, {predictor.device}); "
-                  f"{n_ok_inputs} image(s); n_patches {n_patches or _default_patches(predictor)}, "
-                  f"{estimator_note(predictor.model)}samples {samples}, seed {seed}")
-    opener = predictor.opener(reader=reader, level=level, mpp=mpp, tissue=tissue_setting(tissue_mask),
-                              max_pixels=max_pixels)
-    opener = announce_readings(opener, lambda line: err.print(escape(line), soft_wrap=True, highlight=False))
+    _print_header(console, predictor, items, params)
+    opener = _opener(predictor, params, err)
     saver = None if save_attention is None else AttentionSaver(save_attention, items, predictor, seed, samples)
     try:
         rows = run_with_progress(predictor, items, err, n_patches=n_patches, samples=samples,
@@ -159,11 +146,29 @@ def predict(
         raise typer.Exit(1)
 
 
-def _default_patches(predictor) -> int | str:
-    """The patches a prediction draws when --n-patches is not given: the model's evaluation
-    count (ATSModel.patches_now in eval mode); '-' for models that do not sample."""
-    m = predictor.model
-    return (getattr(m, "eval_n_patches", 0) or m.n_patches) if hasattr(m, "n_patches") else "-"
+def _print_header(console: Console, predictor, items, params: dict, procs: str = "") -> None:
+    """The line before the predictions: model, inputs and the sampling settings in force
+    (without --n-patches: the model's evaluation count, ATSModel.patches_now in the eval
+    mode a loaded predictor is in; '-' for a model that does not sample)."""
+    from ats_cli.predict.report import estimator_note
+
+    n_ok_inputs = sum(item.error is None for item in items)
+    n_patches = params["n_patches"] or getattr(predictor.model, "patches_now", "-")
+    console.print(f"model {predictor.path} ({len(predictor.classes)} classes, {predictor.device}{procs}); "
+                  f"{n_ok_inputs} image(s); n_patches {n_patches}, "
+                  f"{estimator_note(predictor.model)}samples {params['samples']}, seed {params['seed']}")
+
+
+def _opener(predictor, params: dict, err: Console, *, announce: bool = True):
+    """How inputs are opened: the model's reading options overridden by the command's;
+    with ``announce``, the first input read each way says how (level, resampling)."""
+    from ats_cli.data.magnification import announce_readings
+
+    opener = predictor.opener(reader=params["reader"], level=params["level"], mpp=params["mpp"],
+                              tissue=tissue_setting(params["tissue_mask"]), max_pixels=params["max_pixels"])
+    if not announce:
+        return opener
+    return announce_readings(opener, lambda line: err.print(escape(line), soft_wrap=True, highlight=False))
 
 
 def _write_csv(rows, classes: list[str], out: str | None, to_stdout: bool) -> None:
@@ -332,7 +337,7 @@ def _cohort_rank(params: dict, ctx, device, console: Console, err: Console) -> i
     from ats_cli import distributed
     from ats_cli.predict import AttentionSaver, PredictionInterrupted, resolve_inputs
     from ats_cli.predict.cohort import CohortError, PartWriter, merge, part_path, plan, share
-    from ats_cli.predict.report import estimator_note, print_results, run_with_progress
+    from ats_cli.predict.report import print_results, run_with_progress
 
     out = params["out"]
     tag = f"rank {ctx.rank}: " if ctx.enabled else ""
@@ -359,19 +364,11 @@ def _cohort_rank(params: dict, ctx, device, console: Console, err: Console) -> i
     todo = todo_plan.todo(items)
     mine = share(todo, ctx.rank, ctx.world_size)
     if ctx.is_main:
-        n_ok_inputs = sum(item.error is None for item in items)
-        procs = f", {ctx.world_size} processes" if ctx.enabled else ""
-        console.print(f"model {predictor.path} ({len(predictor.classes)} classes, {predictor.device}{procs}); "
-                      f"{n_ok_inputs} image(s); n_patches {params['n_patches'] or _default_patches(predictor)}, "
-                      f"{estimator_note(predictor.model)}samples {params['samples']}, seed {params['seed']}")
+        _print_header(console, predictor, items, params, f", {ctx.world_size} processes" if ctx.enabled else "")
         if todo_plan.done:
             console.print(f"{len(todo_plan.done)} of {len(items)} already done, skipping (found in "
                           f"{', '.join(todo_plan.sources)}; --overwrite predicts them again)")
-    opener = predictor.opener(reader=params["reader"], level=params["level"], mpp=params["mpp"],
-                              tissue=tissue_setting(params["tissue_mask"]), max_pixels=params["max_pixels"])
-    if ctx.rank == 0:  # how each kind of file is read (level, resampling): once, not once per process
-        from ats_cli.data.magnification import announce_readings
-        opener = announce_readings(opener, lambda line: err.print(escape(line), soft_wrap=True, highlight=False))
+    opener = _opener(predictor, params, err, announce=ctx.rank == 0)  # how files are read: said once, not per rank
     saver = None
     on_output = None
     if params["save_attention"] is not None:  # names from the whole list: the same whichever rank writes a file

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ats_cli.predict.inputs import InputItem
-from ats_cli.predict.output import write_predictions_csv
+from ats_cli.predict.output import prediction_columns, write_predictions_csv
 from ats_cli.predict.predictor import PredictionRow
 
 __all__ = ["CohortError", "PartWriter", "Plan", "input_key", "merge", "part_path", "part_paths", "plan", "share"]
@@ -113,7 +113,7 @@ def plan(out: str | os.PathLike[str], items: Sequence[InputItem], classes: Seque
 
 def read_predictions_csv(path: Path, classes: Sequence[str]) -> list[PredictionRow]:
     """The rows of a predictions CSV written by ``ats predict`` for a model with ``classes``."""
-    expected = ["path", "prediction", *(f"prob_{c}" for c in classes)]
+    expected = prediction_columns(classes)
     try:
         with open(path, newline="", encoding="utf-8") as fh:
             reader = csv.reader(fh)

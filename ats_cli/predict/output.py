@@ -23,7 +23,13 @@ from ats_cli.io import atomic_write_text
 from ats_cli.predict.inputs import InputItem
 from ats_cli.predict.predictor import PredictionRow, Predictor
 
-__all__ = ["AttentionSaver", "predictions_csv_text", "write_predictions_csv"]
+__all__ = ["AttentionSaver", "prediction_columns", "predictions_csv_text", "write_predictions_csv"]
+
+
+def prediction_columns(classes: Sequence[str]) -> list[str]:
+    """The predictions CSV's columns before the optional ``label``: written by
+    :func:`predictions_csv_text`, read back by :mod:`ats_cli.predict.cohort` to resume."""
+    return ["path", "prediction", *(f"prob_{c}" for c in classes)]
 
 
 def predictions_csv_text(rows: Sequence[PredictionRow], classes: Sequence[str]) -> str:
@@ -32,7 +38,7 @@ def predictions_csv_text(rows: Sequence[PredictionRow], classes: Sequence[str]) 
     row of the file then has numbers a spreadsheet or pandas can use as they are; the
     failures are reported separately (``ats predict`` lists them on stderr)."""
     with_labels = any(r.label is not None for r in rows if r.ok)
-    header = ["path", "prediction", *(f"prob_{c}" for c in classes)] + (["label"] if with_labels else [])
+    header = prediction_columns(classes) + (["label"] if with_labels else [])
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(header)
