@@ -85,12 +85,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
+    from ats_cli.checkpoint import CheckpointError
     from ats_cli.data.megapixel_mnist import make_config
     from ats_cli.data.mnist import resolve_digits
     from ats_cli.io import atomic_write_text
     from ats_cli.predict import evaluate, load_predictor, resolve_inputs
 
-    predictor = load_predictor(args.model, "auto")
+    try:  # a wrong --model fails before any rendering, in one line naming the file
+        predictor = load_predictor(args.model, "auto")
+    except (CheckpointError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
     digits = resolve_digits(args.mnist, offline=True)
     config = make_config("paper", n_train=1, n_test=args.n, seed=args.seed, noise=args.noise)
     result = {"model": str(predictor.path), "n": args.n, "bold": args.bold, "noise": args.noise,

@@ -96,7 +96,12 @@ def run(argv: list[str] | None = None, log=print) -> dict[str, Any]:
     from ats_cli.predict import evaluate, load_predictor, resolve_inputs
 
     families = list(FAMILIES) if args.families.strip() == "all" else list(parse_families(args.families))
-    predictor = load_predictor(args.model, args.device)  # first: a wrong --model fails before any rendering
+    from ats_cli.checkpoint import CheckpointError
+
+    try:  # first: a wrong --model fails before any rendering, in one line naming the file
+        predictor = load_predictor(args.model, args.device)
+    except (CheckpointError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
     digits = resolve_digits(args.mnist, offline=True if args.offline else None,
                             on_notice=lambda msg: log(f"note: {msg}"))
     spec = {"width": args.width, "height": args.height, "n_noise": args.n_noise}

@@ -21,13 +21,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ats_cli.checkpoint import load_checkpoint, save_checkpoint
+from ats_cli.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ats_cli.legacy import upgrade_spec
 from ats_cli.models import create_model
 
 
 def main(src: str, dst: str, mpp: float | None = None, eval_n_patches: int | None = None) -> None:
-    ckpt = load_checkpoint(src)
+    try:
+        ckpt = load_checkpoint(src)
+    except CheckpointError as e:
+        raise SystemExit(f"error: {e}") from None
     if mpp is not None:
         if not mpp > 0:
             raise SystemExit(f"--mpp must be > 0, got {mpp}")
