@@ -49,7 +49,7 @@ from ats_cli.inference import predict_probs
 from ats_cli.io import atomic_path, atomic_write_text
 from ats_cli.models import create_model, model_spec
 from ats_cli.rundir import RunDirError, append_metrics, claim, make_dirs, rewrite_metrics
-from ats_cli.runtime import peak_memory_mb, reset_peak_memory
+from ats_cli.runtime import Deferred, deferred_interrupts, peak_memory_mb, reset_peak_memory
 
 __all__ = ["train", "train_one_epoch", "evaluate", "TrainingInterrupted"]
 
@@ -461,23 +461,28 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
             "amp": amp,
         }
         history.append(record)
+        stop = Deferred()
         if ctx.is_main:  # checkpoints first, last.pt marks the epoch done, its metrics line last (ats_cli.rundir)
-            try:
-                save_checkpoint(run / "epochs" / f"epoch_{epoch + 1:03d}.pt", spec=spec, classes=data.classes,
-                                model=model, epoch=epoch + 1)
-                if test["acc"] > best_acc:
-                    save(run / "best.pt", epoch + 1, 0, 0, {})
-                save(run / "last.pt", epoch + 1, 0, 0, {})
-                append_metrics(run, record)
-                _plot_curves(history, run / "curves.png")
-            except OSError as e:  # a full disk, a directory gone read-only: one line, then --resume
-                raise RunDirError(f"{run}: cannot save epoch {epoch + 1} ({e.strerror or e}); make room or fix the "
-                                  f"directory, then continue with --resume {run}") from None
+            with deferred_interrupts() as stop:  # a stop signal during the saves: finish them, then stop (below)
+                try:
+                    save_checkpoint(run / "epochs" / f"epoch_{epoch + 1:03d}.pt", spec=spec, classes=data.classes,
+                                    model=model, epoch=epoch + 1)
+                    if test["acc"] > best_acc:
+                        save(run / "best.pt", epoch + 1, 0, 0, {})
+                    save(run / "last.pt", epoch + 1, 0, 0, {})
+                    append_metrics(run, record)
+                    _plot_curves(history, run / "curves.png")
+                except OSError as e:  # a full disk, a directory gone read-only: one line, then --resume
+                    raise RunDirError(f"{run}: cannot save epoch {epoch + 1} ({e.strerror or e}); make room or fix "
+                                      f"the directory, then continue with --resume {run}") from None
             board.add(record)
         best_acc = max(best_acc, test["acc"])
         log(f"epoch {epoch + 1}/{cfg.epochs}: train loss {record['train_loss']:.4f} acc {record['train_acc']:.3f} | "
             f"test loss {record['test_loss']:.4f} acc {record['test_acc']:.3f} | entropy {record['entropy']:.2f} | "
             f"{record['samples_per_s']:.1f} samples/s | peak {record['peak_mem_mb']:.0f} MB")
+        if stop.stopped:
+            raise TrainingInterrupted(f"interrupted at the end of epoch {epoch + 1}; state saved to {run / 'last.pt'}; "
+                                      "continue with --resume")
     return history
 
 

@@ -106,6 +106,37 @@ def test_resume_equals_an_uninterrupted_run(squares, tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
+def test_ctrl_c_while_an_epoch_is_being_saved_finishes_the_save_and_stops(squares, tmp_path, monkeypatch):
+    """Ctrl-C while epoch 1's checkpoints, metrics and curves are written (the first
+    matplotlib import can take seconds; CI once sent its signal right then) does not cut
+    the save short with a traceback: the epoch is saved whole, the run stops with
+    TrainingInterrupted, and --resume goes on with epoch 2, as an uninterrupted run."""
+    import os
+    import signal
+
+    import ats_cli.train as train_module
+
+    train(_cfg(squares, tmp_path / "straight"), log=lambda s: None)
+    plot = train_module._plot_curves
+
+    def interrupted_plot(history, path):
+        if len(history) == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # delivered here, in the middle of the saves
+        plot(history, path)
+
+    monkeypatch.setattr(train_module, "_plot_curves", interrupted_plot)
+    with pytest.raises(TrainingInterrupted, match="end of epoch 1"):
+        train(_cfg(squares, tmp_path / "cut"), log=lambda s: None)
+    assert (tmp_path / "cut" / "curves.png").is_file()
+    assert len((tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()) == 1
+    assert load_checkpoint(tmp_path / "cut" / "last.pt")["epoch"] == 1
+    history = train(_cfg(squares, tmp_path / "cut"), resume=True, log=lambda s: None)
+    assert [h["epoch"] for h in history] == [1, 2]
+    a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "cut")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
 def test_ctrl_c_mid_epoch_saves_and_resume_is_exact(squares, tmp_path):
     train(_cfg(squares, tmp_path / "straight"), log=lambda s: None)
 
