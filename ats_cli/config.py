@@ -81,6 +81,12 @@ class TrainConfig:
     # multiplies the L2-normalised features (1 = the paper; see ATSModel)
     feature_scale: float = _key(10.0, "Multiplies the L2-normalised features; >1 lets the classifier become "
                                 "confident sooner (docs/training.md; 1 = the paper)", METHOD_PANEL)
+    # a learned per-patch gain on the unit-norm features (ats_cli.core.model.ATSModel); auto =
+    # on for slides, where one small region decides the label (docs/training.md)
+    patch_gain: str = _key("auto", "Learned per-patch feature gain: {choices}; docs/training.md", METHOD_PANEL,
+                           choices={"auto": "on for slides, i.e. a tissue mask, else off",
+                                    "on": "one patch showing the class can outweigh look-alikes",
+                                    "off": "every patch weighed by its attention alone, the thesis"})
     # auxiliary training signals (ats_cli.core.model.auxiliary_losses; 0 = off = the thesis's loss).
     # Off by default: they slowed learning in every run measured (docs/training.md, ablation)
     patch_loss: float = _key(0.0, "Weight of the auxiliary per-patch loss: each sampled patch alone predicts the "

@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-__all__ = ["SPEC_VERSION", "SPEC_LEGACY", "SPEC_LEGACY_2", "SPEC_INPUT_LEGACY_3", "SPEC_LEGACY_4",
+__all__ = ["SPEC_VERSION", "SPEC_LEGACY", "SPEC_LEGACY_2", "SPEC_INPUT_LEGACY_3", "SPEC_LEGACY_4", "SPEC_LEGACY_5",
            "RUN_CONFIG_LEGACY", "upgrade_spec",
            "upgrade_run_config"]
 
@@ -35,7 +35,8 @@ __all__ = ["SPEC_VERSION", "SPEC_LEGACY", "SPEC_LEGACY_2", "SPEC_INPUT_LEGACY_3"
 # ``input.resample`` says slides are resampled to it (ats_cli.data.magnification).
 # Version 4: the spec carries ``eval_n_patches``, the patches drawn at evaluation and
 # prediction (ats_cli.core.model.ATSModel.patches_now).
-SPEC_VERSION = 4
+# Version 5: the spec carries ``patch_gain`` (ats_cli.core.model.ATSModel.patch_features).
+SPEC_VERSION = 5
 
 # Keys a version-0 spec may lack, with the value that stands for its absence.
 SPEC_LEGACY: dict[str, Any] = {
@@ -73,6 +74,13 @@ SPEC_LEGACY_4: dict[str, Any] = {
     "eval_n_patches": 0,
 }
 
+# Keys a version-4 (or older) spec may lack.
+SPEC_LEGACY_5: dict[str, Any] = {
+    # Models saved before the gain existed pooled unit-norm features: no gain is exactly
+    # that model (and their checkpoints hold no gain weights).
+    "patch_gain": False,
+}
+
 # Keys a version-2 (or older) spec's ``input`` block may lack.
 SPEC_INPUT_LEGACY_3: dict[str, Any] = {
     # Before models knew their microns, an ``input.mpp`` (from `ats train --mpp`) picked the
@@ -96,6 +104,9 @@ RUN_CONFIG_LEGACY: dict[str, Any] = {
     # Runs saved before --augment existed trained on the images as they are: resuming one
     # keeps that (today's default, auto, would start augmenting a slide run half-way).
     "augment": "none",
+    # Runs saved before --patch-gain existed have no gain in their model: resuming one
+    # keeps it off (today's default, auto, would add one to a slide run's checkpoint).
+    "patch_gain": "off",
 }
 
 
@@ -109,7 +120,7 @@ def upgrade_spec(spec: dict[str, Any]) -> dict[str, Any]:
     if version > SPEC_VERSION:
         raise ValueError(f"model spec version {version} is newer than this ats ({SPEC_VERSION}); upgrade ats")
     out = copy.deepcopy(spec)
-    for since, legacy in ((1, SPEC_LEGACY), (2, SPEC_LEGACY_2), (4, SPEC_LEGACY_4)):
+    for since, legacy in ((1, SPEC_LEGACY), (2, SPEC_LEGACY_2), (4, SPEC_LEGACY_4), (5, SPEC_LEGACY_5)):
         if version < since:
             for key, value in legacy.items():
                 out.setdefault(key, copy.deepcopy(value))

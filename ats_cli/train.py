@@ -313,14 +313,19 @@ def _resolve_auto(cfg: TrainConfig, train_set: ImageDataset, log: Callable[[str]
     and tissue has no "up"); anything else ``none``: turning a patch would change what a
     digit means (6 and 9), and other images have no stains to jitter.
 
+    ``patch_gain``: slides get ``on`` (a label decided by one small region, a tumour nest,
+    among look-alikes the attention cannot tell apart: ATSModel's docstring); anything else
+    ``off``, so that a label that counts objects weighs each alike.
+
     Deterministic (the same first images), so every process of a run decides alike. The
     baselines (``--method uniform`` and the others) sample as the thesis's did: everywhere."""
-    if cfg.min_brightness != -1 and cfg.rarity_prior != -1 and cfg.augment != "auto":
+    if cfg.min_brightness != -1 and cfg.rarity_prior != -1 and "auto" not in (cfg.augment, cfg.patch_gain):
         return
     if cfg.method != "ats":
         cfg.min_brightness = max(cfg.min_brightness, 0.0)
         cfg.rarity_prior = max(cfg.rarity_prior, 0.0)
         cfg.augment = "none" if cfg.augment == "auto" else cfg.augment
+        cfg.patch_gain = "off" if cfg.patch_gain == "auto" else cfg.patch_gain
         return
     dark, masked = [], []
     for i in range(min(AUTO_PROBE_IMAGES, len(train_set))):
@@ -345,6 +350,11 @@ def _resolve_auto(cfg: TrainConfig, train_set: ImageDataset, log: Callable[[str]
         if slides:
             log(f"slides (tissue mask): the attention starts on the tissue's unusual cells "
                 f"(--rarity-prior {AUTO_RARITY_PRIOR})")
+    if cfg.patch_gain == "auto":
+        cfg.patch_gain = "on" if slides else "off"
+        if slides:
+            log("slides (tissue mask): each patch's feature gets a learned gain, so one region that shows the "
+                "class can outweigh the look-alikes (--patch-gain on)")
 
 
 def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, board: _TensorBoard,

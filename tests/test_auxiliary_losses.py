@@ -42,11 +42,11 @@ class _TinyFeatures(nn.Module):
         return torch.amax(torch.tanh(self.conv(x)), dim=(2, 3))
 
 
-def _model(estimator="auto", rarity_prior=0.0) -> ATSModel:
+def _model(estimator="auto", rarity_prior=0.0, patch_gain=False) -> ATSModel:
     torch.manual_seed(3)
     m = ATSModel(create("mnist-attention", in_channels=1, width=4), _TinyFeatures(), n_classes=3, n_patches=N,
                  patch_size=(PATCH, PATCH), scale=SCALE, entropy_weight=0.0, feature_scale=3.0,
-                 estimator=estimator, rarity_prior=rarity_prior)
+                 estimator=estimator, rarity_prior=rarity_prior, patch_gain=patch_gain)
     # a non-uniform attention to start from (the last layer is zero-initialised)
     nn.init.normal_(m.attention_net.score.weight, std=0.5)
     return m.train()
@@ -70,7 +70,7 @@ def _exact_loss(m: ATSModel, image: torch.Tensor, c: torch.Tensor) -> torch.Tens
     idx = torch.arange(a.shape[1])[None]
     offsets = positions_to_offsets(idx, tuple(att), (SIZE, SIZE), (PATCH, PATCH), low_size=tuple(low.shape[-2:]))
     patches = extract_patches(image, offsets, (PATCH, PATCH)).float() / 255.0
-    f = m.feature_scale * F.normalize(m.feature_net(patches.flatten(0, 1)), dim=-1)  # [K, D]
+    f = m.patch_features(patches.flatten(0, 1))  # [K, D]: scaled unit features (times the gain, if any)
     return (m.classifier(a[0] @ f) * c).sum()
 
 
@@ -119,6 +119,23 @@ def test_value_and_gradient_stay_unbiased_with_the_rarity_prior_on():
     low = low_res_view(_image(), SCALE)
     a = torch.softmax((m.attention_net(low) + m.prior(low, (6, 6))[:, None]).flatten(1), 1)
     assert float((a.max() / a.min()).detach()) > 5  # the prior does change the distribution
+    assert _z_of_classification_gradient(m, value=True) < Z_MAX
+
+
+@pytest.mark.parametrize("estimator", ["sequential", "threshold"])
+def test_value_and_gradient_stay_unbiased_with_the_patch_gain_on(estimator):
+    """The patch gain (ATSModel.patch_features) makes the averaged feature g(x) u(x), still
+    a function of the patch alone: with gains that differ a lot between patches, the value
+    and the gradient of every parameter (the gain's included) match the exact expectation."""
+    m = _model(estimator, patch_gain=True)
+    nn.init.normal_(m.gain.weight, std=8.0)  # start: every gain 1; here: far from it
+    image = _image()
+    low = low_res_view(image, SCALE)
+    idx = torch.arange(36)[None]
+    offsets = positions_to_offsets(idx, (6, 6), (SIZE, SIZE), (PATCH, PATCH), low_size=tuple(low.shape[-2:]))
+    patches = extract_patches(image, offsets, (PATCH, PATCH)).float().flatten(0, 1) / 255.0
+    gains = F.softplus(m.gain(m.feature_net(patches))).detach()
+    assert float(gains.max() / gains.min()) > 3  # the gain does weigh patches unequally
     assert _z_of_classification_gradient(m, value=True) < Z_MAX
 
 

@@ -93,7 +93,7 @@ def test_validate_allows_exactly_the_values_the_help_lists():
 
     allowed = allowed_values()
     assert set(allowed) == {"method", "estimator", "reader", "tissue_mask", "optimizer", "schedule", "amp",
-                            "augment"}
+                            "augment", "patch_gain"}
     # the lists the library itself works from
     assert (allowed["estimator"], allowed["reader"], allowed["augment"]) == (ESTIMATORS, READERS, ("auto", *MODES))
     assert set(allowed["method"]) == set(available_methods())

@@ -85,6 +85,21 @@ class ATSModel(nn.Module):
     bounded by its weight norm, which grows only by ~lr per step: the softmax stays
     unconfident and the loss high for hundreds of steps (docs/training.md, "Why the
     plateau"). A constant scale keeps the norms equal and lifts that bound. 1 = the paper.
+
+    ``patch_gain`` gives up those equal norms on purpose: each patch's unit feature is
+    multiplied by a learned gain ``g(x) = softplus(w . phi(x) + b) >= 0`` of its own raw
+    feature (starting at 1 everywhere). Why: the pooled feature is the attention-weighted
+    mean, so where a label is decided by one small region among look-alikes the attention
+    cannot tell apart at low resolution (one tumour nest among decoy clusters), that region
+    gets a share of the mass no larger than any look-alike's and the look-alikes outvote it;
+    a gain lets the patches that show the class carry more weight than their share of the
+    mass (docs/training.md, "Synthetic slides from scratch", has the misses that motivated
+    it and the runs that measured it). The estimator is untouched: ``g(x) u(x)`` is still a
+    function of the patch alone, so the pooled estimate of ``E_a[g u]`` and its gradients
+    stay unbiased (tests/test_auxiliary_losses.py); what is lost is the optimality of
+    sampling from ``a`` (thesis §3.3.4), i.e. the estimate's variance grows where a patch of
+    large gain has a small attention. On where a label counts objects (Megapixel MNIST's
+    majority of digits) every object should weigh alike, which the unit norms give: off.
     """
 
     def __init__(
@@ -104,6 +119,7 @@ class ATSModel(nn.Module):
         estimator: str = "auto",
         rarity_prior: float = 0.0,
         eval_n_patches: int = 0,
+        patch_gain: bool = False,
     ):
         super().__init__()
         if estimator not in ESTIMATORS:
@@ -111,6 +127,10 @@ class ATSModel(nn.Module):
         self.attention_net = attention_net
         self.feature_net = feature_net
         self.classifier = nn.Linear(feature_net.out_features, n_classes)
+        self.gain = nn.Linear(feature_net.out_features, 1) if patch_gain else None
+        if self.gain is not None:  # g = softplus(b) = 1 for every patch at the start: the unit-norm model
+            nn.init.zeros_(self.gain.weight)
+            nn.init.constant_(self.gain.bias, math.log(math.e - 1.0))
         self.n_patches = int(n_patches)
         self.patch_size = (int(patch_size[0]), int(patch_size[1]))
         self.scale = float(scale)
@@ -201,6 +221,30 @@ class ATSModel(nn.Module):
         see ats_cli.core.sampling)."""
         return "threshold" if self.estimator == "auto" and not self.training else self.estimator
 
+    @property
+    def patch_gain(self) -> bool:
+        return self.gain is not None
+
+    def patch_features(self, patches: torch.Tensor) -> torch.Tensor:
+        """The feature f(x) the estimator averages, for patches [N, C, ph, pw] (float):
+        ``feature_scale`` times the unit-norm feature, times the patch's gain when the model
+        has one (see the class docstring). A function of each patch alone, which is what
+        keeps the pooled estimate unbiased."""
+        raw = self.feature_net(patches)
+        # equal norms make sampling from a optimal (thesis 3.3.4); the scale: see the class docstring
+        feats = self.feature_scale * F.normalize(raw, dim=-1)
+        if self.gain is not None:
+            feats = self._gain(raw) * feats
+        return feats
+
+    def patch_gains(self, patches: torch.Tensor) -> torch.Tensor | None:
+        """Each patch's gain [N, 1] (patches [N, C, ph, pw], float), None without one: what
+        ``ats visualize`` multiplies the estimator weights by to show each patch's share."""
+        return None if self.gain is None else self._gain(self.feature_net(patches))
+
+    def _gain(self, raw: torch.Tensor) -> torch.Tensor:
+        return F.softplus(self.gain(raw))
+
     def forward(
         self,
         low: torch.Tensor,
@@ -243,9 +287,7 @@ class ATSModel(nn.Module):
         if patch_transform is not None:
             patches = patch_transform(patches)
         B = low.shape[0]
-        feats = self.feature_net(patches.flatten(0, 1)).view(B, n, -1)
-        # equal norms make sampling from a optimal (thesis 3.3.4); the scale: see the class docstring
-        feats = self.feature_scale * F.normalize(feats, dim=-1)
+        feats = self.patch_features(patches.flatten(0, 1)).view(B, n, -1)
         threshold = estimator_threshold(self.active_estimator, draw, probs)
         pooled = expectation(feats, sampled_probs, replace=self.replace, threshold=threshold)
         return ATSOutput(

@@ -1,0 +1,78 @@
+"""The learned per-patch gain (ats_cli.core.model.ATSModel, ``--patch-gain``): it starts
+as the unit-norm model, lets one patch outweigh many, is on for slides only, and models and
+runs saved before it keep working as they were. Its unbiasedness is tested with the other
+estimator checks in tests/test_auxiliary_losses.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ats_cli.config import resolve_config
+from ats_cli.legacy import upgrade_run_config, upgrade_spec
+from ats_cli.models import create_model, model_spec
+from ats_cli.train import _resolve_auto
+from tests.test_augment import _Probe
+
+
+def _spec(**kw):
+    from ats_cli.config import TrainConfig
+    return model_spec(TrainConfig(patch_size=16, scale=0.25, n_patches=4, feature_width=8, min_brightness=0.0,
+                                  rarity_prior=0.0, **kw), n_classes=2, channels=3)
+
+
+def test_a_new_gain_is_one_for_every_patch_so_training_starts_from_the_unit_norm_model():
+    torch.manual_seed(0)
+    on = create_model(_spec(patch_gain="on")).eval()
+    torch.manual_seed(0)
+    off = create_model(_spec(patch_gain="off")).eval()
+    off.load_state_dict({k: v for k, v in on.state_dict().items() if not k.startswith("gain.")})
+    patches = torch.rand(5, 3, 16, 16)
+    assert on.patch_gain and not off.patch_gain
+    assert torch.allclose(on.patch_features(patches), off.patch_features(patches), atol=1e-6)
+    assert torch.allclose(off.patch_features(patches).norm(dim=-1), torch.full((5,), off.feature_scale))
+
+
+def test_one_patch_with_a_large_gain_outweighs_many_with_more_attention():
+    """What the gain is for: a patch holding 5% of the attention (a lone nest) swings the
+    pooled feature past seven look-alikes holding the rest, which unit norms cannot do."""
+    torch.manual_seed(0)
+    m = create_model(_spec(patch_gain="on")).eval()
+    patches = torch.cat([torch.rand(1, 3, 16, 16), torch.rand(1, 3, 16, 16).expand(7, -1, -1, -1)])  # 1 unlike 7
+    a = torch.tensor([0.05] + [0.95 / 7] * 7)
+    cos = torch.nn.functional.cosine_similarity
+    with torch.no_grad():
+        unit = m.patch_features(patches)  # gain 1 everywhere: the unit-norm model
+        assert cos(a @ unit, unit[1], dim=0) > cos(a @ unit, unit[0], dim=0)  # the seven win
+        raw = m.feature_net(patches)
+        d = raw[0] - raw[1]  # a gain that is large on the first patch's raw feature, small on the others'
+        m.gain.weight.copy_(60 * d[None] / d.norm() ** 2)
+        m.gain.bias.fill_(-60 * float(raw[1] @ d / d.norm() ** 2) - 5.0)
+        f = m.patch_features(patches)
+        assert cos(a @ f, f[0], dim=0) > 0.99  # the one wins
+
+
+@pytest.mark.parametrize("channels, masked, method, want", [
+    (3, True, "ats", "on"),  # slides: one nest among look-alikes decides
+    (1, True, "ats", "on"),  # grey slides too: the reason is the label, not the stain
+    (3, False, "ats", "off"),  # photographs, digits: a count weighs each object alike
+    (3, True, "uniform", "off"),  # the baselines pool as the thesis did
+])
+def test_auto_turns_the_gain_on_for_slides_only(channels, masked, method, want):
+    cfg = resolve_config(None, method=method)
+    _resolve_auto(cfg, _Probe(channels, masked), lambda s: None)
+    assert cfg.patch_gain == want
+    explicit = resolve_config(None, method=method, patch_gain="off" if want == "on" else "on")
+    _resolve_auto(explicit, _Probe(channels, masked), lambda s: None)
+    assert explicit.patch_gain != want
+
+
+def test_models_and_runs_saved_before_the_gain_keep_working_without_one():
+    spec = _spec(patch_gain="off")
+    old = {k: v for k, v in spec.items() if k != "patch_gain"} | {"version": 4}
+    assert upgrade_spec(old)["patch_gain"] is False
+    torch.manual_seed(0)
+    model = create_model(old)
+    assert model.gain is None and not any(k.startswith("gain.") for k in model.state_dict())
+    assert create_model(_spec(patch_gain="on")).state_dict()["gain.weight"].shape == (1, model.classifier.in_features)
+    assert upgrade_run_config({"data": "d", "out": "o"})["patch_gain"] == "off"
