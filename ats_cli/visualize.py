@@ -266,6 +266,18 @@ def _extents(model, opened: OpenedImage):
     return (0, W, H, 0), (margin * rx, (low_w - margin) * rx, (low_h - margin) * ry, margin * ry)
 
 
+def _gains(model, result) -> torch.Tensor | None:
+    """Each drawn patch's learned gain [B, n] (``--patch-gain``), None for a model without
+    one. With a gain, a patch's share of the pooled feature is its estimator weight times
+    its gain, not its weight alone: a nest patch of small weight can carry the prediction,
+    and the figure ranks and draws the patches by that product."""
+    if getattr(model, "gain", None) is None or result.patches is None:
+        return None
+    with torch.no_grad():
+        gains = model.patch_gains(result.patches.flatten(0, 1).to(next(model.parameters()).device))
+    return gains.view(result.patches.shape[:2]).double().cpu()
+
+
 def _weights(model, result, seed: int) -> torch.Tensor | None:
     """The estimator weights [B, n] of this sampling (replayed, see
     :func:`ats_cli.geojson.replay_weights`), or None where they cannot be recovered."""
@@ -557,6 +569,9 @@ def render_attention(
     prediction, probability = predictor.classes[k], float(probs[k])
     att = result.attention[0].cpu().double().numpy()
     weights = _weights(net, result, seed)
+    gains = _gains(net, result)
+    if weights is not None and gains is not None:  # a patch's share of the pooled feature: w g
+        weights = weights * gains
     sites = patch_sites(result.offsets[0].cpu().tolist(), result.sampled_probs[0].cpu().tolist(),
                         None if weights is None else weights[0].tolist())
     # Draws beyond the support (more patches asked than cells that may be sampled) land on
@@ -570,7 +585,7 @@ def render_attention(
     ph, pw = net.patch_size
     n = int(result.offsets.shape[1])
     shown = sites[:MAX_STRIP]
-    what = "weight" if weights is not None else "attention"
+    what = ("weight x gain" if gains is not None else "weight") if weights is not None else "attention"
 
     # Layout in inches, top to bottom: title lines, the image panel (its aspect kept) with the
     # colour bar and the weight key on its right, its caption, the strip's heading, the strip.
@@ -616,7 +631,9 @@ def render_attention(
              fontsize=7.5, linespacing=1.4)
 
     more = f"the {len(shown)} of most {what}" if len(shown) < len(sites) else f"all {len(shown)}"
-    key = "w: estimator weight, a: attention probability" if weights is not None else "a: attention probability"
+    key = ("a: attention probability" if weights is None else
+           "wg: estimator weight x learned gain, a: attention probability" if gains is not None else
+           "w: estimator weight, a: attention probability")
     strip_top = panel_bottom - caption_h
     fig.text(0.5, (strip_top - 0.05) / fig_h, f"the sampled patches at full resolution, {more}, heaviest first  "
              f"({key})", ha="center", va="top", fontsize=8)
@@ -635,7 +652,8 @@ def render_attention(
             spine.set_linewidth(2.0)
         times = f" (x{len(site.draws)})" if len(site.draws) > 1 else ""
         pax.set_title(f"#{i + 1}  draw {site.draws[0]}{times}", fontsize=6.5, pad=2)
-        under = (f"w {_short_prob(site.weight)}\na {_short_prob(site.attention)}" if weights is not None
+        w = "wg" if gains is not None else "w"
+        under = (f"{w} {_short_prob(site.weight)}\na {_short_prob(site.attention)}" if weights is not None
                  else f"a {_short_prob(site.attention)}")
         pax.set_xlabel(under, fontsize=6.5, labelpad=1.5, linespacing=1.2)
 
