@@ -80,10 +80,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--n-noise", type=int, default=None, help="Noise patches per image (paper: 50).")
     parser.add_argument("--workers", type=int, default=None, help="Generator processes (default: CPU count).")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (as ats predict).")
+    parser.add_argument("--n-patches", type=int, default=None,
+                        help="Patches drawn per image, as ats predict --n-patches (default: the model's own).")
     parser.add_argument("--offline", action="store_true", help="Do not try to download MNIST.")
     args = parser.parse_args(argv)
     if args.n < 1:
         parser.error("--n must be at least 1")
+    if args.n_patches is not None and args.n_patches < 1:
+        parser.error("--n-patches must be at least 1")
     return args
 
 
@@ -106,8 +110,9 @@ def run(argv: list[str] | None = None, log=print) -> dict[str, Any]:
                             on_notice=lambda msg: log(f"note: {msg}"))
     spec = {"width": args.width, "height": args.height, "n_noise": args.n_noise}
     work = args.work or Path(tempfile.mkdtemp(prefix="ats-noise-robustness-"))
-    log(f"model {predictor.path} on {predictor.device}; {args.n} test images per set, seed {args.seed}; "
-        f"digits: {digits.description}")
+    patches = args.n_patches or getattr(predictor.model, "patches_now", "?")
+    log(f"model {predictor.path} on {predictor.device}, {patches} patches per image; {args.n} test images per set, "
+        f"seed {args.seed}; digits: {digits.description}")
     rows = []
     try:
         for family in [*families, CLEAN]:
@@ -119,7 +124,7 @@ def run(argv: list[str] | None = None, log=print) -> dict[str, Any]:
             generated = time.perf_counter() - start
             items = resolve_inputs([out / "test.csv"])
             start = time.perf_counter()
-            predictions = predictor.predict(items)  # ats predict's defaults
+            predictions = predictor.predict(items, n_patches=args.n_patches)  # ats predict's defaults unless given
             predicted = time.perf_counter() - start
             evaluation = evaluate(predictions, predictor.classes)
             correct = evaluation.correct if evaluation else 0
@@ -139,7 +144,9 @@ def run(argv: list[str] | None = None, log=print) -> dict[str, Any]:
     log(table(rows))
     result = {"model": str(predictor.path), "device": str(predictor.device), "n": args.n, "seed": args.seed,
               "digits": digits.description, "digits_sha256": digits.sha256(), "rows": rows,
-              "predict": "ats predict defaults: the model's n_patches and estimator, samples 1, seed 0, batch 1"}
+              "n_patches": args.n_patches,
+              "predict": "ats predict defaults: the model's n_patches (unless n_patches) and estimator, samples 1, "
+                         "seed 0, batch 1"}
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

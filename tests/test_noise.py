@@ -342,6 +342,34 @@ def test_noise_robustness_benchmark(tmp_path: Path) -> None:
     assert bench.wilson(0, 10)[0] == 0.0 and abs(sum(bench.wilson(5, 10)) - 1.0) < 1e-9
 
 
+def test_noise_robustness_benchmark_draws_the_patches_asked(tmp_path: Path, monkeypatch) -> None:
+    """--n-patches reaches the prediction (as ats predict --n-patches) and the record."""
+    import importlib.util
+
+    from ats_cli.predict.predictor import Predictor
+
+    spec = importlib.util.spec_from_file_location("noise_robustness", "benchmarks/noise_robustness.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    asked: list = []
+    predict = Predictor.predict
+
+    def spy(self, items, **kw):
+        asked.append(kw.get("n_patches"))
+        return predict(self, items, **kw)
+
+    monkeypatch.setattr(Predictor, "predict", spy)
+    lines: list[str] = []
+    result = bench.run(["--model", "models/megapixel-mnist-ats.pt", "--n", "2", "--families", "blobs",
+                        "--width", "200", "--height", "200", "--n-noise", "4", "--workers", "1", "--offline",
+                        "--n-patches", "3", "--work", str(tmp_path)], log=lines.append)
+    assert asked == [3, 3] and result["n_patches"] == 3  # blobs, then the clean set
+    assert any(line.startswith("model ") and "3 patches per image" in line for line in lines)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--model", "m.pt", "--n-patches", "0"])
+
+
 def test_bold_digits_benchmark(tmp_path: Path) -> None:
     """benchmarks/bold_digits.py: the same layouts twice, the non-target digits dilated in the
     second set only (more ink there, the targets untouched), predicted, tabled and saved."""
