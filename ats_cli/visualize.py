@@ -271,7 +271,7 @@ def _gains(model, result) -> torch.Tensor | None:
     one. With a gain, a patch's share of the pooled feature is its estimator weight times
     its gain, not its weight alone: a nest patch of small weight can carry the prediction,
     and the figure ranks and draws the patches by that product."""
-    if getattr(model, "gain", None) is None or result.patches is None:
+    if not getattr(model, "patch_gain", False) or result.patches is None:  # other methods: no such property
         return None
     with torch.no_grad():
         gains = model.patch_gains(result.patches.flatten(0, 1).to(next(model.parameters()).device))
