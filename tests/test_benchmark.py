@@ -42,6 +42,8 @@ def test_quick_json_smoke(tmp_path):
 def test_unknown_method_and_bad_counts_are_errors():
     assert runner.invoke(app, ["benchmark", "--methods", "ats,mil", "--image-size", "64"]).exit_code == 2
     assert runner.invoke(app, ["benchmark", "--n-patches", "0", "--image-size", "64"]).exit_code == 2
+    bad = runner.invoke(app, ["benchmark", "--attention-net", "no-such-net", "--image-size", "300"])
+    assert bad.exit_code == 2 and "block-attention" in bad.output  # the error lists the names to choose from
 
 
 def test_generated_image_is_a_megapixel_mnist_canvas():

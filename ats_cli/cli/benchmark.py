@@ -39,6 +39,8 @@ def benchmark(
     feature_net: str = typer.Option(None, help="Feature network (ATS, U-N, Deep MIL) \\[default: mnist-features; "
                                     "synthetic-slides small-cnn].", show_default=False),
     feature_width: int = typer.Option(None, help="Feature network channels \\[default: 32].", show_default=False),
+    attention_net: str = typer.Option("mnist-attention", help="Attention network (ATS)."),
+    attention_width: int = typer.Option(8, min=1, help="Attention network channels (block-attention: use 32)."),
     repeats: int = typer.Option(3, min=1, help="Timed steps per row (median) after the warm-up/memory step."),
     device: str = DEVICE_OPTION,
     threads: int = typer.Option(0, min=0, help="torch CPU threads per measurement; 0 = torch's default."),
@@ -71,6 +73,12 @@ def benchmark(
     # Progress on stderr, a line as each row starts, reaches each part and ends (no part
     # takes more than a few seconds in --quick), so the table alone can be redirected.
     err = OutputConsole(stderr=True, highlight=False, soft_wrap=True)
+    from ats_cli import nets
+
+    if attention_net not in nets.available("attention"):
+        console.print(f"[red]error:[/] unknown attention network {attention_net!r}; choose from "
+                      f"{', '.join(nets.available('attention'))}")
+        raise typer.Exit(2)
     unknown = sorted(set(names) - set(ALL_METHODS))
     if unknown:
         console.print(f"[red]error:[/] unknown method(s) {', '.join(unknown)}; choose from {', '.join(ALL_METHODS)}")
@@ -101,7 +109,8 @@ def benchmark(
             rows = run_benchmark(
                 image, names, counts, tmp_dir=tmp, threads=threads, progress=progress, stage=stage,
                 finished=finished, patch_size=patch_size, scale=scale, feature_net=feature_net,
-                feature_width=feature_width, device=dev, repeats=repeats)
+                feature_width=feature_width, attention_net=attention_net, attention_width=attention_width,
+                device=dev, repeats=repeats)
         except ValueError as e:
             console.print(f"[red]error:[/] {e}")
             raise typer.Exit(2) from None

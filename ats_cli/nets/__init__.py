@@ -1,5 +1,6 @@
 """Networks, created by name: ``ats_cli.nets.create("mnist-features", in_channels=1)``."""
 
+from ats_cli.nets import attention as _attention  # noqa: F401  (registers block-attention)
 from ats_cli.nets import mnist as _mnist  # noqa: F401  (registers the Megapixel MNIST nets)
 from ats_cli.nets import resnet as _resnet  # noqa: F401  (registers the CNN baseline's ResNet)
 from ats_cli.nets import small as _small  # noqa: F401  (registers small-cnn)
