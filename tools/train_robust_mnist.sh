@@ -20,6 +20,8 @@
 #   NTRAIN=20000 NTEST=1000 NFRESH=1000 EPOCHS=30 NPATCH=10 BATCH=32 WORKERS=8 DEVICE=auto
 #   SCALE=0.2         the attention's view (0.12 = ats train's default; on this mix 0.2 was
 #                     3-9 points ahead from epoch 2 on, benchmarks/README.md "Noise robustness")
+#   ATTENTION="block-attention 32"   attention net and width (the paper's: "mnist-attention 8"); on
+#                     the mix it was ahead of the paper's net at every epoch (benchmarks/README.md)
 #   BUDGET=480        seconds of training per call (SIGINT then: ats train saves and stops)
 #   ATS=".venv/bin/ats"  PYTHON=".venv/bin/python"
 set -euo pipefail
@@ -27,7 +29,7 @@ OUT_DIR=${1:?usage: $0 OUT_DIR}
 WORK=${WORK:-/tmp/robust}
 TRAIN_NOISE=${TRAIN_NOISE:-reference,strokes,fragments,grid,glyphs}; HOLDOUT=${HOLDOUT:-blobs,rings}
 NTRAIN=${NTRAIN:-20000}; NTEST=${NTEST:-1000}; NFRESH=${NFRESH:-1000}; EPOCHS=${EPOCHS:-30}
-NPATCH=${NPATCH:-10}; SCALE=${SCALE:-0.2}; BATCH=${BATCH:-32}; WORKERS=${WORKERS:-8}; DEVICE=${DEVICE:-auto}; BUDGET=${BUDGET:-480}
+NPATCH=${NPATCH:-10}; SCALE=${SCALE:-0.2}; read -r ATT_NET ATT_WIDTH <<< "${ATTENTION:-block-attention 32}"; BATCH=${BATCH:-32}; WORKERS=${WORKERS:-8}; DEVICE=${DEVICE:-auto}; BUDGET=${BUDGET:-480}
 ATS=${ATS:-.venv/bin/ats}; PYTHON=${PYTHON:-.venv/bin/python}
 if [ -n "${MNIST:-}" ]; then DIGITS=(--mnist "$MNIST"); else DIGITS=(--offline); fi
 DATA="$WORK/data"; RUN="$WORK/run"
@@ -42,7 +44,7 @@ $ATS make-dataset megapixel-mnist "$DATA" --n-train "$NTRAIN" --n-test "$NTEST" 
 if [ -f "$RUN/last.pt" ]; then WHAT=(--resume "$RUN"); else WHAT=("$DATA" --out "$RUN"); fi
 log "training (${WHAT[*]}), at most ${BUDGET}s in this call"
 timeout -s INT "$BUDGET" $ATS train "${WHAT[@]}" --epochs "$EPOCHS" --n-patches "$NPATCH" --scale "$SCALE" \
-  --batch-size "$BATCH" --workers "$WORKERS" --device "$DEVICE" || log "ats train stopped (exit $?)"
+  --attention-net "$ATT_NET" --attention-width "$ATT_WIDTH" --batch-size "$BATCH" --workers "$WORKERS" --device "$DEVICE" || log "ats train stopped (exit $?)"
 done_epochs=0; [ -f "$RUN/metrics.jsonl" ] && done_epochs=$(wc -l < "$RUN/metrics.jsonl")
 if [ "$done_epochs" -lt "$EPOCHS" ]; then
   log "$done_epochs of $EPOCHS epochs done: call $0 $OUT_DIR again to continue"
