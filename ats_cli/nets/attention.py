@@ -11,7 +11,7 @@ it never saw it attends to the noise (benchmarks/README.md, "Noise robustness").
 What: ``PixelUnshuffle(r)`` folds each r x r block of the view into r*r channels (a
 learned stride-r convolution with a 3r x 3r kernel, at none of the cost of running it
 densely), then ``depth`` 3x3 convolutions of ``width`` channels and a 3x3 score layer
-that starts at zero (uniform attention at the start, as the paper's net). Sixteen times
+that starts at zero (uniform attention at the start, as the paper's net). Four times
 the channels cost about the same time on a CPU: the wide layers run on an r*r times
 smaller grid, and the paper net's 1- and 8-channel convolutions are memory-bound, not
 compute-bound (a training step with each: benchmarks/README.md, "Attention networks").
