@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ats_cli import nets
 from ats_cli.config import TrainConfig
 from ats_cli.models import available_methods, create_model, model_spec
 
@@ -261,10 +262,15 @@ def run_benchmark(image: np.ndarray, methods: list[str], n_patches: list[int], *
     peak_mem_mb_per_sample}`` plus ``error`` when the row could not run. Callbacks, so
     that a caller can say what is going on: ``progress(spec)`` as a row starts,
     ``stage(spec, text)`` as its process reaches each part (started, warm-up, memory
-    step, timed steps) and ``finished(spec, row, seconds)`` when it is done."""
+    step, timed steps) and ``finished(spec, row, seconds)`` when it is done. An unknown
+    method raises ``ValueError``, an unknown network :class:`ats_cli.nets.UnknownNetworkError`,
+    before any process starts."""
     unknown = sorted(set(methods) - set(ALL_METHODS))
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(ALL_METHODS)}")
+    # a wrong network name fails here, once, not as a failed row in each child process
+    nets.check(settings.get("attention_net", BenchSpec.attention_net), "attention")
+    nets.check(settings.get("feature_net", BenchSpec.feature_net), "features")
     image_path = Path(tmp_dir) / "benchmark_image.npy"
     np.save(image_path, image)
     rows = []

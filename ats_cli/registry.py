@@ -54,11 +54,17 @@ class Registry:
         """Registered names, optionally only those of one kind."""
         return [n for n, (k, _) in self._factories.items() if kind is None or k == kind]
 
-    def create(self, name: str, kind: str | None = None, **kwargs: Any) -> Any:
-        """What the factory registered as ``name`` returns for ``kwargs``."""
+    def check(self, name: str, kind: str | None = None) -> None:
+        """Raise :attr:`error` (listing the available names) unless ``name`` is registered,
+        as a ``kind`` when one is given; for callers that build the thing elsewhere (in
+        another process) and want the error before they start."""
         if name not in self._factories:
             raise self.error(f"unknown {self.what} {name!r}; available: {', '.join(self.available(kind))}")
-        registered_kind, factory = self._factories[name]
+        registered_kind = self._factories[name][0]
         if kind is not None and registered_kind != kind:
             raise self.error(f"{self.what} {name!r} is a {registered_kind} {self.what}, not a {kind} {self.what}")
-        return factory(**kwargs)
+
+    def create(self, name: str, kind: str | None = None, **kwargs: Any) -> Any:
+        """What the factory registered as ``name`` returns for ``kwargs``."""
+        self.check(name, kind)
+        return self._factories[name][1](**kwargs)

@@ -44,6 +44,8 @@ def test_unknown_method_and_bad_counts_are_errors():
     assert runner.invoke(app, ["benchmark", "--n-patches", "0", "--image-size", "64"]).exit_code == 2
     bad = runner.invoke(app, ["benchmark", "--attention-net", "no-such-net", "--image-size", "300"])
     assert bad.exit_code == 2 and "block-attention" in bad.output  # the error lists the names to choose from
+    bad = runner.invoke(app, ["benchmark", "--feature-net", "no-such-net", "--image-size", "300"])
+    assert bad.exit_code == 2 and "small-cnn" in bad.output
 
 
 def test_generated_image_is_a_megapixel_mnist_canvas():

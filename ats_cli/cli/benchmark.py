@@ -52,6 +52,7 @@ def benchmark(
     and host-to-device copy included), each method in a fresh process, with ratios to ATS.
     How memory is measured: ats_cli/benchmark.py and docs/benchmark.md."""
     from ats_cli.benchmark import ALL_METHODS, benchmark_image, dataset_defaults, plan, ratio_to_ats, run_benchmark
+    from ats_cli.nets import UnknownNetworkError
     from ats_cli.runtime import resolve_device
 
     console = OutputConsole()
@@ -73,12 +74,6 @@ def benchmark(
     # Progress on stderr, a line as each row starts, reaches each part and ends (no part
     # takes more than a few seconds in --quick), so the table alone can be redirected.
     err = OutputConsole(stderr=True, highlight=False, soft_wrap=True)
-    from ats_cli import nets
-
-    if attention_net not in nets.available("attention"):
-        console.print(f"[red]error:[/] unknown attention network {attention_net!r}; choose from "
-                      f"{', '.join(nets.available('attention'))}")
-        raise typer.Exit(2)
     unknown = sorted(set(names) - set(ALL_METHODS))
     if unknown:
         console.print(f"[red]error:[/] unknown method(s) {', '.join(unknown)}; choose from {', '.join(ALL_METHODS)}")
@@ -111,7 +106,7 @@ def benchmark(
                 finished=finished, patch_size=patch_size, scale=scale, feature_net=feature_net,
                 feature_width=feature_width, attention_net=attention_net, attention_width=attention_width,
                 device=dev, repeats=repeats)
-        except ValueError as e:
+        except (ValueError, UnknownNetworkError) as e:
             console.print(f"[red]error:[/] {e}")
             raise typer.Exit(2) from None
     ref = ratio_to_ats(rows, ref_n)

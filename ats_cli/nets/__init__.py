@@ -4,6 +4,6 @@ from ats_cli.nets import attention as _attention  # noqa: F401  (registers block
 from ats_cli.nets import mnist as _mnist  # noqa: F401  (registers the Megapixel MNIST nets)
 from ats_cli.nets import resnet as _resnet  # noqa: F401  (registers the CNN baseline's ResNet)
 from ats_cli.nets import small as _small  # noqa: F401  (registers small-cnn)
-from ats_cli.nets.registry import UnknownNetworkError, available, create, register
+from ats_cli.nets.registry import UnknownNetworkError, available, check, create, register
 
-__all__ = ["create", "available", "register", "UnknownNetworkError"]
+__all__ = ["create", "check", "available", "register", "UnknownNetworkError"]

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from ats_cli.registry import Registry, UnknownNameError
 
-__all__ = ["register", "create", "available", "UnknownNetworkError"]
+__all__ = ["register", "create", "check", "available", "UnknownNetworkError"]
 
 
 class UnknownNetworkError(UnknownNameError):
@@ -30,6 +30,11 @@ def register(name: str, kind: str) -> Callable[[Callable[..., nn.Module]], Calla
 def available(kind: str | None = None) -> list[str]:
     """Registered names, optionally only those of one kind."""
     return sorted(_NETS.available(kind))
+
+
+def check(name: str, kind: str | None = None) -> None:
+    """Raise :class:`UnknownNetworkError` unless ``name`` is a registered network (of ``kind``)."""
+    _NETS.check(name, kind)
 
 
 def create(name: str, kind: str | None = None, **kwargs) -> nn.Module:
