@@ -1,0 +1,96 @@
+"""tools/pretrain_mnist_features.py: the patches it learns from are labelled right, and what
+it writes is a checkpoint ``ats train --init`` starts from (feature net and classifier as
+pretrained, attention fresh). Offline: bundled digits, a small generated dataset."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from ats_cli.checkpoint import load_checkpoint
+from ats_cli.config import TrainConfig
+from ats_cli.data import load_dataset
+from ats_cli.data.megapixel_mnist import generate_megapixel_mnist, make_config
+from ats_cli.data.mnist import load_bundled_digits
+from ats_cli.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+NETS = ["--attention-net", "block-attention", "--attention-width", "16", "--feature-width", "16"]
+
+
+@pytest.fixture(scope="module")
+def tool():
+    spec = importlib.util.spec_from_file_location("pretrain_tool", ROOT / "tools" / "pretrain_mnist_features.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _data(root: Path, n_noise: int) -> Path:
+    config = make_config("small", n_train=12, n_test=4, width=300, height=300, n_noise=n_noise, seed=0,
+                         noise="fragments,glyphs")
+    generate_megapixel_mnist(root, config, load_bundled_digits(), workers=1)
+    return root
+
+
+def test_patch_labels(tool) -> None:
+    box = [[7, 100, 100, 28, 28]]
+    assert tool._label(90, 90, 50, box) == 7  # whole digit inside
+    assert tool._label(200, 200, 50, box) == 10  # nowhere near: none
+    assert tool._label(114, 90, 50, box) is None  # half the digit: left out
+    assert tool._label(90, 90, 50, [*box, [3, 110, 125, 28, 28]]) is None  # two digits meet
+    assert tool._label(100, 126, 50, box) == 10  # 2 of 28 columns inside: at most TOUCH
+
+
+def test_patches_from_clean_images_hold_digits_or_nothing(tool, tmp_path: Path) -> None:
+    """Without noise a 'none' patch must be black and a digit patch must hold the whole digit
+    of its class: the labels are what the pixels show."""
+    data = load_dataset(_data(tmp_path / "clean", n_noise=0))
+    seen = set()
+    for rec in data["train"]:
+        boxes = tool._boxes(dict(rec.extra), str(rec.path))
+        patches, labels = tool.cut_patches(str(rec.path), boxes, 50, seed=rec.line)
+        image = np.asarray(Image.open(rec.path))
+        for patch, label in zip(patches, labels, strict=True):
+            seen.add(int(label))
+            if label == 10:
+                assert patch.max() == 0
+            else:
+                digits = [image[r : r + h, c : c + w] for k, r, c, h, w in boxes if k == label]
+                assert any(d.sum() and _contains(patch, d) for d in digits)
+    assert 10 in seen and len(seen) > 3
+
+
+def _contains(patch: np.ndarray, digit: np.ndarray) -> bool:
+    h, w = digit.shape
+    return any(np.array_equal(patch[r : r + h, c : c + w], digit)
+               for r in range(patch.shape[0] - h + 1) for c in range(patch.shape[1] - w + 1))
+
+
+def test_checkpoint_starts_ats_train(tool, tmp_path: Path) -> None:
+    data = _data(tmp_path / "mix", n_noise=6)
+    pre = tmp_path / "pre.pt"
+    tool.main([str(data), str(pre), "--images", "12", "--test-images", "4", "--epochs", "1", "--workers", "1",
+               *NETS])
+    ckpt = load_checkpoint(pre)
+    assert ckpt["classes"] == [str(c) for c in range(10)] and ckpt["pretrain"]["patches"] > 12
+    lines: list[str] = []
+    cfg = TrainConfig(data=str(data), out=str(tmp_path / "run"), init=str(pre), epochs=1, lr=1e-12, workers=0,
+                      batch_size=4, attention_net="block-attention", attention_width=16, feature_width=16,
+                      scale=0.2)
+    train(cfg, log=lines.append)
+    assert any("initialised the model from" in line for line in lines)
+    tuned = load_checkpoint(tmp_path / "run" / "last.pt")["model"]
+    # ~0 learning rate: the run kept the pretrained feature net and classifier
+    for key in ("feature_net.body.0.weight", "classifier.weight", "classifier.bias"):
+        assert torch.allclose(tuned[key], ckpt["model"][key], atol=1e-6), key
+    # and a wrong network flag is refused, naming the file
+    with pytest.raises(Exception, match="pre.pt"):
+        train(TrainConfig(data=str(data), out=str(tmp_path / "run2"), init=str(pre), epochs=1, workers=0,
+                          scale=0.2), log=lines.append)

@@ -1,0 +1,198 @@
+"""Stage 1 of the robust Megapixel MNIST recipe: teach the feature network what a digit is,
+on patches cut around the digits the generator placed, before ``ats train`` learns where
+to look.
+
+    python tools/pretrain_mnist_features.py DATA OUT.pt [--images 4000] [--epochs 3]
+        [--attention-net NAME --attention-width W --feature-net NAME --feature-width W]
+    ats train DATA --init OUT.pt  (same network flags)  ...
+
+Why: in attention sampling the feature network learns only through the image's label,
+pooled over the sampled patches. On a mix of noise families, three of which look like
+digits (fragments of other digits, printed glyphs, pen strokes), that signal is weak and
+training from scratch plateaued at ~70% (benchmarks/README.md, "Noise robustness"): the
+feature net never learns that a fragment of a 7 is not a 7 (the clean set scored no
+higher than the noisy ones). Megapixel MNIST records each digit's box (the ``digits``
+column of the dataset's CSV, written by ``ats make-dataset megapixel-mnist``), so the
+feature net can first be taught that directly: a patch holding one whole digit is labelled
+with its class, a patch that holds no part of a digit -- noise, or black -- with an
+eleventh class, "none"; patches where a digit is cut in half or two digits meet are left
+out. Only the training split is read (its digits come from MNIST's training digits, its
+noise from the families it was generated with: held-out families stay unseen).
+
+The output is an ordinary ats checkpoint of the model ``ats train`` builds with the same
+network flags, so ``ats train --init`` takes it: the feature network as trained here; the
+classifier's rows are the patch head's rows for the ten digits (the pooled feature is the
+attention-weighted mean of the patches' unit features, so the image's logits start as the
+weighted mean of its patches' logits: a vote among the patches the attention draws); the
+attention network at its fresh initialisation (it learns in ``ats train``, from the image
+labels alone). Not the thesis's setting, which trains from the image labels only: a model
+trained this way says so in its card.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy as np
+
+NONE = "none"  # the eleventh patch class: no digit in the patch
+WHOLE = 0.75  # a digit counts as in the patch when this much of its box is inside ...
+TOUCH = 0.10  # ... and as absent when at most this much is: in between, the patch is left out
+LIT_PATCHES = 8  # patches per image centred on random lit pixels (mostly noise: 50 noise boxes, 5 digits)
+RANDOM_PATCHES = 2  # and anywhere (mostly black)
+
+
+def _boxes(extra: dict[str, str], where: str) -> list[list[int]]:
+    try:
+        boxes = json.loads(extra["digits"])
+    except (KeyError, ValueError):
+        raise SystemExit(f"error: {where}: no 'digits' column of boxes (make the data with ats make-dataset "
+                         "megapixel-mnist)") from None
+    return boxes
+
+
+def _label(top: int, left: int, size: int, boxes: list[list[int]]) -> int | None:
+    """The digit class wholly inside the patch, 10 (none) when no digit touches it, None when ambiguous."""
+    inside, touching = set(), 0
+    for c, r, col, h, w in boxes:
+        dr = max(0, min(top + size, r + h) - max(top, r))
+        dc = max(0, min(left + size, col + w) - max(left, col))
+        frac = dr * dc / (h * w)
+        if frac >= WHOLE:
+            inside.add(int(c))
+        if frac > TOUCH:
+            touching += 1
+    if touching == 0:
+        return 10
+    if len(inside) == 1 and touching == 1:
+        return inside.pop()
+    return None
+
+
+def cut_patches(path: str, boxes: list[list[int]], size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Labelled patches [n, size, size] (uint8) and labels [n] from one image: one per digit
+    (placed at random so that the digit is whole inside), LIT_PATCHES centred on lit pixels
+    and RANDOM_PATCHES anywhere, each labelled by :func:`_label` (ambiguous ones dropped)."""
+    from ats_cli.data.images import read_image
+
+    image = read_image(path, channels=1)[0].numpy()
+    height, width = image.shape
+    rng = np.random.default_rng(seed)
+    corners = []
+    for _, r, col, h, w in boxes:
+        corners.append((r - rng.integers(0, max(1, size - h + 1)), col - rng.integers(0, max(1, size - w + 1))))
+    lit = np.flatnonzero(image > 0)
+    for i in rng.choice(lit, size=min(LIT_PATCHES, lit.size), replace=False) if lit.size else []:
+        corners.append((i // width - size // 2, i % width - size // 2))
+    for _ in range(RANDOM_PATCHES):
+        corners.append((rng.integers(0, height - size + 1), rng.integers(0, width - size + 1)))
+    patches, labels = [], []
+    for top, left in corners:
+        top, left = int(np.clip(top, 0, height - size)), int(np.clip(left, 0, width - size))
+        label = _label(top, left, size, boxes)
+        if label is not None:
+            patches.append(image[top : top + size, left : left + size])
+            labels.append(label)
+    return np.array(patches, dtype=np.uint8).reshape(-1, size, size), np.array(labels, dtype=np.int64)
+
+
+def _cut_all(records, size: int, seed: int, workers: int, where: str) -> tuple[np.ndarray, np.ndarray]:
+    jobs = [(str(r.path), _boxes(dict(r.extra), f"{where}:{r.line}"), size, seed * 1_000_003 + i)
+            for i, r in enumerate(records)]
+    if workers <= 1:
+        parts = [cut_patches(*job) for job in jobs]
+    else:
+        with ProcessPoolExecutor(workers) as pool:
+            parts = list(pool.map(cut_patches, *zip(*jobs, strict=True), chunksize=16))
+    return np.concatenate([p for p, _ in parts]), np.concatenate([y for _, y in parts])
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("data", help="a Megapixel MNIST dataset (ats make-dataset megapixel-mnist)")
+    ap.add_argument("out", help="the checkpoint to write, for ats train --init")
+    ap.add_argument("--images", type=int, default=4000, help="training images to cut patches from (default 4000)")
+    ap.add_argument("--test-images", type=int, default=300, help="test images for the patch accuracy printed")
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workers", type=int, default=2, help="processes reading images")
+    for flag, default in (("--attention-net", "mnist-attention"), ("--attention-width", 8),
+                          ("--feature-net", "small-cnn"), ("--feature-width", 32), ("--feature-scale", 10.0)):
+        ap.add_argument(flag, type=type(default), default=default, help=f"as ats train's (default {default})")
+    args = ap.parse_args(argv)
+
+    import torch
+    import torch.nn.functional as F
+
+    from ats_cli.checkpoint import save_checkpoint
+    from ats_cli.config import TrainConfig
+    from ats_cli.data.dataset import DatasetError, load_dataset
+    from ats_cli.models import create_model, model_spec
+
+    try:
+        data = load_dataset(args.data)
+    except DatasetError as e:
+        raise SystemExit(f"error: {e}") from None
+    cfg = TrainConfig(data=args.data, attention_net=args.attention_net, attention_width=args.attention_width,
+                      feature_net=args.feature_net, feature_width=args.feature_width,
+                      feature_scale=args.feature_scale, seed=args.seed)
+    cfg.from_data(data.hints)
+    size = cfg.patch_size
+    torch.manual_seed(args.seed)
+    spec = model_spec(cfg, n_classes=data.num_classes, channels=1)
+    model = create_model(spec)
+
+    t0 = time.time()
+    x, y = _cut_all(data["train"][: args.images], size, args.seed, args.workers, "train.csv")
+    xt, yt = _cut_all(data["test"][: args.test_images], size, args.seed + 1, args.workers, "test.csv")
+    print(f"{len(y)} training patches ({(y < 10).sum()} digits, {(y == 10).sum()} {NONE}) from "
+          f"{min(args.images, len(data['train']))} images, {len(yt)} test patches, {time.time() - t0:.0f}s", flush=True)
+
+    head = torch.nn.Linear(model.feature_net.out_features, data.num_classes + 1)
+    params = list(model.feature_net.parameters()) + list(head.parameters())
+    opt = torch.optim.Adam(params, lr=args.lr)
+    steps = args.epochs * -(-len(y) // args.batch_size)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+    gen = torch.Generator().manual_seed(args.seed)
+    X, Y = torch.from_numpy(x), torch.from_numpy(y)
+
+    def logits(batch: torch.Tensor) -> torch.Tensor:  # the features ats train pools: unit norm, scaled
+        return head(model.patch_features(batch[:, None].float() / 255.0))
+
+    for epoch in range(1, args.epochs + 1):
+        model.train()
+        order, seen, correct = torch.randperm(len(Y), generator=gen), 0, 0
+        for i in range(0, len(Y), args.batch_size):
+            idx = order[i : i + args.batch_size]
+            out = logits(X[idx])
+            loss = F.cross_entropy(out, Y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            seen, correct = seen + len(idx), correct + (out.argmax(1) == Y[idx]).sum().item()
+        model.eval()
+        with torch.no_grad():
+            pred = torch.cat([logits(torch.from_numpy(xt[i : i + 512])).argmax(1) for i in range(0, len(yt), 512)])
+        pred = pred.numpy()
+        digit, none = yt < 10, yt == 10
+        print(f"epoch {epoch}: train {100 * correct / seen:.1f}%, test patches {100 * (pred == yt).mean():.1f}% "
+              f"(digits {100 * (pred[digit] == yt[digit]).mean():.1f}%, {NONE} {100 * (pred[none] == 10).mean():.1f}%)"
+              f", {time.time() - t0:.0f}s", flush=True)
+
+    with torch.no_grad():  # the ten digit rows: the image's logits start as its patches' weighted vote
+        model.classifier.weight.copy_(head.weight[: data.num_classes])
+        model.classifier.bias.copy_(head.bias[: data.num_classes])
+    save_checkpoint(args.out, spec=spec, classes=data.classes, model=model,
+                    pretrain={"images": min(args.images, len(data["train"])), "patches": int(len(y)),
+                              "epochs": args.epochs, "test_patch_accuracy": float((pred == yt).mean())})
+    print(f"wrote {args.out}: ats train {args.data} --init {args.out} (same network flags)")
+
+
+if __name__ == "__main__":
+    main()
