@@ -400,3 +400,26 @@ def test_bold_digits_benchmark(tmp_path: Path) -> None:
         for cls, r, c, h, w in json.loads(p["digits"]):
             if str(cls) == p["label"]:  # the target digits are untouched (noise may cover others' edges)
                 assert not changed[r + 2:r + h - 2, c + 2:c + w - 2].any()
+
+
+def test_digit_attention_benchmark(tmp_path: Path, bundled: DigitSet) -> None:
+    """benchmarks/digit_attention.py: without noise the only bright cells are the digits, so
+    the released model's attention (sampling bright cells only) lies all on them, its 100
+    draws reach all 5, and the mass-weighted and count votes are the majority: the cell ->
+    pixel geometry and the digit boxes line up (swapped axes or a wrong window would not)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("digit_attention", "benchmarks/digit_attention.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    config = make_config("small", n_train=1, n_test=4, width=400, height=400, n_noise=0, seed=0)
+    generate_megapixel_mnist(tmp_path / "clean", config, bundled, workers=1)
+    lines: list[str] = []
+    [r] = bench.main(["--model", "models/megapixel-mnist-ats.pt", "--data", str(tmp_path / "clean"), "--n", "4"],
+                     log=lines.append)
+    table = "\n".join(lines).splitlines()
+    assert r["images"] == 4 and r["patches"] == 100 and len(table) == 3 and table[2].count("|") == 11
+    assert r["mass_on_digits"] > 0.95 and r["digits_reached"] == 5
+    assert r["mass_vote"] == 1.0 and r["count_vote"] == 1.0 and 1.0 <= r["mass_ratio"] < 10
+    assert bench._vote({3: 2.0, 5: 1.0}, 3) and not bench._vote({3: 1.0, 5: 1.0}, 3)
