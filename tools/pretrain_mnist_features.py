@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=2, help="processes reading images")
+    ap.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU) | cpu | cuda | cuda:N")
     for flag, default in (("--attention-net", "mnist-attention"), ("--attention-width", 8),
                           ("--feature-net", "small-cnn"), ("--feature-width", 32), ("--feature-scale", 10.0)):
         ap.add_argument(flag, type=type(default), default=default, help=f"as ats train's (default {default})")
@@ -145,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     size = cfg.patch_size
     torch.manual_seed(args.seed)
     spec = model_spec(cfg, n_classes=data.num_classes, channels=1)
-    model = create_model(spec)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    model = create_model(spec).to(device)
 
     t0 = time.time()
     x, y = _cut_all(data["train"][: args.images], size, args.seed, args.workers, "train.csv")
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{len(y)} training patches ({(y < 10).sum()} digits, {(y == 10).sum()} {NONE}) from "
           f"{min(args.images, len(data['train']))} images, {len(yt)} test patches, {time.time() - t0:.0f}s", flush=True)
 
-    head = torch.nn.Linear(model.feature_net.out_features, data.num_classes + 1)
+    head = torch.nn.Linear(model.feature_net.out_features, data.num_classes + 1).to(device)
     params = list(model.feature_net.parameters()) + list(head.parameters())
     opt = torch.optim.Adam(params, lr=args.lr)
     steps = args.epochs * -(-len(y) // args.batch_size)
@@ -162,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     X, Y = torch.from_numpy(x), torch.from_numpy(y)
 
     def logits(batch: torch.Tensor) -> torch.Tensor:  # the features ats train pools: unit norm, scaled
-        return head(model.patch_features(batch[:, None].float() / 255.0))
+        return head(model.patch_features(batch.to(device)[:, None].float() / 255.0))
 
     for epoch in range(1, args.epochs + 1):
         model.train()
@@ -170,16 +172,16 @@ def main(argv: list[str] | None = None) -> None:
         for i in range(0, len(Y), args.batch_size):
             idx = order[i : i + args.batch_size]
             out = logits(X[idx])
-            loss = F.cross_entropy(out, Y[idx])
+            loss = F.cross_entropy(out, Y[idx].to(device))
             opt.zero_grad()
             loss.backward()
             opt.step()
             sched.step()
-            seen, correct = seen + len(idx), correct + (out.argmax(1) == Y[idx]).sum().item()
+            seen, correct = seen + len(idx), correct + (out.argmax(1).cpu() == Y[idx]).sum().item()
         model.eval()
         with torch.no_grad():
-            pred = torch.cat([logits(torch.from_numpy(xt[i : i + 512])).argmax(1) for i in range(0, len(yt), 512)])
-        pred = pred.numpy()
+            pred = torch.cat([logits(torch.from_numpy(xt[i : i + 512])).argmax(1).cpu()
+                              for i in range(0, len(yt), 512)]).numpy()
         digit, none = yt < 10, yt == 10
         print(f"epoch {epoch}: train {100 * correct / seen:.1f}%, test patches {100 * (pred == yt).mean():.1f}% "
               f"(digits {100 * (pred[digit] == yt[digit]).mean():.1f}%, {NONE} {100 * (pred[none] == 10).mean():.1f}%)"
@@ -188,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     with torch.no_grad():  # the ten digit rows: the image's logits start as its patches' weighted vote
         model.classifier.weight.copy_(head.weight[: data.num_classes])
         model.classifier.bias.copy_(head.bias[: data.num_classes])
-    save_checkpoint(args.out, spec=spec, classes=data.classes, model=model,
+    save_checkpoint(args.out, spec=spec, classes=data.classes, model=model.cpu(),
                     pretrain={"images": min(args.images, len(data["train"])), "patches": int(len(y)),
                               "epochs": args.epochs, "test_patch_accuracy": float((pred == yt).mean())})
     print(f"wrote {args.out}: ats train {args.data} --init {args.out} (same network flags)")
