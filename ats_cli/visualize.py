@@ -93,13 +93,10 @@ class ImageInfo:
 
 def _parse_boxes(text: str | None) -> list[DigitBox]:
     """``[[class, row, col, h, w], ...]`` (Megapixel MNIST's ``digits`` column, synthetic slides' ``boxes``);
-    [] if absent or malformed."""
-    if not text:
-        return []
-    try:
-        return [DigitBox(str(c), int(r), int(k), int(h), int(w)) for c, r, k, h, w in json.loads(text)]
-    except (ValueError, TypeError):
-        return []
+    [] if absent or malformed (:func:`ats_cli.geojson.parse_boxes` reads it)."""
+    from ats_cli.geojson import parse_boxes
+
+    return [DigitBox(*box) for box in parse_boxes(text)]
 
 
 def find_image_info(image: str | os.PathLike[str], data: str | os.PathLike[str] | None = None) -> ImageInfo | None:

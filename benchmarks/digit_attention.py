@@ -10,8 +10,7 @@ another is counted 20 times. This script measures, on a dataset's test images (t
 
 * the model's accuracy when drawing ``--n-patches`` patches (default: its own count);
 * the draws that hold at least half a digit, and how many of the 5 digits they reach;
-* the attention mass on the digits: the cells whose patch would hold a digit whole
-  (its centre within ``(patch - digit) / 2`` of the digit's centre);
+* the attention mass on the digits: the cells whose patch would hold a digit whole;
 * per image, the largest digit mass over the smallest (median over images);
 * the accuracy of the mass-weighted vote (what the pooled estimate tends to with many
   patches and a perfect feature net), beside the count vote of the digits drawn.
@@ -24,7 +23,6 @@ Prints one markdown table row per model (several ``--model`` allowed).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,13 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 HEADER = ("| model | images | patches | accuracy | digit draws | digits reached | mass on digits | "
           "max/min digit mass | mass-weighted vote | count vote of digits drawn |\n"
           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-
-
-def _overlap(top: int, left: int, ph: int, pw: int, box: list[int]) -> float:
-    _, r, c, h, w = box
-    dr = max(0, min(top + ph, r + h) - max(top, r))
-    dc = max(0, min(left + pw, c + w) - max(left, c))
-    return dr * dc / (h * w)
 
 
 def _vote(weights: dict[int, float], label: int) -> bool:
@@ -54,53 +45,58 @@ def measure(model_path: str, data: str, n: int, n_patches: int | None, seed: int
     import torch
 
     from ats_cli.checkpoint import load_model
+    from ats_cli.core.geometry import positions_to_offsets
     from ats_cli.data import load_dataset
-    from ats_cli.data.images import read_image
+    from ats_cli.data.images import ImageReadError, read_image
     from ats_cli.data.inputs import low_res_view
+    from ats_cli.data.megapixel_mnist import box_fractions
+    from ats_cli.geojson import parse_boxes
 
     model, ckpt = load_model(model_path)
     channels = int(ckpt["spec"]["channels"])
     ds = load_dataset(data)
     records = ds["test"][:n]
     k = n_patches or model.patches_now
-    ph, pw = model.patch_size
     gen = torch.Generator().manual_seed(seed)
     rows: dict[str, list[float]] = {key: [] for key in ("right", "draws", "reached", "mass", "ratio", "mass_vote",
                                                         "count_vote")}
     for rec in records:
-        boxes = json.loads(rec.extra["digits"])
-        image = read_image(rec.path, channels)
-        height, width = image.shape[-2:]
+        boxes = parse_boxes(rec.extra.get("digits"))
+        if not boxes:
+            raise SystemExit(f"error: {rec.path}: no 'digits' boxes in its row of {data}/test.csv")
+        classes = [ds.classes.index(name) for name, *_ in boxes]
+        rects = [box for _, *box in boxes]
+        try:
+            image = read_image(rec.path, channels)
+        except ImageReadError as e:  # names the file
+            raise SystemExit(f"error: {e}") from None
+        low = low_res_view(image, model.scale)[None]
         with torch.no_grad():
-            out = model(low_res_view(image, model.scale)[None], image[None], n_patches=k, generator=gen)
+            out = model(low, image[None], n_patches=k, generator=gen)
         rows["right"].append(float(out.logits.argmax(1).item() == rec.label))
         # the draws: which digit (if any) each holds at least half of
-        held = []
-        for (top, left), p in zip(out.offsets[0].tolist(), out.sampled_probs[0].tolist(), strict=True):
-            if p > 0:
-                cover = [_overlap(top, left, ph, pw, b) for b in boxes]
-                held.append(int(np.argmax(cover)) if max(cover) >= 0.5 else None)
-        drawn = [d for d in held if d is not None]
+        valid = out.sampled_probs[0].numpy() > 0
+        cover = box_fractions(out.offsets[0].numpy()[valid], rects, model.patch_size)
+        drawn = cover.argmax(1)[cover.max(1) >= 0.5].tolist()
         rows["draws"].append(len(drawn))
         rows["reached"].append(len(set(drawn)))
         counts: dict[int, float] = {}
         for d in set(drawn):
-            counts[boxes[d][0]] = counts.get(boxes[d][0], 0) + 1
+            counts[classes[d]] = counts.get(classes[d], 0) + 1
         rows["count_vote"].append(float(_vote(counts, rec.label)))
-        # the attention mass around each digit: cells whose patch would hold it whole
-        att = out.attention[0].numpy()
-        h, w = att.shape
-        cy, cx = (np.arange(h) + 0.5) * height / h, (np.arange(w) + 0.5) * width / w
-        masses = []
-        for _, r, c, bh, bw in boxes:
-            ys = np.abs(cy - (r + bh / 2)) <= (ph - bh) / 2
-            xs = np.abs(cx - (c + bw / 2)) <= (pw - bw) / 2
-            masses.append(float(att[np.ix_(ys, xs)].sum()))
-        rows["mass"].append(sum(masses))
-        rows["ratio"].append(max(masses) / max(min(masses), 1e-12))
+        # the attention mass around each digit: the cells whose patch (where the model
+        # would read it) holds the digit whole
+        att = out.attention[0]
+        cells = torch.arange(att.numel())[None]
+        corners = positions_to_offsets(cells, tuple(att.shape), tuple(image.shape[-2:]), model.patch_size,
+                                       low_size=tuple(low.shape[-2:]), margin=getattr(model.attention_net, "margin", 0))
+        whole = box_fractions(corners[0].numpy(), rects, model.patch_size) >= 1.0  # [cells, digits]
+        masses = att.flatten().double().numpy() @ whole
+        rows["mass"].append(float(masses.sum()))
+        rows["ratio"].append(float(masses.max() / max(masses.min(), 1e-12)))
         weights: dict[int, float] = {}
-        for b, m in zip(boxes, masses, strict=True):
-            weights[b[0]] = weights.get(b[0], 0.0) + m
+        for c, m in zip(classes, masses.tolist(), strict=True):
+            weights[c] = weights.get(c, 0.0) + m
         rows["mass_vote"].append(float(_vote(weights, rec.label)))
     return {"model": model_path, "images": len(records), "patches": k,
             "accuracy": float(np.mean(rows["right"])), "digit_draws": float(np.mean(rows["draws"])),

@@ -54,7 +54,7 @@ def test_patches_from_clean_images_hold_digits_or_nothing(tool, tmp_path: Path) 
     data = load_dataset(_data(tmp_path / "clean", n_noise=0))
     seen = set()
     for rec in data["train"]:
-        boxes = tool._boxes(dict(rec.extra), str(rec.path))
+        boxes = tool._boxes(dict(rec.extra), str(rec.path), data.classes)
         patches, labels = tool.cut_patches(str(rec.path), boxes, 50, seed=rec.line)
         image = np.asarray(Image.open(rec.path))
         for patch, label in zip(patches, labels, strict=True):

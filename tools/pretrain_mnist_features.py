@@ -25,14 +25,15 @@ classifier's rows are the patch head's rows for the ten digits (the pooled featu
 attention-weighted mean of the patches' unit features, so the image's logits start as the
 weighted mean of its patches' logits: a vote among the patches the attention draws); the
 attention network at its fresh initialisation (it learns in ``ats train``, from the image
-labels alone). Not the thesis's setting, which trains from the image labels only: a model
-trained this way says so in its card.
+labels alone): a start for ``ats train --init``, not a model to predict with. Not the
+thesis's setting, which trains from the image labels only: a model trained this way says
+so in its card.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
@@ -45,26 +46,24 @@ LIT_PATCHES = 8  # patches per image centred on random lit pixels (mostly noise:
 RANDOM_PATCHES = 2  # and anywhere (mostly black)
 
 
-def _boxes(extra: dict[str, str], where: str) -> list[list[int]]:
-    try:
-        boxes = json.loads(extra["digits"])
-    except (KeyError, ValueError):
-        raise SystemExit(f"error: {where}: no 'digits' column of boxes (make the data with ats make-dataset "
-                         "megapixel-mnist)") from None
-    return boxes
+def _boxes(extra: dict[str, str], where: str, classes: list[str]) -> list[list[int]]:
+    """The row's digit boxes as [class index, row, col, h, w] (the ``digits`` column)."""
+    from ats_cli.geojson import parse_boxes
+
+    boxes = parse_boxes(extra.get("digits"))
+    if not boxes or any(name not in classes for name, *_ in boxes):
+        raise SystemExit(f"error: {where}: no usable 'digits' column of boxes of the dataset's classes (make the "
+                         "data with ats make-dataset megapixel-mnist)")
+    return [[classes.index(name), *box] for name, *box in boxes]
 
 
 def _label(top: int, left: int, size: int, boxes: list[list[int]]) -> int | None:
     """The digit class wholly inside the patch, 10 (none) when no digit touches it, None when ambiguous."""
-    inside, touching = set(), 0
-    for c, r, col, h, w in boxes:
-        dr = max(0, min(top + size, r + h) - max(top, r))
-        dc = max(0, min(left + size, col + w) - max(left, col))
-        frac = dr * dc / (h * w)
-        if frac >= WHOLE:
-            inside.add(int(c))
-        if frac > TOUCH:
-            touching += 1
+    from ats_cli.data.megapixel_mnist import box_fractions
+
+    frac = box_fractions([top, left], [b[1:] for b in boxes], (size, size))[0]
+    inside = {int(b[0]) for b, f in zip(boxes, frac, strict=True) if f >= WHOLE}
+    touching = int((frac > TOUCH).sum())
     if touching == 0:
         return 10
     if len(inside) == 1 and touching == 1:
@@ -75,10 +74,15 @@ def _label(top: int, left: int, size: int, boxes: list[list[int]]) -> int | None
 def cut_patches(path: str, boxes: list[list[int]], size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Labelled patches [n, size, size] (uint8) and labels [n] from one image: one per digit
     (placed at random so that the digit is whole inside), LIT_PATCHES centred on lit pixels
-    and RANDOM_PATCHES anywhere, each labelled by :func:`_label` (ambiguous ones dropped)."""
-    from ats_cli.data.images import read_image
+    and RANDOM_PATCHES anywhere, each labelled by :func:`_label` (ambiguous ones dropped).
+    An image that cannot be read gives no patches and a line on stderr naming it."""
+    from ats_cli.data.images import ImageReadError, read_image
 
-    image = read_image(path, channels=1)[0].numpy()
+    try:
+        image = read_image(path, channels=1)[0].numpy()
+    except (ImageReadError, OSError) as e:
+        print(f"skipped: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)  # the message names the file
+        return np.zeros((0, size, size), dtype=np.uint8), np.zeros(0, dtype=np.int64)
     height, width = image.shape
     rng = np.random.default_rng(seed)
     corners = []
@@ -99,8 +103,9 @@ def cut_patches(path: str, boxes: list[list[int]], size: int, seed: int) -> tupl
     return np.array(patches, dtype=np.uint8).reshape(-1, size, size), np.array(labels, dtype=np.int64)
 
 
-def _cut_all(records, size: int, seed: int, workers: int, where: str) -> tuple[np.ndarray, np.ndarray]:
-    jobs = [(str(r.path), _boxes(dict(r.extra), f"{where}:{r.line}"), size, seed * 1_000_003 + i)
+def _cut_all(records, classes: list[str], size: int, seed: int, workers: int,
+             where: str) -> tuple[np.ndarray, np.ndarray]:
+    jobs = [(str(r.path), _boxes(dict(r.extra), f"{where}:{r.line}", classes), size, seed * 1_000_003 + i)
             for i, r in enumerate(records)]
     if workers <= 1:
         parts = [cut_patches(*job) for job in jobs]
@@ -150,8 +155,12 @@ def main(argv: list[str] | None = None) -> None:
     model = create_model(spec).to(device)
 
     t0 = time.time()
-    x, y = _cut_all(data["train"][: args.images], size, args.seed, args.workers, "train.csv")
-    xt, yt = _cut_all(data["test"][: args.test_images], size, args.seed + 1, args.workers, "test.csv")
+    x, y = _cut_all(data["train"][: args.images], data.classes, size, args.seed, args.workers,
+                    str(data.root / "train.csv"))
+    xt, yt = _cut_all(data["test"][: args.test_images], data.classes, size, args.seed + 1, args.workers,
+                      str(data.root / "test.csv"))
+    if not len(y) or not len(yt):
+        raise SystemExit(f"error: {args.data}: no readable training or test image gave a patch")
     print(f"{len(y)} training patches ({(y < 10).sum()} digits, {(y == 10).sum()} {NONE}) from "
           f"{min(args.images, len(data['train']))} images, {len(yt)} test patches, {time.time() - t0:.0f}s", flush=True)
 

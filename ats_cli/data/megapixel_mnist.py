@@ -62,6 +62,7 @@ __all__ = [
     "GenerationReport",
     "Layout",
     "MegapixelMNISTConfig",
+    "box_fractions",
     "check_output",
     "generate_megapixel_mnist",
     "image_layout",
@@ -244,6 +245,20 @@ class Layout:
             "top": str(int(self.digit_classes[top])),
             "present": ";".join(str(c) for c in sorted(set(self.digit_classes.tolist()))),
         }
+
+
+def box_fractions(corners: Any, boxes: Any, patch_size: tuple[int, int]) -> np.ndarray:
+    """[k, m]: the share of each box's area inside each patch. ``corners`` [k, 2]: the
+    patches' top-left (row, col); ``boxes`` [m, 4]: (row, col, h, w), e.g. the ``digits``
+    column's boxes without their class. 1 = the patch holds the digit whole; how the
+    feature-net pretraining labels its patches and how benchmarks/digit_attention.py tells
+    which digit a draw holds."""
+    c = np.asarray(corners, dtype=np.float64).reshape(-1, 2)
+    b = np.asarray(boxes, dtype=np.float64).reshape(-1, 4)
+    (ph, pw), top, left = patch_size, c[:, :1], c[:, 1:]
+    dr = np.clip(np.minimum(top + ph, b[:, 0] + b[:, 2]) - np.maximum(top, b[:, 0]), 0, None)
+    dc = np.clip(np.minimum(left + pw, b[:, 1] + b[:, 3]) - np.maximum(left, b[:, 1]), 0, None)
+    return dr * dc / (b[:, 2] * b[:, 3])
 
 
 def _split_seed(seed: int, split: str) -> int:
