@@ -57,7 +57,12 @@ def test_patches_from_clean_images_hold_digits_or_nothing(tool, tmp_path: Path) 
         boxes = tool._boxes(dict(rec.extra), str(rec.path), data.classes)
         patches, labels = tool.cut_patches(str(rec.path), boxes, 50, seed=rec.line)
         image = np.asarray(Image.open(rec.path))
-        for patch, label in zip(patches, labels, strict=True):
+        cut = len(labels) - tool.SMALL_PATCHES  # the shrunken-digit negatives come last
+        for patch in patches[cut:]:
+            assert patch.max() > 0 and not any(_contains(patch, image[r : r + h, c : c + w])
+                                               for _, r, c, h, w in boxes)
+        assert (labels[cut:] == 10).all()
+        for patch, label in zip(patches[:cut], labels[:cut], strict=True):
             seen.add(int(label))
             if label == 10:
                 assert patch.max() == 0
@@ -67,19 +72,57 @@ def test_patches_from_clean_images_hold_digits_or_nothing(tool, tmp_path: Path) 
     assert 10 in seen and len(seen) > 3
 
 
+def test_shrunken_digits_are_small_and_from_the_image(tool) -> None:
+    """A shrunken-digit negative holds the image's digit at SMALL_SCALE of its size, on the
+    given base patch, and nothing bigger: a whole-size digit labelled "none" would teach the
+    feature net to miss real digits."""
+    image = np.zeros((100, 100), np.uint8)
+    image[30:58, 40:68] = 0
+    image[34:54, 50:56] = 255  # a "1": 20 px tall, 6 wide, in a 28x28 box
+    base = np.zeros((50, 50), np.uint8)
+    base[0, :] = 99  # the base's own pixels are kept
+    tall = []
+    for seed in range(40):
+        out = tool.shrunken_digits(image, [[1, 30, 40, 28, 28]], base, np.random.default_rng(seed), count=1)
+        assert (out[0] >= 99).all()
+        rows = np.flatnonzero((out[1:] > 127).any(1))
+        assert rows.size  # the digit is there ...
+        tall.append(rows.max() - rows.min() + 1)
+    lo, hi = tool.SMALL_SCALE
+    # ... at 0.3-0.6 of its 20 px height, both ends of the range drawn
+    assert round(20 * lo) - 1 <= min(tall) <= round(20 * lo) + 2
+    assert round(20 * hi) - 2 <= max(tall) <= round(20 * hi) + 1
+    from skimage.measure import label as components
+
+    def pieces(count: int, seed: int) -> int:
+        out = tool.shrunken_digits(image, [[1, 30, 40, 28, 28]], np.zeros((50, 50), np.uint8),
+                                   np.random.default_rng(seed), count=count)
+        return int(components(out > 0, connectivity=2).max())
+
+    assert all(pieces(1, seed) == 1 for seed in range(20))
+    assert sum(pieces(2, seed) == 2 for seed in range(20)) >= 15  # two copies (unless they overlap)
+
+
 def _contains(patch: np.ndarray, digit: np.ndarray) -> bool:
     h, w = digit.shape
     return any(np.array_equal(patch[r : r + h, c : c + w], digit)
                for r in range(patch.shape[0] - h + 1) for c in range(patch.shape[1] - w + 1))
 
 
-def test_checkpoint_starts_ats_train(tool, tmp_path: Path) -> None:
+def test_checkpoint_starts_ats_train(tool, tmp_path: Path, capsys) -> None:
     data = _data(tmp_path / "mix", n_noise=6)
     pre = tmp_path / "pre.pt"
+    with pytest.raises(SystemExit, match="nowhere"):  # a --check set that is not there: refused before training
+        tool.main([str(data), str(pre), "--check", str(tmp_path / "nowhere"), *NETS])
+    assert not pre.exists()
     tool.main([str(data), str(pre), "--images", "12", "--test-images", "4", "--epochs", "1", "--workers", "1",
-               *NETS])
+               "--check", str(data), "--check-images", "3", *NETS])
+    # the check line names the set and its noise, and counts only real patches (no shrunken ones)
+    check = [line for line in capsys.readouterr().out.splitlines() if line.startswith("check ")]
+    assert len(check) == 1 and str(data) in check[0] and "(noise fragments,glyphs)" in check[0]
     ckpt = load_checkpoint(pre)
     assert ckpt["classes"] == [str(c) for c in range(10)] and ckpt["pretrain"]["patches"] > 12
+    assert ckpt["pretrain"]["shrunken"] == tool.SMALL_PATCHES
     lines: list[str] = []
     cfg = TrainConfig(data=str(data), out=str(tmp_path / "run"), init=str(pre), epochs=1, lr=1e-12, workers=0,
                       batch_size=4, attention_net="block-attention", attention_width=16, feature_width=16,

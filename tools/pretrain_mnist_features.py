@@ -4,6 +4,7 @@ to look.
 
     python tools/pretrain_mnist_features.py DATA OUT.pt [--images 4000] [--epochs 3]
         [--attention-net NAME --attention-width W --feature-net NAME --feature-width W]
+        [--check FRESH_SET ...]
     ats train DATA --init OUT.pt  (same network flags)  ...
 
 Why: in attention sampling the feature network learns only through the image's label,
@@ -18,6 +19,16 @@ with its class, a patch that holds no part of a digit -- noise, or black -- with
 eleventh class, "none"; patches where a digit is cut in half or two digits meet are left
 out. Only the training split is read (its digits come from MNIST's training digits, its
 noise from the families it was generated with: held-out families stay unseen).
+
+"None" has to hold for noise the training never showed, and a net that learned it only
+from the training families reads an unseen shape that happens to look like a small digit
+(two stacked bubbles: an 8) as that digit. So each image also gives ``--shrunken`` "none"
+patches holding one or two of its own digits shrunk to 0.3-0.6 of their size
+(:func:`shrunken_digits`): in Megapixel MNIST every digit comes at MNIST's size, so a
+digit-like shape at half that size is noise, whatever drew it -- a fact about the task,
+not about any noise family. ``--check`` measures the point: it reads the noise and digit
+patches of other datasets (fresh sets of held-out families) with the trained head
+(benchmarks/README.md, "Stage 1", has the figures with and without).
 
 The output is an ordinary ats checkpoint of the model ``ats train`` builds with the same
 network flags, so ``ats train --init`` takes it: the feature network as trained here; the
@@ -44,6 +55,8 @@ WHOLE = 0.75  # a digit counts as in the patch when this much of its box is insi
 TOUCH = 0.10  # ... and as absent when at most this much is: in between, the patch is left out
 LIT_PATCHES = 8  # patches per image centred on random lit pixels (mostly noise: 50 noise boxes, 5 digits)
 RANDOM_PATCHES = 2  # and anywhere (mostly black)
+SMALL_PATCHES = 3  # "none" patches holding shrunken digits of the image (see shrunken_digits)
+SMALL_SCALE = (0.3, 0.6)  # their size relative to the digits': a digit at half size is not a digit here
 
 
 def _boxes(extra: dict[str, str], where: str, classes: list[str]) -> list[list[int]]:
@@ -71,10 +84,12 @@ def _label(top: int, left: int, size: int, boxes: list[list[int]]) -> int | None
     return None
 
 
-def cut_patches(path: str, boxes: list[list[int]], size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def cut_patches(path: str, boxes: list[list[int]], size: int, seed: int,
+                shrunken: int = SMALL_PATCHES) -> tuple[np.ndarray, np.ndarray]:
     """Labelled patches [n, size, size] (uint8) and labels [n] from one image: one per digit
     (placed at random so that the digit is whole inside), LIT_PATCHES centred on lit pixels
-    and RANDOM_PATCHES anywhere, each labelled by :func:`_label` (ambiguous ones dropped).
+    and RANDOM_PATCHES anywhere, each labelled by :func:`_label` (ambiguous ones dropped),
+    then ``shrunken`` "none" patches made by :func:`shrunken_digits`.
     An image that cannot be read gives no patches and a line on stderr naming it."""
     from ats_cli.data.images import ImageReadError, read_image
 
@@ -100,13 +115,44 @@ def cut_patches(path: str, boxes: list[list[int]], size: int, seed: int) -> tupl
         if label is not None:
             patches.append(image[top : top + size, left : left + size])
             labels.append(label)
+    for _ in range(shrunken if boxes else 0):
+        nones = [p for p, y in zip(patches, labels, strict=True) if y == 10]
+        base = nones[int(rng.integers(len(nones)))] if nones else np.zeros((size, size), np.uint8)
+        patches.append(shrunken_digits(image, boxes, base, rng))
+        labels.append(10)
     return np.array(patches, dtype=np.uint8).reshape(-1, size, size), np.array(labels, dtype=np.int64)
 
 
-def _cut_all(records, classes: list[str], size: int, seed: int, workers: int,
-             where: str) -> tuple[np.ndarray, np.ndarray]:
-    jobs = [(str(r.path), _boxes(dict(r.extra), f"{where}:{r.line}", classes), size, seed * 1_000_003 + i)
-            for i, r in enumerate(records)]
+def shrunken_digits(image: np.ndarray, boxes: list[list[int]], base: np.ndarray,
+                    rng: np.random.Generator, count: int | None = None) -> np.ndarray:
+    """``base`` (a "none" patch) with ``count`` (default: one or two) of the image's digits
+    pasted in, each shrunk to SMALL_SCALE of its size: a negative labelled "none".
+
+    Why: in Megapixel MNIST every digit is drawn at MNIST's own size, so a digit-like shape
+    at half that size is noise, whatever made it. Without this the feature net learns
+    "none" only from the noise families it is trained on, and an unseen family whose
+    shapes happen to look like a small digit (two stacked circles, an 8) is read as that
+    digit. A property of the task, not of any noise family: it teaches nothing about a
+    particular held-out family's look."""
+    from PIL import Image
+
+    out = base.copy()
+    size = out.shape[0]
+    for _ in range(int(rng.integers(1, 3)) if count is None else count):
+        _, r, c, h, w = boxes[int(rng.integers(len(boxes)))]
+        digit = image[r : r + h, c : c + w]
+        s = rng.uniform(*SMALL_SCALE)
+        sh, sw = max(1, round(h * s)), max(1, round(w * s))
+        small = np.asarray(Image.fromarray(digit).resize((sw, sh), Image.Resampling.BILINEAR, reducing_gap=2.0))
+        top, left = int(rng.integers(0, size - sh + 1)), int(rng.integers(0, size - sw + 1))
+        out[top : top + sh, left : left + sw] = np.maximum(out[top : top + sh, left : left + sw], small)
+    return out
+
+
+def _cut_all(records, classes: list[str], size: int, seed: int, workers: int, where: str,
+             shrunken: int) -> tuple[np.ndarray, np.ndarray]:
+    jobs = [(str(r.path), _boxes(dict(r.extra), f"{where}:{r.line}", classes), size, seed * 1_000_003 + i,
+             shrunken) for i, r in enumerate(records)]
     if workers <= 1:
         parts = [cut_patches(*job) for job in jobs]
     else:
@@ -127,6 +173,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=2, help="processes reading images")
     ap.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU) | cpu | cuda | cuda:N")
+    ap.add_argument("--shrunken", type=int, default=SMALL_PATCHES,
+                    help=f"shrunken-digit 'none' patches per image (default {SMALL_PATCHES}; 0 = none)")
+    ap.add_argument("--check", nargs="+", default=[], metavar="DATA",
+                    help="after training, read the real patches of these datasets' first --check-images test\n"
+                         "images (e.g. fresh sets of noise families kept out of training) and print how many\n"
+                         "noise patches are read as none and digit patches as their digit")
+    ap.add_argument("--check-images", type=int, default=150, help="test images per --check set (default 150)")
     for flag, default in (("--attention-net", "mnist-attention"), ("--attention-width", 8),
                           ("--feature-net", "small-cnn"), ("--feature-width", 32), ("--feature-scale", 10.0)):
         ap.add_argument(flag, type=type(default), default=default, help=f"as ats train's (default {default})")
@@ -144,6 +197,12 @@ def main(argv: list[str] | None = None) -> None:
         data = load_dataset(args.data)
     except DatasetError as e:
         raise SystemExit(f"error: {e}") from None
+    checks = []
+    for path in args.check:  # opened first: a typo fails now, not after the training
+        try:
+            checks.append(load_dataset(path))
+        except DatasetError as e:
+            raise SystemExit(f"error: {e}") from None
     cfg = TrainConfig(data=args.data, attention_net=args.attention_net, attention_width=args.attention_width,
                       feature_net=args.feature_net, feature_width=args.feature_width,
                       feature_scale=args.feature_scale, seed=args.seed)
@@ -156,9 +215,9 @@ def main(argv: list[str] | None = None) -> None:
 
     t0 = time.time()
     x, y = _cut_all(data["train"][: args.images], data.classes, size, args.seed, args.workers,
-                    str(data.root / "train.csv"))
+                    str(data.root / "train.csv"), args.shrunken)
     xt, yt = _cut_all(data["test"][: args.test_images], data.classes, size, args.seed + 1, args.workers,
-                      str(data.root / "test.csv"))
+                      str(data.root / "test.csv"), args.shrunken)
     if not len(y) or not len(yt):
         raise SystemExit(f"error: {args.data}: no readable training or test image gave a patch")
     print(f"{len(y)} training patches ({(y < 10).sum()} digits, {(y == 10).sum()} {NONE}) from "
@@ -196,12 +255,28 @@ def main(argv: list[str] | None = None) -> None:
               f"(digits {100 * (pred[digit] == yt[digit]).mean():.1f}%, {NONE} {100 * (pred[none] == 10).mean():.1f}%)"
               f", {time.time() - t0:.0f}s", flush=True)
 
+    for check in checks:
+        xc, yc = _cut_all(check["test"][: args.check_images], check.classes, size, args.seed + 7, args.workers,
+                          str(check.root / "test.csv"), 0)
+        with torch.no_grad():
+            pc = torch.cat([logits(torch.from_numpy(xc[i : i + 512])).argmax(1).cpu()
+                            for i in range(0, len(yc), 512)]).numpy()
+        none = yc == 10
+        noise = ",".join(check.meta.get("generator", {}).get("noise", {}).get("families", ["?"]))
+        misread = np.bincount(pc[none & (pc != 10)], minlength=10)
+        worst = (f"most often misread as {misread.argmax()}: {100 * misread.max() / none.sum():.1f}%"
+                 if misread.any() else "none misread")
+        print(f"check {check.root} (noise {noise}): {none.sum()} noise patches, {100 * (pc[none] == 10).mean():.1f}% "
+              f"read as {NONE} ({worst})"
+              f", {(~none).sum()} digit patches, {100 * (pc[~none] == yc[~none]).mean():.1f}% right", flush=True)
+
     with torch.no_grad():  # the ten digit rows: the image's logits start as its patches' weighted vote
         model.classifier.weight.copy_(head.weight[: data.num_classes])
         model.classifier.bias.copy_(head.bias[: data.num_classes])
     save_checkpoint(args.out, spec=spec, classes=data.classes, model=model.cpu(),
                     pretrain={"images": min(args.images, len(data["train"])), "patches": int(len(y)),
-                              "epochs": args.epochs, "test_patch_accuracy": float((pred == yt).mean())})
+                              "epochs": args.epochs, "shrunken": args.shrunken,
+                              "test_patch_accuracy": float((pred == yt).mean())})
     print(f"wrote {args.out}: ats train {args.data} --init {args.out} (same network flags)")
 
 

@@ -51,9 +51,18 @@ $ATS make-dataset megapixel-mnist "$DATA" --n-train "$NTRAIN" --n-test "$NTEST" 
 INIT=()
 if [ "$PRETRAIN" -gt 0 ]; then
   if [ ! -f "$WORK/features.pt" ]; then
+    # small sets of the held-out families (seed 777, not the table's): stage 1's --check reads
+    # their patches, the first sign of whether "none" holds for noise it never saw
+    CHECK=()
+    for f in ${HOLDOUT//,/ }; do
+      $ATS make-dataset megapixel-mnist "$WORK/check/$f" --n-train 1 --n-test 150 --noise "$f" --seed 777 \
+        "${DIGITS[@]}" > /dev/null
+      CHECK+=("$WORK/check/$f")
+    done
     log "stage 1: the feature net on digit patches of $PRETRAIN training images"
     $PYTHON tools/pretrain_mnist_features.py "$DATA" "$WORK/features.pt" --images "$PRETRAIN" \
-      --attention-net "$ATT_NET" --attention-width "$ATT_WIDTH" --workers "$WORKERS" --device "$DEVICE"
+      --attention-net "$ATT_NET" --attention-width "$ATT_WIDTH" --workers "$WORKERS" --device "$DEVICE" \
+      ${CHECK[@]:+--check "${CHECK[@]}"} | tee "$OUT_DIR/stage1.log"
   fi
   INIT=(--init "$WORK/features.pt")
 fi
