@@ -123,6 +123,7 @@ def test_checkpoint_starts_ats_train(tool, tmp_path: Path, capsys) -> None:
     ckpt = load_checkpoint(pre)
     assert ckpt["classes"] == [str(c) for c in range(10)] and ckpt["pretrain"]["patches"] > 12
     assert ckpt["pretrain"]["shrunken"] == tool.SMALL_PATCHES
+    assert ckpt["spec"]["patch_gain"] is False and "gain.weight" not in ckpt["model"]  # no --patch-gain: none
     lines: list[str] = []
     cfg = TrainConfig(data=str(data), out=str(tmp_path / "run"), init=str(pre), epochs=1, lr=1e-12, workers=0,
                       batch_size=4, attention_net="block-attention", attention_width=16, feature_width=16,
@@ -137,3 +138,35 @@ def test_checkpoint_starts_ats_train(tool, tmp_path: Path, capsys) -> None:
     with pytest.raises(Exception, match="pre.pt"):
         train(TrainConfig(data=str(data), out=str(tmp_path / "run2"), init=str(pre), epochs=1, workers=0,
                           scale=0.2), log=lines.append)
+
+
+def test_patch_gain_learns_digit_one_none_zero(tool, tmp_path: Path) -> None:
+    """--patch-gain on: the checkpoint carries ats train's patch gain, trained towards 1 on a
+    digit patch and 0 on a "none" patch, so that after ``ats train --init --patch-gain on`` a
+    patch of noise adds (almost) nothing to the pooled feature while every digit weighs
+    alike; a run without the flag has no gain."""
+    data = _data(tmp_path / "clean", n_noise=0)
+    pre = tmp_path / "gain.pt"
+    tool.main([str(data), str(pre), "--images", "12", "--test-images", "4", "--epochs", "20", "--batch-size", "8",
+               "--lr", "0.01", "--workers", "1", "--patch-gain", "on", *NETS])
+    ckpt = load_checkpoint(pre)
+    assert ckpt["spec"]["patch_gain"] is True and "gain.weight" in ckpt["model"]
+    from ats_cli.models import create_model
+
+    model = create_model(ckpt["spec"])
+    model.load_state_dict(ckpt["model"])
+    model.eval()
+    records = load_dataset(data)["test"]
+    patches, labels = [], []
+    for rec in records:
+        p, y = tool.cut_patches(str(rec.path), tool._boxes(dict(rec.extra), "x", [str(c) for c in range(10)]),
+                                50, seed=rec.line, shrunken=0)
+        patches.append(p)
+        labels.append(y)
+    x = torch.from_numpy(np.concatenate(patches))[:, None].float() / 255.0
+    y = np.concatenate(labels)
+    with torch.no_grad():
+        gain = model.patch_gains(x)[:, 0].numpy()
+    # from 1 everywhere at the start: every digit patch above every none patch, and apart by half
+    assert gain[y == 10].max() < gain[y < 10].min(), (gain[y == 10], gain[y < 10])
+    assert np.median(gain[y == 10]) < 0.5 < np.median(gain[y < 10])

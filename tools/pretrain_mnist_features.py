@@ -30,6 +30,13 @@ not about any noise family. ``--check`` measures the point: it reads the noise a
 patches of other datasets (fresh sets of held-out families) with the trained head
 (benchmarks/README.md, "Stage 1", has the figures with and without).
 
+A patch read as "none" still votes in ``ats train``: the pooled feature is the attention-
+weighted mean of unit-norm features, and its ten digit logits still differ. ``--patch-gain
+on`` also trains ats train's patch gain (``ATSModel``: ``softplus(w . phi(x) + b)`` times
+the unit feature) towards 1 on a digit patch and 0 on a "none" one (squared error), for
+``ats train --init OUT.pt --patch-gain on``: noise then adds (almost) nothing to the pooled
+feature while every digit still weighs about alike, which counting needs.
+
 The output is an ordinary ats checkpoint of the model ``ats train`` builds with the same
 network flags, so ``ats train --init`` takes it: the feature network as trained here; the
 classifier's rows are the patch head's rows for the ten digits (the pooled feature is the
@@ -179,6 +186,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="after training, read the real patches of these datasets' first --check-images test\n"
                          "images (e.g. fresh sets of noise families kept out of training) and print how many\n"
                          "noise patches are read as none and digit patches as their digit")
+    ap.add_argument("--patch-gain", choices=["on", "off"], default="off",
+                    help="on: also learn ats train's patch gain, as 1 on digit patches and 0 on 'none' ones")
     ap.add_argument("--check-images", type=int, default=150, help="test images per --check set (default 150)")
     for flag, default in (("--attention-net", "mnist-attention"), ("--attention-width", 8),
                           ("--feature-net", "small-cnn"), ("--feature-width", 32), ("--feature-scale", 10.0)):
@@ -205,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"error: {e}") from None
     cfg = TrainConfig(data=args.data, attention_net=args.attention_net, attention_width=args.attention_width,
                       feature_net=args.feature_net, feature_width=args.feature_width,
-                      feature_scale=args.feature_scale, seed=args.seed)
+                      feature_scale=args.feature_scale, seed=args.seed, patch_gain=args.patch_gain)
     cfg.from_data(data.hints)
     size = cfg.patch_size
     torch.manual_seed(args.seed)
@@ -224,7 +233,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{min(args.images, len(data['train']))} images, {len(yt)} test patches, {time.time() - t0:.0f}s", flush=True)
 
     head = torch.nn.Linear(model.feature_net.out_features, data.num_classes + 1).to(device)
-    params = list(model.feature_net.parameters()) + list(head.parameters())
+    params = [*model.feature_net.parameters(), *head.parameters(),
+              *(model.gain.parameters() if model.patch_gain else [])]
     opt = torch.optim.Adam(params, lr=args.lr)
     steps = args.epochs * -(-len(y) // args.batch_size)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
@@ -232,15 +242,24 @@ def main(argv: list[str] | None = None) -> None:
     X, Y = torch.from_numpy(x), torch.from_numpy(y)
 
     def logits(batch: torch.Tensor) -> torch.Tensor:  # the features ats train pools: unit norm, scaled
-        return head(model.patch_features(batch.to(device)[:, None].float() / 255.0))
+        return forward(batch)[0]
+
+    def forward(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Patch logits from the scaled unit features (without the gain, which is learned
+        apart), and the patch gains (None without)."""
+        raw = model.feature_net(batch.to(device)[:, None].float() / 255.0)
+        gain = model._gain(raw)[:, 0] if model.patch_gain else None
+        return head(model.feature_scale * F.normalize(raw, dim=-1)), gain
 
     for epoch in range(1, args.epochs + 1):
         model.train()
         order, seen, correct = torch.randperm(len(Y), generator=gen), 0, 0
         for i in range(0, len(Y), args.batch_size):
             idx = order[i : i + args.batch_size]
-            out = logits(X[idx])
+            out, gain = forward(X[idx])
             loss = F.cross_entropy(out, Y[idx].to(device))
+            if gain is not None:  # gain 1 on a digit (all digits weigh alike), 0 on none (it adds nothing)
+                loss = loss + F.mse_loss(gain, (Y[idx] < 10).float().to(device))
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -259,8 +278,8 @@ def main(argv: list[str] | None = None) -> None:
         xc, yc = _cut_all(check["test"][: args.check_images], check.classes, size, args.seed + 7, args.workers,
                           str(check.root / "test.csv"), 0)
         with torch.no_grad():
-            pc = torch.cat([logits(torch.from_numpy(xc[i : i + 512])).argmax(1).cpu()
-                            for i in range(0, len(yc), 512)]).numpy()
+            outs = [forward(torch.from_numpy(xc[i : i + 512])) for i in range(0, len(yc), 512)]
+        pc = torch.cat([o.argmax(1).cpu() for o, _ in outs]).numpy()
         none = yc == 10
         noise = ",".join(check.meta.get("generator", {}).get("noise", {}).get("families", ["?"]))
         misread = np.bincount(pc[none & (pc != 10)], minlength=10)
@@ -269,6 +288,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"check {check.root} (noise {noise}): {none.sum()} noise patches, {100 * (pc[none] == 10).mean():.1f}% "
               f"read as {NONE} ({worst})"
               f", {(~none).sum()} digit patches, {100 * (pc[~none] == yc[~none]).mean():.1f}% right", flush=True)
+        if model.patch_gain:
+            gc = torch.cat([g.cpu() for _, g in outs]).numpy()
+            print(f"  gain on noise patches: median {np.median(gc[none]):.2f}, 90th percentile "
+                  f"{np.percentile(gc[none], 90):.2f}; on digit patches: median {np.median(gc[~none]):.2f}, "
+                  f"10th percentile {np.percentile(gc[~none], 10):.2f}", flush=True)
 
     with torch.no_grad():  # the ten digit rows: the image's logits start as its patches' weighted vote
         model.classifier.weight.copy_(head.weight[: data.num_classes])
