@@ -116,6 +116,16 @@ def test_ctrl_c_while_an_epoch_is_being_saved_finishes_the_save_and_stops(square
 
     import ats_cli.train as train_module
 
+    # a test run started in the background by a non-interactive shell inherits SIGINT ignored
+    # (and ats rightly keeps it ignored): give this test the interactive Ctrl-C it is about
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _ctrl_c_during_saves(squares, tmp_path, monkeypatch, train_module, os, signal)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _ctrl_c_during_saves(squares, tmp_path, monkeypatch, train_module, os, signal) -> None:
     train(_cfg(squares, tmp_path / "straight"), log=lambda s: None)
     plot = train_module._plot_curves
 
