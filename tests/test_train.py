@@ -106,7 +106,19 @@ def test_resume_equals_an_uninterrupted_run(squares, tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
-def test_ctrl_c_while_an_epoch_is_being_saved_finishes_the_save_and_stops(squares, tmp_path, monkeypatch):
+@pytest.fixture
+def interactive_sigint():
+    """Python's own Ctrl-C handler for the test: a test run started in the background by a
+    non-interactive shell inherits SIGINT ignored (which ats rightly keeps ignored)."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_while_an_epoch_is_being_saved_finishes_the_save_and_stops(squares, tmp_path, monkeypatch,
+                                                                          interactive_sigint):
     """Ctrl-C while epoch 1's checkpoints, metrics and curves are written (the first
     matplotlib import can take seconds; CI once sent its signal right then) does not cut
     the save short with a traceback: the epoch is saved whole, the run stops with
@@ -116,16 +128,6 @@ def test_ctrl_c_while_an_epoch_is_being_saved_finishes_the_save_and_stops(square
 
     import ats_cli.train as train_module
 
-    # a test run started in the background by a non-interactive shell inherits SIGINT ignored
-    # (and ats rightly keeps it ignored): give this test the interactive Ctrl-C it is about
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        _ctrl_c_during_saves(squares, tmp_path, monkeypatch, train_module, os, signal)
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def _ctrl_c_during_saves(squares, tmp_path, monkeypatch, train_module, os, signal) -> None:
     train(_cfg(squares, tmp_path / "straight"), log=lambda s: None)
     plot = train_module._plot_curves
 

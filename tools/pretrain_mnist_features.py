@@ -122,7 +122,7 @@ def cut_patches(path: str, boxes: list[list[int]], size: int, seed: int,
         if label is not None:
             patches.append(image[top : top + size, left : left + size])
             labels.append(label)
-    for _ in range(shrunken if boxes else 0):
+    for _ in range(shrunken if boxes else 0):  # a base may be an earlier shrunken patch: up to 4 small digits
         nones = [p for p, y in zip(patches, labels, strict=True) if y == 10]
         base = nones[int(rng.integers(len(nones)))] if nones else np.zeros((size, size), np.uint8)
         patches.append(shrunken_digits(image, boxes, base, rng))
@@ -229,6 +229,10 @@ def main(argv: list[str] | None = None) -> None:
                       str(data.root / "test.csv"), args.shrunken)
     if not len(y) or not len(yt):
         raise SystemExit(f"error: {args.data}: no readable training or test image gave a patch")
+    # the check sets' real patches (no shrunken ones), cut now: a set that is not Megapixel MNIST
+    # stops the tool before the training, not after it
+    check_patches = [_cut_all(c["test"][: args.check_images], c.classes, size, args.seed + 7, args.workers,
+                              str(c.root / "test.csv"), 0) for c in checks]
     print(f"{len(y)} training patches ({(y < 10).sum()} digits, {(y == 10).sum()} {NONE}) from "
           f"{min(args.images, len(data['train']))} images, {len(yt)} test patches, {time.time() - t0:.0f}s", flush=True)
 
@@ -241,15 +245,11 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator().manual_seed(args.seed)
     X, Y = torch.from_numpy(x), torch.from_numpy(y)
 
-    def logits(batch: torch.Tensor) -> torch.Tensor:  # the features ats train pools: unit norm, scaled
-        return forward(batch)[0]
-
     def forward(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Patch logits from the scaled unit features (without the gain, which is learned
-        apart), and the patch gains (None without)."""
-        raw = model.feature_net(batch.to(device)[:, None].float() / 255.0)
-        gain = model._gain(raw)[:, 0] if model.patch_gain else None
-        return head(model.feature_scale * F.normalize(raw, dim=-1)), gain
+        """Patch logits from the scaled unit features ats train pools (without the gain, which
+        is learned apart), and the patch gains [N] (None without)."""
+        feats, gain = model.patch_parts(batch.to(device)[:, None].float() / 255.0)
+        return head(feats), None if gain is None else gain[:, 0]
 
     for epoch in range(1, args.epochs + 1):
         model.train()
@@ -267,16 +267,17 @@ def main(argv: list[str] | None = None) -> None:
             seen, correct = seen + len(idx), correct + (out.argmax(1).cpu() == Y[idx]).sum().item()
         model.eval()
         with torch.no_grad():
-            pred = torch.cat([logits(torch.from_numpy(xt[i : i + 512])).argmax(1).cpu()
+            pred = torch.cat([forward(torch.from_numpy(xt[i : i + 512]))[0].argmax(1).cpu()
                               for i in range(0, len(yt), 512)]).numpy()
         digit, none = yt < 10, yt == 10
         print(f"epoch {epoch}: train {100 * correct / seen:.1f}%, test patches {100 * (pred == yt).mean():.1f}% "
               f"(digits {100 * (pred[digit] == yt[digit]).mean():.1f}%, {NONE} {100 * (pred[none] == 10).mean():.1f}%)"
               f", {time.time() - t0:.0f}s", flush=True)
 
-    for check in checks:
-        xc, yc = _cut_all(check["test"][: args.check_images], check.classes, size, args.seed + 7, args.workers,
-                          str(check.root / "test.csv"), 0)
+    for check, (xc, yc) in zip(checks, check_patches, strict=True):
+        if not len(yc):
+            print(f"check {check.root}: no readable test image gave a patch", flush=True)
+            continue
         with torch.no_grad():
             outs = [forward(torch.from_numpy(xc[i : i + 512])) for i in range(0, len(yc), 512)]
         pc = torch.cat([o.argmax(1).cpu() for o, _ in outs]).numpy()

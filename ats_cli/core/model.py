@@ -230,20 +230,23 @@ class ATSModel(nn.Module):
         ``feature_scale`` times the unit-norm feature, times the patch's gain when the model
         has one (see the class docstring). A function of each patch alone, which is what
         keeps the pooled estimate unbiased."""
+        feats, gain = self.patch_parts(patches)
+        return feats if gain is None else gain * feats
+
+    def patch_parts(self, patches: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The two factors of :meth:`patch_features` from one pass of the feature net: the
+        scaled unit-norm feature [N, D] and the gain [N, 1] (None without one). Apart for
+        whoever trains them apart (tools/pretrain_mnist_features.py: the patch classes on the
+        unit feature, the gain as digit 1 / none 0)."""
         raw = self.feature_net(patches)
         # equal norms make sampling from a optimal (thesis 3.3.4); the scale: see the class docstring
         feats = self.feature_scale * F.normalize(raw, dim=-1)
-        if self.gain is not None:
-            feats = self._gain(raw) * feats
-        return feats
+        return feats, None if self.gain is None else F.softplus(self.gain(raw))
 
     def patch_gains(self, patches: torch.Tensor) -> torch.Tensor | None:
         """Each patch's gain [N, 1] (patches [N, C, ph, pw], float), None without one: what
         ``ats visualize`` multiplies the estimator weights by to show each patch's share."""
-        return None if self.gain is None else self._gain(self.feature_net(patches))
-
-    def _gain(self, raw: torch.Tensor) -> torch.Tensor:
-        return F.softplus(self.gain(raw))
+        return None if self.gain is None else F.softplus(self.gain(self.feature_net(patches)))
 
     def forward(
         self,
