@@ -1,11 +1,11 @@
 """Stage 1 of the robust Megapixel MNIST recipe: teach the feature network what a digit is,
-on patches cut around the digits the generator placed, before ``ats train`` learns where
-to look.
+on patches cut around the digits the generator placed, and the attention network where the
+digits are, before ``ats train`` learns from the image labels.
 
     python tools/pretrain_mnist_features.py DATA OUT.pt [--images 4000] [--epochs 3]
         [--attention-net NAME --attention-width W --feature-net NAME --feature-width W]
-        [--check FRESH_SET ...]
-    ats train DATA --init OUT.pt  (same network flags)  ...
+        [--scale S] [--attention-epochs 5] [--check FRESH_SET ...]
+    ats train DATA --init OUT.pt  (same network flags and --scale)  ...
 
 Why: in attention sampling the feature network learns only through the image's label,
 pooled over the sampled patches. On a mix of noise families, three of which look like
@@ -37,20 +37,31 @@ the unit feature) towards 1 on a digit patch and 0 on a "none" one (squared erro
 ``ats train --init OUT.pt --patch-gain on``: noise then adds (almost) nothing to the pooled
 feature while every digit still weighs about alike, which counting needs.
 
+The attention net is taught too (``--attention-epochs``, stage 1b): on the low-res views
+ats train makes (``--scale``, as ats train's), its distribution is fitted by cross-entropy
+to one that gives every digit of the image the same mass, spread over the cells whose patch
+holds that digit whole (:func:`attention_targets`). Why: from the image labels alone the
+attention learns slowly and unevenly -- after three epochs on a 3,000-image mix a run
+put 12-17 times more mass on one digit than on another (median over images), and the
+pooled feature, which tends to the mass-weighted vote of the digits, then follows the
+heaviest digit instead of the majority (benchmarks/digit_attention.py, benchmarks/README.md
+"Stage 1"). The views come from the same training images; held-out families stay unseen.
+
 The output is an ordinary ats checkpoint of the model ``ats train`` builds with the same
 network flags, so ``ats train --init`` takes it: the feature network as trained here; the
 classifier's rows are the patch head's rows for the ten digits (the pooled feature is the
 attention-weighted mean of the patches' unit features, so the image's logits start as the
 weighted mean of its patches' logits: a vote among the patches the attention draws); the
-attention network at its fresh initialisation (it learns in ``ats train``, from the image
-labels alone): a start for ``ats train --init``, not a model to predict with. Not the
-thesis's setting, which trains from the image labels only: a model trained this way says
-so in its card.
+attention network as taught in stage 1b (at its fresh initialisation with
+``--attention-epochs 0``). A start for ``ats train --init``, not a model to predict with.
+Not the thesis's setting, which trains from the image labels only: a model trained this
+way says so in its card.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -64,6 +75,7 @@ LIT_PATCHES = 8  # patches per image centred on random lit pixels (mostly noise:
 RANDOM_PATCHES = 2  # and anywhere (mostly black)
 SMALL_PATCHES = 3  # "none" patches holding shrunken digits of the image (see shrunken_digits)
 SMALL_SCALE = (0.3, 0.6)  # their size relative to the digits': a digit at half size is not a digit here
+ATTENTION_EPOCHS = 5  # stage 1b (see attention_targets)
 
 
 def _boxes(extra: dict[str, str], where: str, classes: list[str]) -> list[list[int]]:
@@ -156,6 +168,181 @@ def shrunken_digits(image: np.ndarray, boxes: list[list[int]], base: np.ndarray,
     return out
 
 
+def attention_example(path: str, boxes: list[list[int]], size: int, scale: float, att_shape: tuple[int, int],
+                      margin: int) -> tuple[np.ndarray, list[np.ndarray]] | None:
+    """The low-res view [h, w] (float16) that ats train makes of the image and, for each of
+    its digits, the attention cells whose patch (where ats train would cut it) holds the
+    digit whole. None for an image that cannot be read (a line on stderr names it)."""
+    import torch
+
+    from ats_cli.core.geometry import positions_to_offsets
+    from ats_cli.data.images import ImageReadError, read_image
+    from ats_cli.data.inputs import low_res_view
+    from ats_cli.data.megapixel_mnist import box_fractions
+
+    try:
+        image = read_image(path, channels=1)
+    except (ImageReadError, OSError) as e:
+        print(f"skipped: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+        return None
+    low = low_res_view(image, scale)
+    cells = torch.arange(att_shape[0] * att_shape[1])[None]
+    corners = positions_to_offsets(cells, att_shape, tuple(image.shape[-2:]), (size, size),
+                                   low_size=tuple(low.shape[-2:]), margin=margin)[0].numpy()
+    whole = box_fractions(corners, [b[1:] for b in boxes], (size, size)) >= 1.0  # [cells, digits]
+    return low[0].numpy().astype(np.float16), [np.flatnonzero(whole[:, j]) for j in range(len(boxes))]
+
+
+def attention_targets(model, views: np.ndarray, digit_cells: list[list[np.ndarray]], att_shape: tuple[int, int]
+                      ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per image, the distribution the attention is taught, as (cells, probabilities, digit
+    of each cell): each digit gets the same mass, spread evenly over its cells that the
+    brightness support keeps (ats train never samples the others). Equal mass per digit
+    because the label is the majority of the digits: the pooled feature tends to the
+    mass-weighted vote, which is the majority only when every digit weighs alike
+    (benchmarks/digit_attention.py measures it)."""
+    import torch
+
+    out = []
+    for i in range(0, len(views), 64):
+        low = torch.from_numpy(views[i : i + 64].astype(np.float32))[:, None]
+        keep = model.support(low, att_shape)
+        keep = (torch.ones(len(low), att_shape[0] * att_shape[1], dtype=torch.bool) if keep is None
+                else keep.flatten(1)).numpy()
+        for k, cells in zip(keep, digit_cells[i : i + 64], strict=True):
+            kept = [(d, c[k[c]]) for d, c in enumerate(cells)]
+            kept = [(d, c) for d, c in kept if len(c)]
+            if not kept:
+                out.append((np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.int64)))
+                continue
+            out.append((np.concatenate([c for _, c in kept]),
+                        np.concatenate([np.full(len(c), 1.0 / (len(c) * len(kept)), np.float32) for _, c in kept]),
+                        np.concatenate([np.full(len(c), d) for d, c in kept])))
+    return out
+
+
+def _targets_dense(targets, att_shape: tuple[int, int], device):
+    import torch
+
+    t = torch.zeros(len(targets), att_shape[0] * att_shape[1])
+    for row, (idx, prob, _) in zip(t, targets, strict=True):
+        row.index_add_(0, torch.from_numpy(idx), torch.from_numpy(prob))  # a cell may hold two digits whole
+    return t.to(device)
+
+
+def _log_attention(model, views: np.ndarray, att_shape: tuple[int, int], device):
+    """log a [B, cells] of the model's attention on these views, and the support [B, cells]
+    (None = every cell)."""
+    import torch
+
+    low = torch.from_numpy(views.astype(np.float32))[:, None].to(device)
+    flat = model.attention_net(low).flatten(1).float()
+    keep = model.support(low, att_shape)
+    if keep is None:
+        return torch.log_softmax(flat, 1), None
+    keep = keep.flatten(1)
+    return torch.log_softmax(flat.masked_fill(~keep, float("-inf")), 1), keep
+
+
+def train_attention(model, views: np.ndarray, targets, att_shape: tuple[int, int], *, epochs: int, lr: float,
+                    batch_size: int, seed: int, device, log=print) -> None:
+    """Fit the attention net's distribution to ``targets`` (cross-entropy), on the views."""
+    import torch
+
+    net = model.attention_net
+    opt = torch.optim.Adam(net.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs * -(-len(views) // batch_size))
+    gen = torch.Generator().manual_seed(seed)
+    for epoch in range(1, epochs + 1):
+        net.train()
+        order, total, t0 = torch.randperm(len(views), generator=gen).numpy(), 0.0, time.time()
+        for i in range(0, len(order), batch_size):
+            idx = order[i : i + batch_size]
+            log_a, keep = _log_attention(model, views[idx], att_shape, device)
+            if keep is not None:  # 0 * -inf: the target is 0 wherever the support is not
+                log_a = log_a.masked_fill(~keep, 0.0)
+            loss = -(_targets_dense([targets[j] for j in idx], att_shape, device) * log_a).sum(1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            total += loss.item() * len(idx)
+        log(f"attention epoch {epoch}: cross-entropy {total / len(views):.3f}, {time.time() - t0:.0f}s")
+
+
+def attention_masses(model, views: np.ndarray, targets, att_shape: tuple[int, int], device
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Per image, the attention's mass on the digits' cells, and the largest digit's mass
+    over the smallest's (1 = every digit weighs alike); images without a target are skipped."""
+    import torch
+
+    mass, ratio = [], []
+    model.eval()
+    with torch.no_grad():
+        for i in range(0, len(views), 64):
+            probs = _log_attention(model, views[i : i + 64], att_shape, device)[0].exp().cpu().numpy()
+            for row, (idx, _, digit) in zip(probs, targets[i : i + 64], strict=True):
+                if len(idx):
+                    per_digit = np.bincount(digit, weights=row[idx])[np.unique(digit)]
+                    mass.append(per_digit.sum())
+                    ratio.append(per_digit.max() / max(per_digit.min(), 1e-12))
+    return np.array(mass), np.array(ratio)
+
+
+def attention_report(model, views: np.ndarray, targets, att_shape: tuple[int, int], device) -> str:
+    mass, ratio = attention_masses(model, views, targets, att_shape, device)
+    return (f"attention mass on the digits median {100 * np.median(mass):.0f}%, largest/smallest digit "
+            f"{np.median(ratio):.1f}")
+
+
+def _views(records, classes: list[str], size: int, scale: float, att_shape: tuple[int, int], margin: int,
+           workers: int, where: str) -> tuple[np.ndarray, list[list[np.ndarray]]]:
+    jobs = [(str(r.path), _boxes(dict(r.extra), f"{where}:{r.line}", classes), size, scale, att_shape, margin)
+            for r in records]
+    if workers <= 1:
+        parts = [attention_example(*job) for job in jobs]
+    else:
+        # spawned, not forked: the caller has run torch (the attention map's shape), and a forked
+        # child of a process whose torch thread pool has started can hang on its first op
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            parts = list(pool.map(attention_example, *zip(*jobs, strict=True), chunksize=16))
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        return np.zeros((0, 1, 1), np.float16), []
+    return np.stack([v for v, _ in parts]), [c for _, c in parts]
+
+
+def _attention_stage(model, data, checks, size: int, scale: float, args, device) -> None:
+    """Stage 1b: the attention net taught each digit's cells on the training images' views,
+    then its mass on the digits printed for the test split and each --check set."""
+    import torch
+
+    from ats_cli.core.geometry import low_res_size
+    from ats_cli.data.images import open_pil
+
+    with open_pil(data["train"][0].path) as im:  # every Megapixel MNIST image of a set has one size
+        width, height = im.size
+    low = torch.zeros(1, 1, *low_res_size((height, width), scale), device=device)
+    with torch.no_grad():
+        att_shape = tuple(model.attention_net(low).shape[-2:])
+    margin = getattr(model.attention_net, "margin", 0)
+    t0 = time.time()
+    sets = [("train", data, args.images, data.root / "train.csv"), ("test", data, args.test_images,
+            data.root / "test.csv")] + [("test", c, args.check_images, c.root / "test.csv") for c in checks]
+    views = [_views(d[split][:n], d.classes, size, scale, att_shape, margin, args.workers, str(where))
+             for split, d, n, where in sets]
+    model.cpu()
+    targets = [attention_targets(model, v, cells, att_shape) for v, cells in views]
+    model.to(device)
+    print(f"attention: {len(views[0][0])} training views ({scale} scale, {att_shape[0]}x{att_shape[1]} cells), "
+          f"{time.time() - t0:.0f}s", flush=True)
+    train_attention(model, views[0][0], targets[0], att_shape, epochs=args.attention_epochs, lr=args.lr,
+                    batch_size=32, seed=args.seed, device=device)
+    for (_, d, _, _), (v, _), t in list(zip(sets, views, targets, strict=True))[1:]:
+        if len(v):
+            print(f"attention on {d.root} (test split): {attention_report(model, v, t, att_shape, device)}", flush=True)
+
+
 def _cut_all(records, classes: list[str], size: int, seed: int, workers: int, where: str,
              shrunken: int) -> tuple[np.ndarray, np.ndarray]:
     jobs = [(str(r.path), _boxes(dict(r.extra), f"{where}:{r.line}", classes), size, seed * 1_000_003 + i,
@@ -189,6 +376,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--patch-gain", choices=["on", "off"], default="off",
                     help="on: also learn ats train's patch gain, as 1 on digit patches and 0 on 'none' ones")
     ap.add_argument("--check-images", type=int, default=150, help="test images per --check set (default 150)")
+    ap.add_argument("--attention-epochs", type=int, default=ATTENTION_EPOCHS,
+                    help=f"epochs teaching the attention net the digits' cells, each digit the same mass\n"
+                         f"(default {ATTENTION_EPOCHS}; 0 = leave it at its initialisation)")
+    ap.add_argument("--scale", type=float, default=0.0,
+                    help="the low-res view's scale, as ats train's --scale (default: the dataset's)")
     for flag, default in (("--attention-net", "mnist-attention"), ("--attention-width", 8),
                           ("--feature-net", "small-cnn"), ("--feature-width", 32), ("--feature-scale", 10.0)):
         ap.add_argument(flag, type=type(default), default=default, help=f"as ats train's (default {default})")
@@ -201,6 +393,7 @@ def main(argv: list[str] | None = None) -> None:
     from ats_cli.config import TrainConfig
     from ats_cli.data.dataset import DatasetError, load_dataset
     from ats_cli.models import create_model, model_spec
+    from ats_cli.train import AUTO_MIN_BRIGHTNESS
 
     try:
         data = load_dataset(args.data)
@@ -214,8 +407,12 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"error: {e}") from None
     cfg = TrainConfig(data=args.data, attention_net=args.attention_net, attention_width=args.attention_width,
                       feature_net=args.feature_net, feature_width=args.feature_width,
-                      feature_scale=args.feature_scale, seed=args.seed, patch_gain=args.patch_gain)
+                      feature_scale=args.feature_scale, seed=args.seed, patch_gain=args.patch_gain,
+                      scale=args.scale)
     cfg.from_data(data.hints)
+    # what ats train decides for Megapixel MNIST's black canvas: only bright cells are sampled,
+    # so the attention is taught (and its mass on the digits measured) over those
+    cfg.min_brightness = AUTO_MIN_BRIGHTNESS if cfg.min_brightness == -1 else cfg.min_brightness
     size = cfg.patch_size
     torch.manual_seed(args.seed)
     spec = model_spec(cfg, n_classes=data.num_classes, channels=1)
@@ -295,13 +492,17 @@ def main(argv: list[str] | None = None) -> None:
                   f"{np.percentile(gc[none], 90):.2f}; on digit patches: median {np.median(gc[~none]):.2f}, "
                   f"10th percentile {np.percentile(gc[~none], 10):.2f}", flush=True)
 
+    if args.attention_epochs > 0:
+        _attention_stage(model, data, checks, size, cfg.scale, args, device)
+
     with torch.no_grad():  # the ten digit rows: the image's logits start as its patches' weighted vote
         model.classifier.weight.copy_(head.weight[: data.num_classes])
         model.classifier.bias.copy_(head.bias[: data.num_classes])
     save_checkpoint(args.out, spec=spec, classes=data.classes, model=model.cpu(),
                     pretrain={"images": min(args.images, len(data["train"])), "patches": int(len(y)),
                               "epochs": args.epochs, "shrunken": args.shrunken,
-                              "test_patch_accuracy": float((pred == yt).mean())})
+                              "test_patch_accuracy": float((pred == yt).mean()),
+                              "attention_epochs": args.attention_epochs})
     print(f"wrote {args.out}: ats train {args.data} --init {args.out} (same network flags)")
 
 

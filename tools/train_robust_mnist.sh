@@ -59,9 +59,9 @@ if [ "$PRETRAIN" -gt 0 ]; then
         "${DIGITS[@]}" > /dev/null
       CHECK+=("$WORK/check/$f")
     done
-    log "stage 1: the feature net on digit patches of $PRETRAIN training images"
+    log "stage 1: the feature net on digit patches, the attention net on digit cells, of $PRETRAIN training images"
     $PYTHON tools/pretrain_mnist_features.py "$DATA" "$WORK/features.pt" --images "$PRETRAIN" \
-      --attention-net "$ATT_NET" --attention-width "$ATT_WIDTH" --workers "$WORKERS" --device "$DEVICE" \
+      --attention-net "$ATT_NET" --attention-width "$ATT_WIDTH" --scale "$SCALE" --workers "$WORKERS" --device "$DEVICE" \
       ${CHECK[@]:+--check "${CHECK[@]}"} | tee "$OUT_DIR/stage1.log"
   fi
   INIT=(--init "$WORK/features.pt")
