@@ -119,6 +119,10 @@ class TrainConfig:
     # docs/training.md: faster off the plateau than the reference's 1e-3, same budget
     lr: float = _key(3e-3, "Learning rate", OPT_PANEL)
     weight_decay: float = _key(0.0, "Weight decay", OPT_PANEL)
+    # fine-tuning a pretrained encoder (--init) gently, or not at all: CLAM-style frozen
+    # features. Frozen also keeps its batch norms' statistics as --init left them (train.py)
+    feature_lr: float = _key(1.0, "Feature network's learning rate, relative to --lr; 0 = frozen: its weights and "
+                             "batch-norm statistics stay as --init left them", OPT_PANEL)
     schedule: str = _key("cosine", "{choices}", OPT_PANEL, choices={"constant": "", "cosine": ""})
     warmup_epochs: int = _key(0, "Linear warm-up epochs", OPT_PANEL)
     clip_norm: float = _key(1.0, "Gradient norm clip, 0 = off", OPT_PANEL)
@@ -144,9 +148,11 @@ class TrainConfig:
         positive = ("batch_size", "epochs", "lr", "feature_scale")
         problems += [f"{k} must be > 0 (got {getattr(self, k)})" for k in positive if not getattr(self, k) > 0]
         non_negative = ("entropy", "weight_decay", "clip_norm", "workers", "warmup_epochs", "level", "mpp",
-                        "patch_loss", "attention_loss", "n_patches", "patch_size", "scale", "patch_um",
+                        "patch_loss", "attention_loss", "feature_lr", "n_patches", "patch_size", "scale", "patch_um",
                         "low_res_um")  # 0: from the data
         problems += [f"{k} must be >= 0" for k in non_negative if getattr(self, k) < 0]
+        if self.feature_lr != 1 and self.method == "cnn":
+            problems.append(f"feature_lr {self.feature_lr}: method cnn has no feature network (it trains one ResNet)")
         if self.rarity_prior < 0 and self.rarity_prior != -1:
             problems.append(f"rarity_prior must be >= 0, or -1 for auto (got {self.rarity_prior})")
         if self.eval_n_patches < 0 and self.eval_n_patches != -1:

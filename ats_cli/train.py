@@ -67,10 +67,41 @@ def _loader(dataset: ImageDataset, batches: list[list[int]], cfg: TrainConfig, d
 
 
 def _optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """One parameter group at ``--lr``, then (``--feature-lr`` other than 1) the feature
+    network's at that fraction of it; with ``--feature-lr 0`` the feature network is frozen
+    (:func:`freeze_features`) and left out. Each group's ``lr_scale`` multiplies the schedule."""
+    features = getattr(model, "feature_net", None)
+    if cfg.feature_lr != 1 and features is None:
+        raise ValueError(f"--feature-lr {cfg.feature_lr}: method {cfg.method!r} has no feature network")
+    if cfg.feature_lr == 0:
+        freeze_features(model)
+    own = {id(p) for p in features.parameters()} if features is not None and cfg.feature_lr != 1 else set()
+    groups = [{"params": [p for p in model.parameters() if id(p) not in own and p.requires_grad], "lr_scale": 1.0}]
+    if own and cfg.feature_lr > 0:
+        groups.append({"params": list(features.parameters()), "lr_scale": cfg.feature_lr})
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
     cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
-    return cls(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return cls(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def freeze_features(model: torch.nn.Module) -> None:
+    """``--feature-lr 0``: the feature network as a fixed encoder. No gradients (so no
+    backward pass through it either), and its batch norms stay in evaluation mode
+    (:func:`train_mode`) and out of :func:`recalibrate_batch_norm`: in training mode they
+    would normalise with the statistics of the attention's draws instead of the ones the
+    encoder was trained with, and the frozen weights would compute other features."""
+    model.feature_net.requires_grad_(False)
+    model.feature_net.frozen = True
+    model.feature_net.eval()
+
+
+def train_mode(model: torch.nn.Module) -> None:
+    """``model.train()``, except for the frozen modules (:func:`freeze_features`)."""
+    model.train()
+    for m in model.modules():
+        if getattr(m, "frozen", False):
+            m.eval()
 
 
 def _lr_at(cfg: TrainConfig, progress: float) -> float:
@@ -134,13 +165,13 @@ def train_one_epoch(cfg: TrainConfig, ctx: Dist, device: torch.device, net: torc
     sampling_gen = torch.Generator(device=device)
     total_steps = pos.step + len(batches)
     acc = pos.running
-    net.train()
+    train_mode(net)
     t_last = time.perf_counter()
     try:
         for batch in readable(loader):
             batch: Batch
             for group in opt.param_groups:
-                group["lr"] = _lr_at(cfg, pos.epoch + pos.done / len(train_set))
+                group["lr"] = _lr_at(cfg, pos.epoch + pos.done / len(train_set)) * group.get("lr_scale", 1.0)
             labels = batch.labels.to(device)
             sampling_gen.manual_seed(_seed(cfg.seed, pos.epoch, pos.done, ctx.rank))
             low = batch.low.to(device, non_blocking=True)
@@ -197,8 +228,9 @@ def recalibrate_batch_norm(model: torch.nn.Module, loader: DataLoader, device: t
     untouched; what changes is what evaluation, ``best.pt`` and the released model see.
     The draws are seeded from ``seed``, so a resumed run computes the same statistics from
     the same batches as an uninterrupted one."""
+    frozen = {id(m) for f in model.modules() if getattr(f, "frozen", False) for m in f.modules()}
     norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
-             and m.track_running_stats]
+             and m.track_running_stats and id(m) not in frozen]
     if not norms:
         return 0
     momenta = [m.momentum for m in norms]
@@ -206,7 +238,7 @@ def recalibrate_batch_norm(model: torch.nn.Module, loader: DataLoader, device: t
         m.reset_running_stats()
         m.momentum = None  # a cumulative average over the batches below
     was_training = model.training
-    model.train()
+    train_mode(model)
     gen = torch.Generator(device=device)
     used = 0
     try:
@@ -217,7 +249,10 @@ def recalibrate_batch_norm(model: torch.nn.Module, loader: DataLoader, device: t
     finally:
         for m, momentum in zip(norms, momenta, strict=True):
             m.momentum = momentum
-        model.train(was_training)
+        if was_training:
+            train_mode(model)
+        else:
+            model.eval()
     return used
 
 
@@ -243,7 +278,7 @@ def evaluate(model, loader: DataLoader, device: torch.device, *, n_patches: int 
         correct += float((probs.argmax(1) == labels).sum())
         ent += float(out.entropy.sum())
         count += len(labels)
-    model.train()
+    train_mode(model)
     loss, correct, ent, count = all_reduce([loss, correct, ent, count], ctx, device)
     return {"loss": loss / max(count, 1), "acc": correct / max(count, 1), "entropy": ent / max(count, 1)}
 

@@ -197,3 +197,18 @@ def test_draws_follow_the_sequential_process_and_never_repeat():
     worst_z, no_repeats = check_draws(K=7, n=3, draws=200_000, seed=2)
     assert no_repeats
     assert worst_z < Z_MAX
+
+
+def test_attention_distribution_log_is_the_log_of_the_probabilities_off_support_minus_inf():
+    from ats_cli.core.sampling import attention_distribution
+
+    scores = torch.randn(3, 4, 5) * 30  # large scores: some probabilities underflow in float32
+    keep = torch.rand(3, 4, 5) > 0.4
+    keep[:, 0, 0] = True
+    probs = attention_distribution(scores, support=keep)
+    logp = attention_distribution(scores, support=keep, log=True)
+    on = keep.flatten(1)
+    assert torch.isneginf(logp[~on]).all() and torch.isfinite(logp[on]).all()
+    torch.testing.assert_close(logp.exp(), probs)
+    with pytest.raises(ValueError, match="smoothing"):
+        attention_distribution(scores, 0.1, keep, log=True)

@@ -185,6 +185,33 @@ def test_init_starts_from_another_runs_weights_and_checks_they_fit(squares, tmp_
                    feature_net=net), log=lambda s: None)
 
 
+def test_feature_lr_zero_freezes_the_encoder_and_its_batch_norms(squares, tmp_path):
+    # small-cnn has batch norms: frozen means their running statistics too, through training
+    # (evaluation mode) and the end-of-epoch recalibration, while the rest of the model learns
+    train(_cfg(squares, tmp_path / "first", epochs=1), log=lambda s: None)
+    first = load_checkpoint(tmp_path / "first" / "best.pt")["model"]
+    train(_cfg(squares, tmp_path / "frozen", epochs=1, feature_lr=0.0, init=str(tmp_path / "first" / "best.pt")),
+          log=lambda s: None)
+    for name in ("last.pt", "best.pt"):
+        after = load_checkpoint(tmp_path / "frozen" / name)["model"]
+        features = [k for k in after if k.startswith("feature_net.")]
+        assert any("running_mean" in k for k in features)
+        for k in features:
+            assert torch.equal(after[k], first[k]), (name, k)
+        assert not torch.equal(after["classifier.weight"], first["classifier.weight"])
+    # a fraction of --lr: the feature net moves, in a parameter group of its own
+    train(_cfg(squares, tmp_path / "gentle", epochs=1, feature_lr=0.1, init=str(tmp_path / "first" / "best.pt")),
+          log=lambda s: None)
+    opt = load_checkpoint(tmp_path / "gentle" / "last.pt")["optimizer"]
+    assert [g["lr_scale"] for g in opt["param_groups"]] == [1.0, 0.1]
+    assert opt["param_groups"][1]["lr"] == pytest.approx(0.1 * opt["param_groups"][0]["lr"])
+    gentle = _weights(tmp_path / "gentle")
+    conv = next(k for k in first if k.startswith("feature_net.") and k.endswith("weight"))
+    assert not torch.equal(gentle[conv], first[conv])
+    with pytest.raises(ConfigError, match="no feature network"):
+        _cfg(squares, tmp_path / "cnn", method="cnn", feature_lr=0.0)
+
+
 class _Evil:
     def __reduce__(self):
         return (print, ("this must never run",))

@@ -65,8 +65,12 @@ import multiprocessing
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 NONE = "none"  # the eleventh patch class: no digit in the patch
 WHOLE = 0.75  # a digit counts as in the patch when this much of its box is inside ...
@@ -75,6 +79,7 @@ LIT_PATCHES = 8  # patches per image centred on random lit pixels (mostly noise:
 RANDOM_PATCHES = 2  # and anywhere (mostly black)
 SMALL_PATCHES = 3  # "none" patches holding shrunken digits of the image (see shrunken_digits)
 SMALL_SCALE = (0.3, 0.6)  # their size relative to the digits': a digit at half size is not a digit here
+NONE_UNIFORM = 0.0  # weight of uniform_loss
 ATTENTION_EPOCHS = 5  # stage 1b (see attention_targets)
 
 
@@ -101,6 +106,23 @@ def _label(top: int, left: int, size: int, boxes: list[list[int]]) -> int | None
     if len(inside) == 1 and touching == 1:
         return inside.pop()
     return None
+
+
+def uniform_loss(digit_logits: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the ten digit logits' softmax to the uniform distribution, mean over
+    the rows; log(10) at its minimum, where the ten logits are equal.
+
+    Why (``--none-uniform``): ats train's classifier starts as the head's ten digit rows and
+    the pooled feature is the attention-weighted mean of the patches' features, so an image's
+    logits start as the weighted sum of its patches' digit logits. The eleventh row makes a
+    noise patch *classified* as none, but its ten digit logits still differ -- for a ring pair
+    they lean to 8 -- and it votes with its whole attention mass. With the ten equal, it adds
+    the same amount to every logit, which the softmax ignores: noise stops voting whatever
+    its mass. This is outlier exposure (Hendrycks, Mazeika & Dietterich, ICLR 2019) applied
+    to the patches the generator says hold no digit."""
+    import torch.nn.functional as F
+
+    return -F.log_softmax(digit_logits, dim=1).mean(1).mean()
 
 
 def cut_patches(path: str, boxes: list[list[int]], size: int, seed: int,
@@ -231,17 +253,16 @@ def _targets_dense(targets, att_shape: tuple[int, int], device):
 
 
 def _log_attention(model, views: np.ndarray, att_shape: tuple[int, int], device):
-    """log a [B, cells] of the model's attention on these views, and the support [B, cells]
-    (None = every cell)."""
+    """log a [B, cells] of the model's attention on these views (-inf off the support, as
+    ats train samples it), and the support [B, cells] (None = every cell)."""
     import torch
 
+    from ats_cli.core.sampling import attention_distribution
+
     low = torch.from_numpy(views.astype(np.float32))[:, None].to(device)
-    flat = model.attention_net(low).flatten(1).float()
     keep = model.support(low, att_shape)
-    if keep is None:
-        return torch.log_softmax(flat, 1), None
-    keep = keep.flatten(1)
-    return torch.log_softmax(flat.masked_fill(~keep, float("-inf")), 1), keep
+    keep = None if keep is None else keep.flatten(1)
+    return attention_distribution(model.attention_net(low), support=keep, log=True), keep
 
 
 def train_attention(model, views: np.ndarray, targets, att_shape: tuple[int, int], *, epochs: int, lr: float,
@@ -375,6 +396,9 @@ def main(argv: list[str] | None = None) -> None:
                          "noise patches are read as none and digit patches as their digit")
     ap.add_argument("--patch-gain", choices=["on", "off"], default="off",
                     help="on: also learn ats train's patch gain, as 1 on digit patches and 0 on 'none' ones")
+    ap.add_argument("--none-uniform", type=float, default=NONE_UNIFORM,
+                    help=f"weight of the loss making the ten digit logits equal on 'none' patches, so that noise\n"
+                         f"does not vote in ats train (default {NONE_UNIFORM}; 0 = off; see uniform_loss)")
     ap.add_argument("--check-images", type=int, default=150, help="test images per --check set (default 150)")
     ap.add_argument("--attention-epochs", type=int, default=ATTENTION_EPOCHS,
                     help=f"epochs teaching the attention net the digits' cells, each digit the same mass\n"
@@ -455,6 +479,9 @@ def main(argv: list[str] | None = None) -> None:
             idx = order[i : i + args.batch_size]
             out, gain = forward(X[idx])
             loss = F.cross_entropy(out, Y[idx].to(device))
+            none = Y[idx].to(device) == 10
+            if args.none_uniform and none.any():  # the ten digit rows say nothing on a none patch
+                loss = loss + args.none_uniform * uniform_loss(out[none, :10])
             if gain is not None:  # gain 1 on a digit (all digits weigh alike), 0 on none (it adds nothing)
                 loss = loss + F.mse_loss(gain, (Y[idx] < 10).float().to(device))
             opt.zero_grad()
@@ -478,6 +505,8 @@ def main(argv: list[str] | None = None) -> None:
         with torch.no_grad():
             outs = [forward(torch.from_numpy(xc[i : i + 512])) for i in range(0, len(yc), 512)]
         pc = torch.cat([o.argmax(1).cpu() for o, _ in outs]).numpy()
+        # what a noise patch votes in ats train: the top of its ten digit logits' softmax
+        vote = torch.cat([o[:, :10].softmax(1).amax(1).cpu() for o, _ in outs]).numpy()
         none = yc == 10
         noise = ",".join(check.meta.get("generator", {}).get("noise", {}).get("families", ["?"]))
         misread = np.bincount(pc[none & (pc != 10)], minlength=10)
@@ -485,7 +514,9 @@ def main(argv: list[str] | None = None) -> None:
                  if misread.any() else "none misread")
         print(f"check {check.root} (noise {noise}): {none.sum()} noise patches, {100 * (pc[none] == 10).mean():.1f}% "
               f"read as {NONE} ({worst})"
-              f", {(~none).sum()} digit patches, {100 * (pc[~none] == yc[~none]).mean():.1f}% right", flush=True)
+              f", {(~none).sum()} digit patches, {100 * (pc[~none] == yc[~none]).mean():.1f}% right; a noise "
+              f"patch's vote (top of its ten digit logits' softmax; 0.10 = none): median {np.median(vote[none]):.2f}",
+              flush=True)
         if model.patch_gain:
             gc = torch.cat([g.cpu() for _, g in outs]).numpy()
             print(f"  gain on noise patches: median {np.median(gc[none]):.2f}, 90th percentile "

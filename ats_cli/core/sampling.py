@@ -218,7 +218,7 @@ def expectation(
 
 
 def attention_distribution(
-    scores: torch.Tensor, smoothing: float = 0.0, support: torch.Tensor | None = None
+    scores: torch.Tensor, smoothing: float = 0.0, support: torch.Tensor | None = None, *, log: bool = False
 ) -> torch.Tensor:
     """Softmax over ALL positions of an attention map [B, ...] -> probabilities [B, K].
 
@@ -228,7 +228,9 @@ def attention_distribution(
     support, ``a (1 - s) + s / |support|``, so that no supported position has
     probability 0 (every position stays reachable and the importance weights 1/a stay
     bounded); the reference used s=1e-5 on Megapixel MNIST. The softmax runs in float32
-    even under autocast, since the estimator divides by it.
+    even under autocast, since the estimator divides by it. ``log``: the log-probabilities
+    instead (log-softmax, -inf off the support; no smoothing), for a cross-entropy that
+    stays finite where a probability underflows.
     """
     flat = scores.flatten(1).float()
     if support is not None:
@@ -236,6 +238,10 @@ def attention_distribution(
         if not keep.any(1).all():
             raise ValueError("support mask is empty for some image")
         flat = flat.masked_fill(~keep, float("-inf"))
+    if log:
+        if smoothing:
+            raise ValueError("log=True takes no smoothing")
+        return torch.log_softmax(flat, dim=1)
     probs = torch.softmax(flat, dim=1)
     if smoothing:
         if not 0.0 <= smoothing < 1.0:
