@@ -55,7 +55,7 @@ def test_patches_from_clean_images_hold_digits_or_nothing(tool, tmp_path: Path) 
     seen = set()
     for rec in data["train"]:
         boxes = tool._boxes(dict(rec.extra), str(rec.path), data.classes)
-        patches, labels = tool.cut_patches(str(rec.path), boxes, 50, seed=rec.line)
+        patches, labels = tool.read_example(str(rec.path), boxes, 50, seed=rec.line)[:2]
         image = np.asarray(Image.open(rec.path))
         cut = len(labels) - tool.SMALL_PATCHES  # the shrunken-digit negatives come last
         for patch in patches[cut:]:
@@ -163,8 +163,8 @@ def test_patch_gain_learns_digit_one_none_zero(tool, tmp_path: Path) -> None:
     records = load_dataset(data)["test"]
     patches, labels = [], []
     for rec in records:
-        p, y = tool.cut_patches(str(rec.path), tool._boxes(dict(rec.extra), "x", [str(c) for c in range(10)]),
-                                50, seed=rec.line, shrunken=0)
+        p, y = tool.read_example(str(rec.path), tool._boxes(dict(rec.extra), "x", [str(c) for c in range(10)]),
+                                 50, seed=rec.line, shrunken=0)[:2]
         patches.append(p)
         labels.append(y)
     x = torch.from_numpy(np.concatenate(patches))[:, None].float() / 255.0
@@ -189,7 +189,7 @@ def test_attention_targets_weigh_each_digit_alike(tool, tmp_path: Path) -> None:
                       scale=0.2, min_brightness=0.15)
     cfg.from_data(data.hints)
     model = create_model(model_spec(cfg, n_classes=10, channels=1))
-    views, cells = tool._views(data["train"], data.classes, 50, 0.2, (60, 60), 0, 1, "train")
+    views, cells = tool._read_all(data["train"], data.classes, 50, 0, 1, "train", 0, (0.2, (60, 60), 0))[2:]
     assert views.shape == (12, 60, 60)
     targets = tool.attention_targets(model, views, cells, (60, 60))
     corners = positions_to_offsets(torch.arange(3600)[None], (60, 60), (300, 300), (50, 50))[0].numpy()
@@ -211,7 +211,7 @@ def test_attention_stage_puts_the_mass_on_the_digits(tool, tmp_path: Path) -> No
     from ats_cli.models import create_model
 
     data = load_dataset(_data(tmp_path / "mix", n_noise=20))  # most bright cells are noise
-    views, cells = tool._views(data["test"], data.classes, 50, 0.2, (60, 60), 0, 1, "test")
+    views, cells = tool._read_all(data["test"], data.classes, 50, 0, 1, "test", 0, (0.2, (60, 60), 0))[2:]
     masses = {}
     for epochs in (0, 40):
         pre = tmp_path / f"att{epochs}.pt"
@@ -224,3 +224,61 @@ def test_attention_stage_puts_the_mass_on_the_digits(tool, tmp_path: Path) -> No
         targets = tool.attention_targets(model, views, cells, (60, 60))
         masses[epochs] = tool.attention_masses(model, views, targets, (60, 60), "cpu")[0]
     assert np.median(masses[0]) < 0.5 < np.median(masses[40]), masses
+
+
+def test_uniform_loss_is_least_when_the_ten_logits_are_equal(tool) -> None:
+    equal = torch.full((3, 10), 2.5, requires_grad=True)
+    loss = tool.uniform_loss(equal)
+    loss.backward()
+    assert loss.item() == pytest.approx(np.log(10)) and equal.grad.abs().max() < 1e-7
+    assert tool.uniform_loss(torch.randn(3, 10)).item() > np.log(10)
+
+
+def _none_votes(tool, ckpt_path: Path, data: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Top softmax p of the checkpoint's classifier rows (ats train's start) on the test
+    images' none patches (and on their digit patches)."""
+    from ats_cli.checkpoint import load_model
+
+    model, _ = load_model(ckpt_path)
+    model.eval()
+    patches, labels = [], []
+    for rec in load_dataset(data)["test"]:
+        p, y = tool.read_example(str(rec.path), tool._boxes(dict(rec.extra), "x", [str(c) for c in range(10)]),
+                                 50, seed=rec.line, shrunken=0)[:2]
+        patches.append(p)
+        labels.append(y)
+    x = torch.from_numpy(np.concatenate(patches))[:, None].float() / 255.0
+    y = np.concatenate(labels)
+    with torch.no_grad():
+        probs = model.classifier(model.patch_features(x)).softmax(1).numpy()
+    return probs[y == 10].max(1), probs[y < 10].max(1)
+
+
+def test_none_uniform_stops_none_patches_voting(tool, tmp_path: Path) -> None:
+    """--none-uniform: the ten digit rows the checkpoint hands to ats train give a "none"
+    patch (nearly) equal logits: no vote. Without it they lean to some digit."""
+    data = _data(tmp_path / "noisy", n_noise=20)
+    votes = {}
+    for weight in ("0", "5"):
+        pre = tmp_path / f"w{weight}.pt"
+        tool.main([str(data), str(pre), "--images", "12", "--test-images", "4", "--epochs", "6", "--batch-size",
+                   "16", "--lr", "0.01", "--workers", "1", "--attention-epochs", "0", "--shrunken", "0",
+                   "--none-uniform", weight, *NETS])
+        votes[weight] = _none_votes(tool, pre, data)
+    off, on = np.median(votes["0"][0]), np.median(votes["5"][0])
+    # above uniform (0.1): 0.21 without, 0.12 with the loss when written
+    assert on - 0.1 < (off - 0.1) / 3, (on, off)
+
+
+def test_a_corrupt_image_is_skipped_once_and_the_rest_trains(tool, tmp_path: Path, capsys) -> None:
+    """Both stages read each image once: a damaged one gives one line naming it, and the
+    patches and views of the others still train both stages."""
+    data = _data(tmp_path / "clean", n_noise=0)
+    bad = sorted((data / "train").glob("*.png"))[3]
+    bad.write_bytes(bad.read_bytes()[:200])
+    pre = tmp_path / "pre.pt"
+    tool.main([str(data), str(pre), "--images", "12", "--test-images", "4", "--epochs", "1", "--batch-size", "16",
+               "--workers", "1", "--attention-epochs", "1", *NETS])
+    err = capsys.readouterr().err
+    assert err.count("skipped:") == 1 and bad.name in err, err
+    assert load_checkpoint(pre)["pretrain"]["attention_epochs"] == 1

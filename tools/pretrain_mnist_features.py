@@ -125,20 +125,30 @@ def uniform_loss(digit_logits: torch.Tensor) -> torch.Tensor:
     return -F.log_softmax(digit_logits, dim=1).mean(1).mean()
 
 
-def cut_patches(path: str, boxes: list[list[int]], size: int, seed: int,
-                shrunken: int = SMALL_PATCHES) -> tuple[np.ndarray, np.ndarray]:
-    """Labelled patches [n, size, size] (uint8) and labels [n] from one image: one per digit
-    (placed at random so that the digit is whole inside), LIT_PATCHES centred on lit pixels
-    and RANDOM_PATCHES anywhere, each labelled by :func:`_label` (ambiguous ones dropped),
-    then ``shrunken`` "none" patches made by :func:`shrunken_digits`.
-    An image that cannot be read gives no patches and a line on stderr naming it."""
+def read_example(path: str, boxes: list[list[int]], size: int, seed: int, shrunken: int = SMALL_PATCHES,
+                 view: tuple[float, tuple[int, int], int] | None = None):
+    """One image, decoded once: its labelled patches (:func:`cut_patches`) and, with ``view``
+    = (scale, attention map shape, margin), its low-res view and digit cells for stage 1b
+    (:func:`attention_example`; else None, None). None for an image that cannot be read,
+    with a line on stderr naming it."""
     from ats_cli.data.images import ImageReadError, read_image
 
     try:
-        image = read_image(path, channels=1)[0].numpy()
+        image = read_image(path, channels=1)
     except (ImageReadError, OSError) as e:
         print(f"skipped: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)  # the message names the file
-        return np.zeros((0, size, size), dtype=np.uint8), np.zeros(0, dtype=np.int64)
+        return None
+    patches, labels = cut_patches(image[0].numpy(), boxes, size, seed, shrunken)
+    low, cells = attention_example(image, boxes, size, *view) if view else (None, None)
+    return patches, labels, low, cells
+
+
+def cut_patches(image: np.ndarray, boxes: list[list[int]], size: int, seed: int,
+                shrunken: int = SMALL_PATCHES) -> tuple[np.ndarray, np.ndarray]:
+    """Labelled patches [n, size, size] (uint8) and labels [n] from one image [H, W] (uint8):
+    one per digit (placed at random so that the digit is whole inside), LIT_PATCHES centred
+    on lit pixels and RANDOM_PATCHES anywhere, each labelled by :func:`_label` (ambiguous
+    ones dropped), then ``shrunken`` "none" patches made by :func:`shrunken_digits`."""
     height, width = image.shape
     rng = np.random.default_rng(seed)
     corners = []
@@ -190,23 +200,17 @@ def shrunken_digits(image: np.ndarray, boxes: list[list[int]], base: np.ndarray,
     return out
 
 
-def attention_example(path: str, boxes: list[list[int]], size: int, scale: float, att_shape: tuple[int, int],
-                      margin: int) -> tuple[np.ndarray, list[np.ndarray]] | None:
-    """The low-res view [h, w] (float16) that ats train makes of the image and, for each of
-    its digits, the attention cells whose patch (where ats train would cut it) holds the
-    digit whole. None for an image that cannot be read (a line on stderr names it)."""
+def attention_example(image, boxes: list[list[int]], size: int, scale: float, att_shape: tuple[int, int],
+                      margin: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The low-res view [h, w] (float16) that ats train makes of the image [1, H, W] (uint8
+    tensor) and, for each of its digits, the attention cells whose patch (where ats train
+    would cut it) holds the digit whole."""
     import torch
 
     from ats_cli.core.geometry import positions_to_offsets
-    from ats_cli.data.images import ImageReadError, read_image
     from ats_cli.data.inputs import low_res_view
     from ats_cli.data.megapixel_mnist import box_fractions
 
-    try:
-        image = read_image(path, channels=1)
-    except (ImageReadError, OSError) as e:
-        print(f"skipped: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
-        return None
     low = low_res_view(image, scale)
     cells = torch.arange(att_shape[0] * att_shape[1])[None]
     corners = positions_to_offsets(cells, att_shape, tuple(image.shape[-2:]), (size, size),
@@ -316,64 +320,59 @@ def attention_report(model, views: np.ndarray, targets, att_shape: tuple[int, in
             f"{np.median(ratio):.1f}")
 
 
-def _views(records, classes: list[str], size: int, scale: float, att_shape: tuple[int, int], margin: int,
-           workers: int, where: str) -> tuple[np.ndarray, list[list[np.ndarray]]]:
-    jobs = [(str(r.path), _boxes(dict(r.extra), f"{where}:{r.line}", classes), size, scale, att_shape, margin)
-            for r in records]
-    if workers <= 1:
-        parts = [attention_example(*job) for job in jobs]
-    else:
-        # spawned, not forked: the caller has run torch (the attention map's shape), and a forked
-        # child of a process whose torch thread pool has started can hang on its first op
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            parts = list(pool.map(attention_example, *zip(*jobs, strict=True), chunksize=16))
-    parts = [p for p in parts if p is not None]
-    if not parts:
-        return np.zeros((0, 1, 1), np.float16), []
-    return np.stack([v for v, _ in parts]), [c for _, c in parts]
-
-
-def _attention_stage(model, data, checks, size: int, scale: float, args, device) -> None:
-    """Stage 1b: the attention net taught each digit's cells on the training images' views,
-    then its mass on the digits printed for the test split and each --check set."""
+def _attention_shape(model, path: str, scale: float, device) -> tuple[int, int]:
+    """The attention map's shape on the views of a set (every Megapixel MNIST image of a set
+    has one size)."""
     import torch
 
     from ats_cli.core.geometry import low_res_size
     from ats_cli.data.images import open_pil
 
-    with open_pil(data["train"][0].path) as im:  # every Megapixel MNIST image of a set has one size
+    with open_pil(path) as im:
         width, height = im.size
     low = torch.zeros(1, 1, *low_res_size((height, width), scale), device=device)
     with torch.no_grad():
-        att_shape = tuple(model.attention_net(low).shape[-2:])
-    margin = getattr(model.attention_net, "margin", 0)
-    t0 = time.time()
-    sets = [("train", data, args.images, data.root / "train.csv"), ("test", data, args.test_images,
-            data.root / "test.csv")] + [("test", c, args.check_images, c.root / "test.csv") for c in checks]
-    views = [_views(d[split][:n], d.classes, size, scale, att_shape, margin, args.workers, str(where))
-             for split, d, n, where in sets]
-    model.cpu()
-    targets = [attention_targets(model, v, cells, att_shape) for v, cells in views]
-    model.to(device)
-    print(f"attention: {len(views[0][0])} training views ({scale} scale, {att_shape[0]}x{att_shape[1]} cells), "
-          f"{time.time() - t0:.0f}s", flush=True)
-    train_attention(model, views[0][0], targets[0], att_shape, epochs=args.attention_epochs, lr=args.lr,
-                    batch_size=32, seed=args.seed, device=device)
-    for (_, d, _, _), (v, _), t in list(zip(sets, views, targets, strict=True))[1:]:
-        if len(v):
-            print(f"attention on {d.root} (test split): {attention_report(model, v, t, att_shape, device)}", flush=True)
+        return tuple(model.attention_net(low).shape[-2:])
 
 
-def _cut_all(records, classes: list[str], size: int, seed: int, workers: int, where: str,
-             shrunken: int) -> tuple[np.ndarray, np.ndarray]:
+def _read_all(records, classes: list[str], size: int, seed: int, workers: int, where: str, shrunken: int,
+              view: tuple[float, tuple[int, int], int] | None):
+    """:func:`read_example` over ``records``: patches [n, size, size], labels [n], and with
+    ``view`` the views [images, h, w] and the digit cells per image (else None, None)."""
     jobs = [(str(r.path), _boxes(dict(r.extra), f"{where}:{r.line}", classes), size, seed * 1_000_003 + i,
-             shrunken) for i, r in enumerate(records)]
+             shrunken, view) for i, r in enumerate(records)]
     if workers <= 1:
-        parts = [cut_patches(*job) for job in jobs]
+        parts = [read_example(*job) for job in jobs]
     else:
-        with ProcessPoolExecutor(workers) as pool:
-            parts = list(pool.map(cut_patches, *zip(*jobs, strict=True), chunksize=16))
-    return np.concatenate([p for p, _ in parts]), np.concatenate([y for _, y in parts])
+        # spawned, not forked: the caller has run torch (the model, the attention map's shape),
+        # and a forked child of a process whose torch thread pool has started can hang
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            parts = list(pool.map(read_example, *zip(*jobs, strict=True), chunksize=16))
+    parts = [p for p in parts if p is not None]
+    x = np.concatenate([p[0] for p in parts]) if parts else np.zeros((0, size, size), np.uint8)
+    y = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int64)
+    if view is None:
+        return x, y, None, None
+    views = np.stack([p[2] for p in parts]) if parts else np.zeros((0, 1, 1), np.float16)
+    return x, y, views, [p[3] for p in parts]
+
+
+def _attention_stage(model, views: list[tuple[str, np.ndarray, list[list[np.ndarray]]]], att_shape: tuple[int, int],
+                     scale: float, args, device) -> None:
+    """Stage 1b on ``views`` = (name, views, digit cells) of the training split first, then
+    the sets to report on: the attention net taught each digit's cells on the training
+    views, then its mass on the digits printed for the others."""
+    t0 = time.time()
+    model.cpu()
+    targets = [attention_targets(model, v, cells, att_shape) for _, v, cells in views]
+    model.to(device)
+    print(f"attention: {len(views[0][1])} training views ({scale} scale, {att_shape[0]}x{att_shape[1]} cells), "
+          f"targets {time.time() - t0:.0f}s", flush=True)
+    train_attention(model, views[0][1], targets[0], att_shape, epochs=args.attention_epochs, lr=args.lr,
+                    batch_size=32, seed=args.seed, device=device)
+    for (name, v, _), t in list(zip(views, targets, strict=True))[1:]:
+        if len(v):
+            print(f"attention on {name} (test split): {attention_report(model, v, t, att_shape, device)}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -444,16 +443,25 @@ def main(argv: list[str] | None = None) -> None:
     model = create_model(spec).to(device)
 
     t0 = time.time()
-    x, y = _cut_all(data["train"][: args.images], data.classes, size, args.seed, args.workers,
-                    str(data.root / "train.csv"), args.shrunken)
-    xt, yt = _cut_all(data["test"][: args.test_images], data.classes, size, args.seed + 1, args.workers,
-                      str(data.root / "test.csv"), args.shrunken)
+    view = None
+    if args.attention_epochs > 0:  # stage 1b's views are read with the patches: each image decoded once
+        view = (cfg.scale, _attention_shape(model, str(data["train"][0].path), cfg.scale, device),
+                getattr(model.attention_net, "margin", 0))
+    x, y, train_views, train_cells = _read_all(data["train"][: args.images], data.classes, size, args.seed,
+                                               args.workers, str(data.root / "train.csv"), args.shrunken, view)
+    xt, yt, test_views, test_cells = _read_all(data["test"][: args.test_images], data.classes, size, args.seed + 1,
+                                               args.workers, str(data.root / "test.csv"), args.shrunken, view)
     if not len(y) or not len(yt):
         raise SystemExit(f"error: {args.data}: no readable training or test image gave a patch")
-    # the check sets' real patches (no shrunken ones), cut now: a set that is not Megapixel MNIST
-    # stops the tool before the training, not after it
-    check_patches = [_cut_all(c["test"][: args.check_images], c.classes, size, args.seed + 7, args.workers,
-                              str(c.root / "test.csv"), 0) for c in checks]
+    # the check sets' real patches (no shrunken ones), read now: a set that is not Megapixel
+    # MNIST stops the tool before the training, not after it
+    check_reads = [_read_all(c["test"][: args.check_images], c.classes, size, args.seed + 7, args.workers,
+                             str(c.root / "test.csv"), 0,
+                             view and len(c["test"]) and
+                             (view[0], _attention_shape(model, str(c["test"][0].path), cfg.scale, device), view[2])
+                             or None)
+                   for c in checks]
+    check_patches = [(xc, yc) for xc, yc, _, _ in check_reads]
     print(f"{len(y)} training patches ({(y < 10).sum()} digits, {(y == 10).sum()} {NONE}) from "
           f"{min(args.images, len(data['train']))} images, {len(yt)} test patches, {time.time() - t0:.0f}s", flush=True)
 
@@ -523,8 +531,13 @@ def main(argv: list[str] | None = None) -> None:
                   f"{np.percentile(gc[none], 90):.2f}; on digit patches: median {np.median(gc[~none]):.2f}, "
                   f"10th percentile {np.percentile(gc[~none], 10):.2f}", flush=True)
 
-    if args.attention_epochs > 0:
-        _attention_stage(model, data, checks, size, cfg.scale, args, device)
+    if view is not None:
+        # a check set of another image size has views of another shape: reported only when
+        # its attention map has the training one's shape (the targets' cells are indexed by it)
+        sets = [(str(data.root), train_views, train_cells), (str(data.root), test_views, test_cells)]
+        sets += [(str(c.root), v, cells) for c, (_, _, v, cells) in zip(checks, check_reads, strict=True)
+                 if v is not None and v.shape[1:] == train_views.shape[1:]]
+        _attention_stage(model, sets, view[1], cfg.scale, args, device)
 
     with torch.no_grad():  # the ten digit rows: the image's logits start as its patches' weighted vote
         model.classifier.weight.copy_(head.weight[: data.num_classes])
