@@ -144,6 +144,17 @@ def test_checkpoint_starts_ats_train(tool, tmp_path: Path, capsys) -> None:
                           scale=0.2), log=lines.append)
 
 
+def _test_patches(tool, data: Path) -> tuple[torch.Tensor, np.ndarray]:
+    """The test images' real patches (no shrunken ones) as floats [n, 1, 50, 50], and labels."""
+    patches, labels = [], []
+    for rec in load_dataset(data)["test"]:
+        p, y = tool.read_example(str(rec.path), tool._boxes(dict(rec.extra), "x", [str(c) for c in range(10)]),
+                                 50, seed=rec.line, shrunken=0)[:2]
+        patches.append(p)
+        labels.append(y)
+    return torch.from_numpy(np.concatenate(patches))[:, None].float() / 255.0, np.concatenate(labels)
+
+
 def test_patch_gain_learns_digit_one_none_zero(tool, tmp_path: Path) -> None:
     """--patch-gain on: the checkpoint carries ats train's patch gain, trained towards 1 on a
     digit patch and 0 on a "none" patch, so that after ``ats train --init --patch-gain on`` a
@@ -160,15 +171,7 @@ def test_patch_gain_learns_digit_one_none_zero(tool, tmp_path: Path) -> None:
     model = create_model(ckpt["spec"])
     model.load_state_dict(ckpt["model"])
     model.eval()
-    records = load_dataset(data)["test"]
-    patches, labels = [], []
-    for rec in records:
-        p, y = tool.read_example(str(rec.path), tool._boxes(dict(rec.extra), "x", [str(c) for c in range(10)]),
-                                 50, seed=rec.line, shrunken=0)[:2]
-        patches.append(p)
-        labels.append(y)
-    x = torch.from_numpy(np.concatenate(patches))[:, None].float() / 255.0
-    y = np.concatenate(labels)
+    x, y = _test_patches(tool, data)
     with torch.no_grad():
         gain = model.patch_gains(x)[:, 0].numpy()
     # from 1 everywhere at the start: every digit patch above every none patch, and apart by half
@@ -241,14 +244,7 @@ def _none_votes(tool, ckpt_path: Path, data: Path) -> tuple[np.ndarray, np.ndarr
 
     model, _ = load_model(ckpt_path)
     model.eval()
-    patches, labels = [], []
-    for rec in load_dataset(data)["test"]:
-        p, y = tool.read_example(str(rec.path), tool._boxes(dict(rec.extra), "x", [str(c) for c in range(10)]),
-                                 50, seed=rec.line, shrunken=0)[:2]
-        patches.append(p)
-        labels.append(y)
-    x = torch.from_numpy(np.concatenate(patches))[:, None].float() / 255.0
-    y = np.concatenate(labels)
+    x, y = _test_patches(tool, data)
     with torch.no_grad():
         probs = model.classifier(model.patch_features(x)).softmax(1).numpy()
     return probs[y == 10].max(1), probs[y < 10].max(1)
