@@ -13,7 +13,10 @@ another is counted 20 times. This script measures, on a dataset's test images (t
 * the attention mass on the digits: the cells whose patch would hold a digit whole;
 * per image, the largest digit mass over the smallest (median over images);
 * the accuracy of the mass-weighted vote (what the pooled estimate tends to with many
-  patches and a perfect feature net), beside the count vote of the digits drawn.
+  patches and a perfect feature net), beside the count vote of the digits drawn;
+* the draws that hold no digit (at most 10% of one) and how loudly they vote: the top of
+  the softmax of the classifier on each one's feature alone (0.10 = no vote, 1 = a sure
+  digit), median over them and the share above 0.5.
 
     python benchmarks/digit_attention.py --model M.pt --data DATA [--n 300] [--n-patches 20]
 
@@ -30,8 +33,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's ats_cli
 
 HEADER = ("| model | images | patches | accuracy | digit draws | digits reached | mass on digits | "
-          "max/min digit mass | mass-weighted vote | count vote of digits drawn |\n"
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "max/min digit mass | mass-weighted vote | count vote of digits drawn | noise draws | "
+          "their vote (median) | noise draws voting > 0.5 |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def _vote(weights: dict[int, float], label: int) -> bool:
@@ -59,7 +63,8 @@ def measure(model_path: str, data: str, n: int, n_patches: int | None, seed: int
     k = n_patches or model.patches_now
     gen = torch.Generator().manual_seed(seed)
     rows: dict[str, list[float]] = {key: [] for key in ("right", "draws", "reached", "mass", "ratio", "mass_vote",
-                                                        "count_vote")}
+                                                        "count_vote", "noise")}
+    noise_votes: list[float] = []
     for rec in records:
         boxes = parse_boxes(rec.extra.get("digits"))
         if not boxes:
@@ -78,6 +83,10 @@ def measure(model_path: str, data: str, n: int, n_patches: int | None, seed: int
         valid = out.sampled_probs[0].numpy() > 0
         cover = box_fractions(out.offsets[0].numpy()[valid], rects, model.patch_size)
         drawn = cover.argmax(1)[cover.max(1) >= 0.5].tolist()
+        noise = cover.max(1) < 0.1
+        rows["noise"].append(int(noise.sum()))
+        votes = out.patch_logits[0][torch.from_numpy(valid)].softmax(-1).amax(-1)
+        noise_votes += votes[torch.from_numpy(noise)].tolist()
         rows["draws"].append(len(drawn))
         rows["reached"].append(len(set(drawn)))
         counts: dict[int, float] = {}
@@ -102,13 +111,16 @@ def measure(model_path: str, data: str, n: int, n_patches: int | None, seed: int
             "accuracy": float(np.mean(rows["right"])), "digit_draws": float(np.mean(rows["draws"])),
             "digits_reached": float(np.mean(rows["reached"])), "mass_on_digits": float(np.median(rows["mass"])),
             "mass_ratio": float(np.median(rows["ratio"])), "mass_vote": float(np.mean(rows["mass_vote"])),
-            "count_vote": float(np.mean(rows["count_vote"]))}
+            "count_vote": float(np.mean(rows["count_vote"])), "noise_draws": float(np.mean(rows["noise"])),
+            "noise_vote": float(np.median(noise_votes)) if noise_votes else float("nan"),
+            "noise_loud": float(np.mean(np.array(noise_votes) > 0.5)) if noise_votes else float("nan")}
 
 
 def row(r: dict[str, Any]) -> str:
     return (f"| {r['model']} | {r['images']} | {r['patches']} | {100 * r['accuracy']:.1f}% | {r['digit_draws']:.1f} | "
             f"{r['digits_reached']:.2f} of 5 | {100 * r['mass_on_digits']:.0f}% | {r['mass_ratio']:.1f} | "
-            f"{100 * r['mass_vote']:.1f}% | {100 * r['count_vote']:.1f}% |")
+            f"{100 * r['mass_vote']:.1f}% | {100 * r['count_vote']:.1f}% | {r['noise_draws']:.1f} | "
+            f"{r['noise_vote']:.2f} | {100 * r['noise_loud']:.0f}% |")
 
 
 def main(argv: list[str] | None = None, log=print) -> list[dict[str, Any]]:

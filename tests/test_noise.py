@@ -419,7 +419,8 @@ def test_digit_attention_benchmark(tmp_path: Path, bundled: DigitSet) -> None:
     [r] = bench.main(["--model", "models/megapixel-mnist-ats.pt", "--data", str(tmp_path / "clean"), "--n", "4"],
                      log=lines.append)
     table = "\n".join(lines).splitlines()
-    assert r["images"] == 4 and r["patches"] == 100 and len(table) == 3 and table[2].count("|") == 11
+    assert r["images"] == 4 and r["patches"] == 100 and len(table) == 3 and table[2].count("|") == 14
     assert r["mass_on_digits"] > 0.95 and r["digits_reached"] == 5
+    assert r["noise_draws"] == 0  # no draw far from every digit: nothing else is bright
     assert r["mass_vote"] == 1.0 and r["count_vote"] == 1.0 and 1.0 <= r["mass_ratio"] < 10
     assert bench._vote({3: 2.0, 5: 1.0}, 3) and not bench._vote({3: 1.0, 5: 1.0}, 3)

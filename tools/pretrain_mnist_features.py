@@ -31,10 +31,13 @@ patches of other datasets (fresh sets of held-out families) with the trained hea
 (benchmarks/README.md, "Stage 1", has the figures with and without).
 
 A patch read as "none" still votes in ``ats train``: the pooled feature is the attention-
-weighted mean of unit-norm features, and its ten digit logits still differ. ``--patch-gain
-on`` also trains ats train's patch gain (``ATSModel``: ``softplus(w . phi(x) + b)`` times
-the unit feature) towards 1 on a digit patch and 0 on a "none" one (squared error), for
-``ats train --init OUT.pt --patch-gain on``: noise then adds (almost) nothing to the pooled
+weighted mean of unit-norm features, and its ten digit logits still differ. So the ten
+digit logits are also trained to be equal on "none" patches (``--none-uniform``, weight 0.5
+by default: :func:`uniform_loss`): then a noise patch adds the same to every logit and does
+not vote, whatever its attention mass. ``--patch-gain on`` (another way, off by default)
+also trains ats train's patch gain (``ATSModel``: ``softplus(w . phi(x) + b)`` times the
+unit feature) towards 1 on a digit patch and 0 on a "none" one (squared error), for ``ats
+train --init OUT.pt --patch-gain on``: noise then adds (almost) nothing to the pooled
 feature while every digit still weighs about alike, which counting needs.
 
 The attention net is taught too (``--attention-epochs``, stage 1b): on the low-res views
@@ -79,7 +82,7 @@ LIT_PATCHES = 8  # patches per image centred on random lit pixels (mostly noise:
 RANDOM_PATCHES = 2  # and anywhere (mostly black)
 SMALL_PATCHES = 3  # "none" patches holding shrunken digits of the image (see shrunken_digits)
 SMALL_SCALE = (0.3, 0.6)  # their size relative to the digits': a digit at half size is not a digit here
-NONE_UNIFORM = 0.0  # weight of uniform_loss
+NONE_UNIFORM = 0.5  # weight of uniform_loss (outlier exposure's weight in its paper)
 ATTENTION_EPOCHS = 5  # stage 1b (see attention_targets)
 
 
@@ -546,7 +549,7 @@ def main(argv: list[str] | None = None) -> None:
                     pretrain={"images": min(args.images, len(data["train"])), "patches": int(len(y)),
                               "epochs": args.epochs, "shrunken": args.shrunken,
                               "test_patch_accuracy": float((pred == yt).mean()),
-                              "attention_epochs": args.attention_epochs})
+                              "attention_epochs": args.attention_epochs, "none_uniform": args.none_uniform})
     print(f"wrote {args.out}: ats train {args.data} --init {args.out} (same network flags)")
 
 
