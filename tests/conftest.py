@@ -1,0 +1,17 @@
+"""Test-session settings.
+
+One torch thread, here and in the subprocesses the tests start (they inherit
+OMP_NUM_THREADS; set it to choose another count). The tests' tensors are tiny, where
+intra-op parallelism costs more than it gives, and on a 2-core machine with anything
+else running a second thread waits on a busy core: one training test took 8.6 s with one
+thread and 39.7 s with two while another process held a core (benchmarks/README.md,
+"The test suite").
+"""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402  (after the variable, which torch reads when it loads)
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
