@@ -411,6 +411,8 @@ def main(argv: list[str] | None = None) -> None:
                           ("--feature-net", "small-cnn"), ("--feature-width", 32), ("--feature-scale", 10.0)):
         ap.add_argument(flag, type=type(default), default=default, help=f"as ats train's (default {default})")
     args = ap.parse_args(argv)
+    if args.none_uniform < 0:
+        ap.error(f"--none-uniform must be >= 0 (got {args.none_uniform})")
 
     import torch
     import torch.nn.functional as F
@@ -446,10 +448,14 @@ def main(argv: list[str] | None = None) -> None:
     model = create_model(spec).to(device)
 
     t0 = time.time()
-    view = None
-    if args.attention_epochs > 0:  # stage 1b's views are read with the patches: each image decoded once
-        view = (cfg.scale, _attention_shape(model, str(data["train"][0].path), cfg.scale, device),
+    def view_of(records):
+        """What read_example needs for stage 1b's views of these records (None: no stage 1b)."""
+        if args.attention_epochs <= 0 or not len(records):
+            return None
+        return (cfg.scale, _attention_shape(model, str(records[0].path), cfg.scale, device),
                 getattr(model.attention_net, "margin", 0))
+
+    view = view_of(data["train"])  # stage 1b's views are read with the patches: each image decoded once
     x, y, train_views, train_cells = _read_all(data["train"][: args.images], data.classes, size, args.seed,
                                                args.workers, str(data.root / "train.csv"), args.shrunken, view)
     xt, yt, test_views, test_cells = _read_all(data["test"][: args.test_images], data.classes, size, args.seed + 1,
@@ -459,10 +465,7 @@ def main(argv: list[str] | None = None) -> None:
     # the check sets' real patches (no shrunken ones), read now: a set that is not Megapixel
     # MNIST stops the tool before the training, not after it
     check_reads = [_read_all(c["test"][: args.check_images], c.classes, size, args.seed + 7, args.workers,
-                             str(c.root / "test.csv"), 0,
-                             view and len(c["test"]) and
-                             (view[0], _attention_shape(model, str(c["test"][0].path), cfg.scale, device), view[2])
-                             or None)
+                             str(c.root / "test.csv"), 0, view_of(c["test"]))
                    for c in checks]
     check_patches = [(xc, yc) for xc, yc, _, _ in check_reads]
     print(f"{len(y)} training patches ({(y < 10).sum()} digits, {(y == 10).sum()} {NONE}) from "
@@ -489,12 +492,13 @@ def main(argv: list[str] | None = None) -> None:
         for i in range(0, len(Y), args.batch_size):
             idx = order[i : i + args.batch_size]
             out, gain = forward(X[idx])
-            loss = F.cross_entropy(out, Y[idx].to(device))
-            none = Y[idx].to(device) == 10
+            target = Y[idx].to(device)
+            loss = F.cross_entropy(out, target)
+            none = target == 10
             if args.none_uniform and none.any():  # the ten digit rows say nothing on a none patch
                 loss = loss + args.none_uniform * uniform_loss(out[none, :10])
             if gain is not None:  # gain 1 on a digit (all digits weigh alike), 0 on none (it adds nothing)
-                loss = loss + F.mse_loss(gain, (Y[idx] < 10).float().to(device))
+                loss = loss + F.mse_loss(gain, (~none).float())
             opt.zero_grad()
             loss.backward()
             opt.step()
