@@ -6,11 +6,18 @@ intra-op parallelism costs more than it gives, and on a 2-core machine with anyt
 else running a second thread waits on a busy core: one training test took 8.6 s with one
 thread and 39.7 s with two while another process held a core (benchmarks/README.md,
 "The test suite").
+
+The suite runs on two processes (pytest-xdist, ``-n 2`` in pyproject.toml): it spends
+much of its time in tests that train or spawn processes, one core each.
 """
 
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Output to a pipe keeps its natural width unless COLUMNS says otherwise
+# (ats_cli.cli.OutputConsole); pytest-xdist's workers get COLUMNS=80, which would fold
+# the tables whose long paths the tests look for. The tests that want a width set it.
+os.environ.pop("COLUMNS", None)
 
 import torch  # noqa: E402  (after the variable, which torch reads when it loads)
 
