@@ -139,7 +139,8 @@ class TrainConfig:
                      "data); same networks and classes", RUN_PANEL)
     seed: int = _key(0, "Random seed", RUN_PANEL)
     device: str = _key("auto", "auto (CUDA when present, else CPU) | cpu | cuda | cuda:N", RUN_PANEL)
-    workers: int = _key(2, "DataLoader worker processes", RUN_PANEL)
+    workers: int = _key(-1, "DataLoader worker processes per process; -1 = auto: on CUDA the CPUs this process may "
+                              "use, shared among the run's processes on the node (at most 16), on CPU 2", RUN_PANEL)
     amp: str = _key("none", "{choices} mixed precision, CUDA only (on CPU: a warning, float32)", RUN_PANEL,
                     choices={"none": "", "bf16": "", "fp16": ""})
 
@@ -147,7 +148,7 @@ class TrainConfig:
         problems = []
         positive = ("batch_size", "epochs", "lr", "feature_scale")
         problems += [f"{k} must be > 0 (got {getattr(self, k)})" for k in positive if not getattr(self, k) > 0]
-        non_negative = ("entropy", "weight_decay", "clip_norm", "workers", "warmup_epochs", "level", "mpp",
+        non_negative = ("entropy", "weight_decay", "clip_norm", "warmup_epochs", "level", "mpp",
                         "patch_loss", "attention_loss", "feature_lr", "n_patches", "patch_size", "scale", "patch_um",
                         "low_res_um")  # 0: from the data
         problems += [f"{k} must be >= 0" for k in non_negative if getattr(self, k) < 0]
@@ -155,6 +156,8 @@ class TrainConfig:
             problems.append(f"feature_lr {self.feature_lr}: method cnn has no feature network (it trains one ResNet)")
         if self.rarity_prior < 0 and self.rarity_prior != -1:
             problems.append(f"rarity_prior must be >= 0, or -1 for auto (got {self.rarity_prior})")
+        if self.workers < -1:
+            problems.append(f"workers must be >= 0, or -1 for auto (got {self.workers})")
         if self.eval_n_patches < 0 and self.eval_n_patches != -1:
             problems.append(f"eval_n_patches must be >= 0, or -1 for auto (got {self.eval_n_patches})")
         if self.min_brightness < 0 and self.min_brightness != -1:

@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ from ats_cli.models import create_model, model_spec
 from ats_cli.rundir import RunDirError, append_metrics, claim, make_dirs, rewrite_metrics
 from ats_cli.runtime import Deferred, deferred_interrupts, peak_memory_mb, reset_peak_memory
 
-__all__ = ["train", "train_one_epoch", "evaluate", "TrainingInterrupted"]
+__all__ = ["train", "train_one_epoch", "evaluate", "loader_workers", "TrainingInterrupted"]
 
 EVAL_SEED = 12345  # the test set is always sampled the same way, so epochs compare
 
@@ -60,10 +61,36 @@ class TrainingInterrupted(Exception):
     """Raised after Ctrl-C once the state has been saved; ``--resume`` continues."""
 
 
+AUTO_WORKERS_CPU = 2  # --workers auto on a CPU device: the compute shares the cores with the workers
+AUTO_WORKERS_MAX = 16  # --workers auto on CUDA: at most this many per process
+
+
+def loader_workers(workers: int, device: torch.device) -> int:
+    """DataLoader workers for ``--workers`` (-1 = auto).
+
+    Auto on CUDA: the CPUs this process may use, shared among the processes of the run on
+    this node (torchrun's ``LOCAL_WORLD_SIZE``), at most ``AUTO_WORKERS_MAX``. Why: the GPU
+    waits for the CPU. At the paper spec an H100 was busy 1-6% of the time and samples/s
+    followed the workers, 73 with 2 and 306 with 12 (benchmarks/README.md, "On a GPU"):
+    each worker decodes a full-size image, makes its low-res view and cuts its patches.
+    Auto on a CPU device: ``AUTO_WORKERS_CPU``, the value every CPU figure in this project
+    was measured with, since there the workers take cores from the training itself.
+    The workers never change the result: a step's images and noise are seeded, not drawn
+    by whoever reads first."""
+    if workers >= 0:
+        return workers
+    if device.type != "cuda":
+        return AUTO_WORKERS_CPU
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    per_node = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    return max(1, min(AUTO_WORKERS_MAX, cpus // per_node))
+
+
 def _loader(dataset: ImageDataset, batches: list[list[int]], cfg: TrainConfig, device: torch.device) -> DataLoader:
-    return DataLoader(dataset, batch_sampler=batches, num_workers=cfg.workers, collate_fn=collate,
+    workers = loader_workers(cfg.workers, device)
+    return DataLoader(dataset, batch_sampler=batches, num_workers=workers, collate_fn=collate,
                       pin_memory=device.type == "cuda", worker_init_fn=single_thread_worker,
-                      prefetch_factor=4 if cfg.workers else None)
+                      prefetch_factor=4 if workers else None)
 
 
 def _optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:

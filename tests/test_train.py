@@ -389,3 +389,25 @@ def test_a_scheduler_stop_saves_the_run_like_ctrl_c(squares, tmp_path, sig):
     assert proc.returncode == 130, out
     assert re.search(r"state saved|are saved to|last state saved", out), out
     assert load_checkpoint(run / "last.pt") is not None
+
+
+def test_workers_auto_feeds_a_gpu_from_every_cpu_and_leaves_a_cpu_run_as_it_was(monkeypatch):
+    """--workers -1 (the default): on CUDA the process's CPUs shared among the node's
+    processes, capped; on a CPU device the 2 every CPU figure was measured with; a number
+    given is kept, and below -1 is refused."""
+    from ats_cli.config import TrainConfig
+    from ats_cli.train import AUTO_WORKERS_MAX, loader_workers
+
+    assert TrainConfig().workers == -1
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(12)), raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert loader_workers(-1, cuda) == 12 and loader_workers(-1, cpu) == 2
+    assert loader_workers(0, cuda) == 0 and loader_workers(5, cpu) == 5
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert loader_workers(-1, cuda) == 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert loader_workers(-1, cuda) == AUTO_WORKERS_MAX
+    with pytest.raises(ConfigError, match="workers must be >= 0, or -1"):
+        resolve_config(None, workers=-2)
