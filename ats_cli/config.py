@@ -87,6 +87,12 @@ class TrainConfig:
                            choices={"auto": "on for slides, i.e. a tissue mask, else off",
                                     "on": "one patch showing the class can outweigh look-alikes",
                                     "off": "every patch weighed by its attention alone, the thesis"})
+    # what the estimator averages (ats_cli.core.model.ATSModel.patch_values)
+    pooling: str = _key("features", "What attention sampling averages over the patches: {choices}; docs/training.md",
+                        METHOD_PANEL,
+                        choices={"features": "their features, then the classifier (the thesis)",
+                                 "votes": "each patch's class probabilities, a soft vote: for labels that count "
+                                          "objects"})
     # auxiliary training signals (ats_cli.core.model.auxiliary_losses; 0 = off = the thesis's loss).
     # Off by default: they slowed learning in every run measured (docs/training.md, ablation)
     patch_loss: float = _key(0.0, "Weight of the auxiliary per-patch loss: each sampled patch alone predicts the "
@@ -154,6 +160,8 @@ class TrainConfig:
         problems += [f"{k} must be >= 0" for k in non_negative if getattr(self, k) < 0]
         if self.feature_lr != 1 and self.method == "cnn":
             problems.append(f"feature_lr {self.feature_lr}: method cnn has no feature network (it trains one ResNet)")
+        if self.pooling != "features" and self.method in ("cnn", "deepmil"):
+            problems.append(f"pooling {self.pooling}: method {self.method} does not pool by attention sampling")
         if self.rarity_prior < 0 and self.rarity_prior != -1:
             problems.append(f"rarity_prior must be >= 0, or -1 for auto (got {self.rarity_prior})")
         if self.workers < -1:

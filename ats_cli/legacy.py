@@ -24,8 +24,7 @@ import copy
 from typing import Any
 
 __all__ = ["SPEC_VERSION", "SPEC_LEGACY", "SPEC_LEGACY_2", "SPEC_INPUT_LEGACY_3", "SPEC_LEGACY_4", "SPEC_LEGACY_5",
-           "RUN_CONFIG_LEGACY", "upgrade_spec",
-           "upgrade_run_config"]
+           "SPEC_LEGACY_6", "RUN_CONFIG_LEGACY", "upgrade_spec", "upgrade_run_config"]
 
 # Version 1: the spec carries its version. Every spec written before (all of them "version
 # 0", e.g. the released models/*.pt) is read through SPEC_LEGACY. A future change of what
@@ -36,7 +35,8 @@ __all__ = ["SPEC_VERSION", "SPEC_LEGACY", "SPEC_LEGACY_2", "SPEC_INPUT_LEGACY_3"
 # Version 4: the spec carries ``eval_n_patches``, the patches drawn at evaluation and
 # prediction (ats_cli.core.model.ATSModel.patches_now).
 # Version 5: the spec carries ``patch_gain`` (ats_cli.core.model.ATSModel.patch_features).
-SPEC_VERSION = 5
+# Version 6: the spec carries ``pooling`` (ats_cli.core.model.ATSModel.patch_values).
+SPEC_VERSION = 6
 
 # Keys a version-0 spec may lack, with the value that stands for its absence.
 SPEC_LEGACY: dict[str, Any] = {
@@ -81,6 +81,12 @@ SPEC_LEGACY_5: dict[str, Any] = {
     "patch_gain": False,
 }
 
+# Keys a version-5 (or older) spec may lack.
+SPEC_LEGACY_6: dict[str, Any] = {
+    # Models saved before the votes existed pooled their features (the thesis).
+    "pooling": "features",
+}
+
 # Keys a version-2 (or older) spec's ``input`` block may lack.
 SPEC_INPUT_LEGACY_3: dict[str, Any] = {
     # Before models knew their microns, an ``input.mpp`` (from `ats train --mpp`) picked the
@@ -107,6 +113,8 @@ RUN_CONFIG_LEGACY: dict[str, Any] = {
     # Runs saved before --patch-gain existed have no gain in their model: resuming one
     # keeps it off (today's default, auto, would add one to a slide run's checkpoint).
     "patch_gain": "off",
+    # Runs saved before --pooling existed pooled features.
+    "pooling": "features",
 }
 
 
@@ -120,7 +128,8 @@ def upgrade_spec(spec: dict[str, Any]) -> dict[str, Any]:
     if version > SPEC_VERSION:
         raise ValueError(f"model spec version {version} is newer than this ats ({SPEC_VERSION}); upgrade ats")
     out = copy.deepcopy(spec)
-    for since, legacy in ((1, SPEC_LEGACY), (2, SPEC_LEGACY_2), (4, SPEC_LEGACY_4), (5, SPEC_LEGACY_5)):
+    for since, legacy in ((1, SPEC_LEGACY), (2, SPEC_LEGACY_2), (4, SPEC_LEGACY_4), (5, SPEC_LEGACY_5),
+                          (6, SPEC_LEGACY_6)):
         if version < since:
             for key, value in legacy.items():
                 out.setdefault(key, copy.deepcopy(value))

@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ats_cli.core.geometry import positions_to_offsets
 from ats_cli.core.model import pixels_to_float
@@ -42,8 +41,9 @@ NAMES = ("threshold", "sequential", "auto")
 
 @torch.no_grad()
 def exact_terms(model, opened) -> tuple[torch.Tensor, torch.Tensor]:
-    """(probs [1, K] over the attention grid, features [K, D] of every cell with a > 0;
-    rows of cells with a = 0 are zero: they are never drawn before the positive ones)."""
+    """(probs [1, K] over the attention grid, the pooled values [K, D] of every cell with
+    a > 0 (features, or class probabilities for a model that pools votes); rows of cells
+    with a = 0 are zero: they are never drawn before the positive ones)."""
     low = opened.low[None]
     scores = model.attention_net(low)
     att_shape = tuple(scores.shape[-2:])
@@ -53,8 +53,7 @@ def exact_terms(model, opened) -> tuple[torch.Tensor, torch.Tensor]:
     offsets = positions_to_offsets(cells[None], att_shape, source_sizes([opened.source]), model.patch_size,
                                    low_size=tuple(low.shape[-2:]), margin=getattr(model.attention_net, "margin", 0))
     patches = pixels_to_float(gather_patches([opened.source], offsets, model.patch_size))
-    feats = model.feature_net(patches.flatten(0, 1))
-    feats = model.feature_scale * F.normalize(feats, dim=-1)
+    feats = model.patch_values(model.patch_features(patches.flatten(0, 1)))
     full = feats.new_zeros(probs.shape[1], feats.shape[1])
     full[cells] = feats
     return probs, full
@@ -87,7 +86,7 @@ def main() -> None:
         opened = open_one(item.path, channels=predictor.channels, scale=model.scale, patch_size=model.patch_size)
         probs, feats = exact_terms(model, opened)
         exact = probs[0] @ feats
-        exact_pred = int(model.classifier(exact).argmax())
+        exact_pred = int(model.readout(exact[None]).argmax())
         label = predictor.classes.index(item.label)
         exact_correct += exact_pred == label
         support_sizes.append(int((probs > 0).sum()))
@@ -99,7 +98,7 @@ def main() -> None:
             for est in NAMES:
                 threshold = estimator_threshold(est, draw, rows)
                 pooled = expectation(picked, draw.probs, threshold=threshold)
-                pred = model.classifier(pooled).argmax(1)
+                pred = model.readout(pooled).argmax(1)
                 s = stats[(est, n)]
                 s["rel_mse"] += float(((pooled - exact) ** 2).sum(1).mean() / (exact**2).sum())
                 s["flip"] += float((pred != exact_pred).float().mean())

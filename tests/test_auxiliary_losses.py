@@ -42,11 +42,11 @@ class _TinyFeatures(nn.Module):
         return torch.amax(torch.tanh(self.conv(x)), dim=(2, 3))
 
 
-def _model(estimator="auto", rarity_prior=0.0, patch_gain=False) -> ATSModel:
+def _model(estimator="auto", rarity_prior=0.0, patch_gain=False, pooling="features") -> ATSModel:
     torch.manual_seed(3)
     m = ATSModel(create("mnist-attention", in_channels=1, width=4), _TinyFeatures(), n_classes=3, n_patches=N,
                  patch_size=(PATCH, PATCH), scale=SCALE, entropy_weight=0.0, feature_scale=3.0,
-                 estimator=estimator, rarity_prior=rarity_prior, patch_gain=patch_gain)
+                 estimator=estimator, rarity_prior=rarity_prior, patch_gain=patch_gain, pooling=pooling)
     # a non-uniform attention to start from (the last layer is zero-initialised)
     nn.init.normal_(m.attention_net.score.weight, std=0.5)
     return m.train()
@@ -57,9 +57,16 @@ def _image() -> torch.Tensor:
     return (torch.rand(1, 1, SIZE, SIZE, generator=g) * 255).to(torch.uint8)
 
 
+def _linear(m: ATSModel, logits: torch.Tensor) -> torch.Tensor:
+    """A function of the logits that is linear in the pooled estimate, so that its mean
+    over draws must equal its value at the exact expectation: the logits themselves for
+    pooled features (the classifier is linear), their exp for pooled votes (log E_a[p])."""
+    return logits if m.pooling == "features" else logits.exp()
+
+
 def _exact_loss(m: ATSModel, image: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """<c, logits> of the full expectation sum_i a_i f_i over every position (the attention
-    with the model's rarity prior, when it has one)."""
+    """<c, logits> (:func:`_linear`) of the full expectation sum_i a_i f_i over every
+    position (the attention with the model's rarity prior, when it has one)."""
     low = low_res_view(image, SCALE)
     scores = m.attention_net(low)
     att = scores.shape[-2:]
@@ -71,7 +78,7 @@ def _exact_loss(m: ATSModel, image: torch.Tensor, c: torch.Tensor) -> torch.Tens
     offsets = positions_to_offsets(idx, tuple(att), (SIZE, SIZE), (PATCH, PATCH), low_size=tuple(low.shape[-2:]))
     patches = extract_patches(image, offsets, (PATCH, PATCH)).float() / 255.0
     f = m.patch_features(patches.flatten(0, 1))  # [K, D]: scaled unit features (times the gain, if any)
-    return (m.classifier(a[0] @ f) * c).sum()
+    return (_linear(m, m.readout((a[0] @ m.patch_values(f))[None])) * c).sum()
 
 
 def _grads(loss: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
@@ -90,7 +97,7 @@ def _z_of_classification_gradient(m: ATSModel, groups=40, per_group=400, *, valu
     means, values = [], []
     for _ in range(groups):
         out = m(low, source, generator=gen)
-        classification = (out.logits * c).sum(1).mean()
+        classification = (_linear(m, out.logits) * c).sum(1).mean()
         values.append(float(classification.detach()))
         # the auxiliary terms are computed in the same forward pass, as in training
         patch, attention = auxiliary_losses(out, labels)

@@ -348,8 +348,15 @@ def _read_all(records, classes: list[str], size: int, seed: int, workers: int, w
         parts = [read_example(*job) for job in jobs]
     else:
         # spawned, not forked: the caller has run torch (the model, the attention map's shape),
-        # and a forked child of a process whose torch thread pool has started can hang
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        # and a forked child of a process whose torch thread pool has started can hang. One
+        # torch thread each: N workers with a thread per core each oversubscribe the cores N
+        # times over (on 2 cores, 40 images: 6.4 s with 2 workers of 8 threads, 3.8 s with
+        # one thread each; a 16-core GPU machine, without this, had not read 6,000 images
+        # after 6 minutes, about 20 s of single-thread work per worker)
+        from ats_cli.data.loader import single_thread_worker
+
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=single_thread_worker, initargs=(0,)) as pool:
             parts = list(pool.map(read_example, *zip(*jobs, strict=True), chunksize=16))
     parts = [p for p in parts if p is not None]
     x = np.concatenate([p[0] for p in parts]) if parts else np.zeros((0, size, size), np.uint8)
@@ -410,6 +417,9 @@ def main(argv: list[str] | None = None) -> None:
     for flag, default in (("--attention-net", "mnist-attention"), ("--attention-width", 8),
                           ("--feature-net", "small-cnn"), ("--feature-width", 32), ("--feature-scale", 10.0)):
         ap.add_argument(flag, type=type(default), default=default, help=f"as ats train's (default {default})")
+    ap.add_argument("--pooling", choices=["features", "votes"], default="features",
+                    help="as ats train's: what the checkpoint's model pools (votes: each patch's class\n"
+                         "probabilities, which is what this stage trains the classifier on)")
     args = ap.parse_args(argv)
     if args.none_uniform < 0:
         ap.error(f"--none-uniform must be >= 0 (got {args.none_uniform})")
@@ -436,7 +446,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = TrainConfig(data=args.data, attention_net=args.attention_net, attention_width=args.attention_width,
                       feature_net=args.feature_net, feature_width=args.feature_width,
                       feature_scale=args.feature_scale, seed=args.seed, patch_gain=args.patch_gain,
-                      scale=args.scale)
+                      scale=args.scale, pooling=args.pooling)
     cfg.from_data(data.hints)
     # what ats train decides for Megapixel MNIST's black canvas: only bright cells are sampled,
     # so the attention is taught (and its mass on the digits measured) over those

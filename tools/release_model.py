@@ -1,6 +1,7 @@
 """Write a released model: a run's checkpoint without its optimizer state.
 
     python tools/release_model.py RUN_DIR/best.pt models/NAME.pt [--mpp MPP] [--eval-n-patches N]
+                                  [--pooling features|votes]
 
 Keeps what prediction and a model card need (spec, classes, weights, the training
 configuration and the per-epoch history) and drops the optimizer and scaler state, so
@@ -14,6 +15,10 @@ are unchanged, and predict then reads slides that record their mpp at that scale
 ``--eval-n-patches N``: the patches prediction draws by default (spec version 4; a model
 saved before predicts with its training count): e.g. twice the training count, the
 default of models trained since (docs/training.md, "Patches at evaluation").
+
+``--pooling features|votes``: what the released model pools (spec version 6), for a
+checkpoint whose classifier reads one patch as well as the pooled features: that of
+``tools/pretrain_mnist_features.py``, trained on single patches, read either way.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from ats_cli.legacy import upgrade_spec
 from ats_cli.models import create_model
 
 
-def main(src: str, dst: str, mpp: float | None = None, eval_n_patches: int | None = None) -> None:
+def main(src: str, dst: str, mpp: float | None = None, eval_n_patches: int | None = None,
+         pooling: str | None = None) -> None:
     try:
         ckpt = load_checkpoint(src)
     except CheckpointError as e:
@@ -39,6 +45,8 @@ def main(src: str, dst: str, mpp: float | None = None, eval_n_patches: int | Non
         if eval_n_patches < 0:
             raise SystemExit(f"--eval-n-patches must be >= 0, got {eval_n_patches}")
         ckpt["spec"] = {**upgrade_spec(ckpt["spec"]), "eval_n_patches": int(eval_n_patches)}
+    if pooling is not None:
+        ckpt["spec"] = {**upgrade_spec(ckpt["spec"]), "pooling": pooling}
     model = create_model(ckpt["spec"])
     model.load_state_dict(ckpt["model"])
     save_checkpoint(dst, spec=ckpt["spec"], classes=ckpt["classes"], model=model, epoch=ckpt.get("epoch"),
@@ -52,5 +60,6 @@ if __name__ == "__main__":
     parser.add_argument("dst")
     parser.add_argument("--mpp", type=float, default=None)
     parser.add_argument("--eval-n-patches", type=int, default=None)
+    parser.add_argument("--pooling", choices=["features", "votes"], default=None)
     a = parser.parse_args()
-    main(a.src, a.dst, a.mpp, a.eval_n_patches)
+    main(a.src, a.dst, a.mpp, a.eval_n_patches, a.pooling)

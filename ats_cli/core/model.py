@@ -4,6 +4,8 @@
     a --sample n positions--> indices --geometry--> full-res patch offsets
     patch source --read only those patches--> feature net --L2 normalise--> f
     (f, a at the samples) --unbiased estimator--> pooled feature --classifier--> logits
+    (pooling="votes": the classifier's probabilities on each patch are pooled instead,
+    and the logits are their log)
 
 The full-resolution image is only ever touched through a patch source (see
 :mod:`ats_cli.core.source`), so its size never enters the cost of a step.
@@ -30,7 +32,9 @@ from ats_cli.core.sampling import (
 )
 from ats_cli.core.source import Sources, gather_patches, source_sizes
 
-__all__ = ["ATSModel", "ATSOutput", "auxiliary_losses", "pixels_to_float", "rarity"]
+__all__ = ["POOLINGS", "ATSModel", "ATSOutput", "auxiliary_losses", "pixels_to_float", "rarity"]
+
+POOLINGS = ("features", "votes")
 
 CRITIC_FLOOR = 0.1  # nats added to every draw's information in the attention critic's target
 
@@ -100,6 +104,18 @@ class ATSModel(nn.Module):
     sampling from ``a`` (thesis §3.3.4), i.e. the estimate's variance grows where a patch of
     large gain has a small attention. On where a label counts objects (Megapixel MNIST's
     majority of digits) every object should weigh alike, which the unit norms give: off.
+
+    ``pooling`` says what the estimator averages. ``features`` (the thesis): the patches'
+    features, then the classifier. ``votes``: each patch's class probabilities
+    ``p(x) = softmax(W f(x))``, and the logits are ``log E_a[p]``: a soft vote. Why: where
+    the label is a count (the majority of Megapixel MNIST's digits) an average of features
+    lets one confident patch outweigh several less confident ones, a vote gives each at
+    most its attention's share; and a patch that shows nothing of a class (noise taught to
+    give equal logits, ``tools/pretrain_mnist_features.py --none-uniform``) adds the same
+    to every class, so it cannot tip the vote. ``p`` is a function of the patch alone, so
+    the estimate of ``E_a[p]`` and both its gradients are unbiased exactly as for features
+    (tests/test_pooling.py); the log is the model's nonlinearity, as the classifier and
+    softmax are with features. Measured: benchmarks/README.md, "Votes".
     """
 
     def __init__(
@@ -120,10 +136,13 @@ class ATSModel(nn.Module):
         rarity_prior: float = 0.0,
         eval_n_patches: int = 0,
         patch_gain: bool = False,
+        pooling: str = "features",
     ):
         super().__init__()
         if estimator not in ESTIMATORS:
             raise ValueError(f"unknown estimator {estimator!r}; choose from {', '.join(ESTIMATORS)}")
+        if pooling not in POOLINGS:
+            raise ValueError(f"unknown pooling {pooling!r}; choose from {', '.join(POOLINGS)}")
         self.attention_net = attention_net
         self.feature_net = feature_net
         self.classifier = nn.Linear(feature_net.out_features, n_classes)
@@ -142,6 +161,7 @@ class ATSModel(nn.Module):
         self.estimator = estimator
         self.rarity_prior = float(rarity_prior)
         self.eval_n_patches = int(eval_n_patches)  # 0 = n_patches
+        self.pooling = pooling
 
     def _supported_pixels(self, low: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
         """Bool [B, 1, h, w]: the low-res pixels that may be sampled (None = all): bright
@@ -243,6 +263,20 @@ class ATSModel(nn.Module):
         feats = self.feature_scale * F.normalize(raw, dim=-1)
         return feats, None if self.gain is None else F.softplus(self.gain(raw))
 
+    def patch_values(self, feats: torch.Tensor) -> torch.Tensor:
+        """What the estimator pools for patches of features ``feats`` [..., D]: the features
+        themselves, or with ``pooling="votes"`` the class probabilities [..., classes]
+        (float32 even under autocast: the estimator's weights multiply them)."""
+        return feats if self.pooling == "features" else self.classifier(feats).float().softmax(-1)
+
+    def readout(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Logits [B, classes] from the pooled estimate [B, ...] (:meth:`patch_values`):
+        the classifier, or with votes the log of the pooled probabilities (floored at the
+        smallest normal number: a class no patch voted for stays finite)."""
+        if self.pooling == "features":
+            return self.classifier(pooled)
+        return pooled.clamp(min=torch.finfo(pooled.dtype).tiny).log()
+
     def patch_gains(self, patches: torch.Tensor) -> torch.Tensor | None:
         """Each patch's gain [N, 1] (patches [N, C, ph, pw], float), None without one: what
         ``ats visualize`` multiplies the estimator weights by to show each patch's share."""
@@ -292,9 +326,9 @@ class ATSModel(nn.Module):
         B = low.shape[0]
         feats = self.patch_features(patches.flatten(0, 1)).view(B, n, -1)
         threshold = estimator_threshold(self.active_estimator, draw, probs)
-        pooled = expectation(feats, sampled_probs, replace=self.replace, threshold=threshold)
+        pooled = expectation(self.patch_values(feats), sampled_probs, replace=self.replace, threshold=threshold)
         return ATSOutput(
-            logits=self.classifier(pooled),
+            logits=self.readout(pooled),
             attention=probs.view(B, *att_shape),
             indices=indices,
             offsets=offsets,
