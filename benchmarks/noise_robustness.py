@@ -22,6 +22,10 @@ Why these choices:
   reuses them instead of rendering again. Without it a temporary folder is used and
   deleted.
 * A failed prediction (unreadable file) counts as wrong, and is reported.
+* ``--jobs N`` predicts N sets at once, each in a process of its own (the sets are
+  generated first, once). On a GPU one process leaves it idle while the next image is
+  decoded (benchmarks/README.md, "On a GPU"); the figures are the same as with one job,
+  since every image is predicted alone with seed 0.
 
 Imports of torch and the library happen inside :func:`run`, so ``--help`` is instant.
 """
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -83,7 +88,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--n-patches", type=int, default=None,
                         help="Patches drawn per image, as ats predict --n-patches (default: the model's own).")
     parser.add_argument("--offline", action="store_true", help="Do not try to download MNIST.")
+    parser.add_argument("--jobs", type=int, default=1, help="Sets predicted at once, one process each (default 1).")
+    parser.add_argument("--set", default=None, help=argparse.SUPPRESS)  # --jobs' children: this one set only
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error("--jobs must be at least 1")
     if args.n < 1:
         parser.error("--n must be at least 1")
     if args.n_patches is not None and args.n_patches < 1:
@@ -114,29 +123,33 @@ def run(argv: list[str] | None = None, log=print) -> dict[str, Any]:
     log(f"model {predictor.path} on {predictor.device}, {patches} patches per image; {args.n} test images per set, "
         f"seed {args.seed}; digits: {digits.description}")
     rows = []
+    names = [args.set] if args.set else [*families, CLEAN]
     try:
-        for family in [*families, CLEAN]:
+        sets = []
+        for family in names:
             noise = {"n_noise": 0} if family == CLEAN else {"noise": family}
             config = make_config("paper", n_train=1, n_test=args.n, seed=args.seed, **{**spec, **noise})
-            out = work / family
             start = time.perf_counter()
-            generate_megapixel_mnist(out, config, digits, workers=args.workers)
-            generated = time.perf_counter() - start
-            items = resolve_inputs([out / "test.csv"])
+            generate_megapixel_mnist(work / family, config, digits, workers=args.workers)
+            sets.append((family, config, time.perf_counter() - start))
+        if args.jobs > 1:
+            rows = _in_processes(args, sets, work)
+        for family, config, generated in sets if args.jobs == 1 else []:
+            items = resolve_inputs([work / family / "test.csv"])
             start = time.perf_counter()
             predictions = predictor.predict(items, n_patches=args.n_patches)  # ats predict's defaults unless given
             predicted = time.perf_counter() - start
             evaluation = evaluate(predictions, predictor.classes)
             correct = evaluation.correct if evaluation else 0
             failed = sum(not p.ok for p in predictions)
-            row = {"family": family, "images": len(items), "correct": correct, "failed": failed,
-                   "accuracy": correct / len(items), "ci95": list(wilson(correct, len(items))),
-                   "generate_s": round(generated, 1), "predict_s": round(predicted, 1),
-                   "config": config.params()}
-            rows.append(row)
-            log(f"{family}: {correct}/{len(items)} = {100 * row['accuracy']:.1f}% "
-                f"(generated in {generated:.0f} s, predicted in {predicted:.0f} s"
-                + (f"; {failed} FAILED, counted wrong" if failed else "") + ")")
+            rows.append({"family": family, "images": len(items), "correct": correct, "failed": failed,
+                         "accuracy": correct / len(items), "ci95": list(wilson(correct, len(items))),
+                         "generate_s": round(generated, 1), "predict_s": round(predicted, 1),
+                         "config": config.params()})
+        for row in rows:
+            log(f"{row['family']}: {row['correct']}/{row['images']} = {100 * row['accuracy']:.1f}% "
+                f"(generated in {row['generate_s']:.0f} s, predicted in {row['predict_s']:.0f} s"
+                + (f"; {row['failed']} FAILED, counted wrong" if row["failed"] else "") + ")")
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -151,6 +164,39 @@ def run(argv: list[str] | None = None, log=print) -> dict[str, Any]:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     return result
+
+
+def _in_processes(args: argparse.Namespace, sets: list, work: Path) -> list[dict[str, Any]]:
+    """Each generated set predicted by a child run of this script (``--set NAME``, the same
+    model, sets and prediction options), ``args.jobs`` at a time; their rows in the sets'
+    order, each with the generation time measured here."""
+    import subprocess
+
+    common = [sys.executable, str(Path(__file__).resolve()), "--model", str(args.model), "--n", str(args.n),
+              "--seed", str(args.seed), "--device", args.device, "--work", str(work), "--workers", "1"]
+    for flag, value in (("--width", args.width), ("--height", args.height), ("--n-noise", args.n_noise),
+                        ("--n-patches", args.n_patches), ("--mnist", args.mnist)):
+        common += [flag, str(value)] if value is not None else []
+    common += ["--offline"] if args.offline else []
+    # one torch thread per core between the children: a full pool each would oversubscribe
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.jobs))}
+    parts = work / "_rows"
+    parts.mkdir(parents=True, exist_ok=True)
+    queue, running, failed = [family for family, _, _ in sets], [], []
+    while queue or running:
+        while queue and len(running) < args.jobs:
+            family = queue.pop(0)
+            cmd = [*common, "--set", family, "--json", str(parts / f"{family}.json")]
+            running.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=env), family))
+        time.sleep(0.2)
+        for proc, family in [r for r in running if r[0].poll() is not None]:
+            running.remove((proc, family))
+            if proc.returncode:
+                failed.append(f"{family} (exit {proc.returncode})")
+    if failed:
+        raise SystemExit(f"error: predicting these sets failed: {', '.join(failed)}")
+    return [{**json.loads((parts / f"{family}.json").read_text())["rows"][0], "generate_s": round(generated, 1)}
+            for family, _, generated in sets]
 
 
 if __name__ == "__main__":

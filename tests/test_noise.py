@@ -424,3 +424,22 @@ def test_digit_attention_benchmark(tmp_path: Path, bundled: DigitSet) -> None:
     assert r["noise_draws"] == 0  # no draw far from every digit: nothing else is bright
     assert r["mass_vote"] == 1.0 and r["count_vote"] == 1.0 and 1.0 <= r["mass_ratio"] < 10
     assert bench._vote({3: 2.0, 5: 1.0}, 3) and not bench._vote({3: 1.0, 5: 1.0}, 3)
+
+
+def test_noise_robustness_jobs_give_the_rows_of_one_job(tmp_path: Path) -> None:
+    """--jobs 2 predicts the sets in child processes: the same rows as one job (each image
+    is predicted alone with seed 0), in the same order."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("noise_robustness", "benchmarks/noise_robustness.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    argv = ["--model", "models/megapixel-mnist-ats.pt", "--n", "3", "--families", "rings,grid", "--width", "200",
+            "--height", "200", "--n-noise", "6", "--workers", "1", "--offline", "--device", "cpu",
+            "--work", str(tmp_path / "work")]
+    one = bench.run(argv, log=lambda _: None)
+    two = bench.run([*argv, "--jobs", "2"], log=lambda _: None)
+    keep = ("family", "images", "correct", "failed", "accuracy", "config")
+    assert [{k: r[k] for k in keep} for r in two["rows"]] == [{k: r[k] for k in keep} for r in one["rows"]]
+    assert [r["family"] for r in two["rows"]] == ["rings", "grid", "clean"]
