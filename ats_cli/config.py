@@ -88,11 +88,12 @@ class TrainConfig:
                                     "on": "one patch showing the class can outweigh look-alikes",
                                     "off": "every patch weighed by its attention alone, the thesis"})
     # what the estimator averages (ats_cli.core.model.ATSModel.patch_values)
-    pooling: str = _key("features", "What attention sampling averages over the patches: {choices}; docs/training.md",
-                        METHOD_PANEL,
-                        choices={"features": "their features, then the classifier (the thesis)",
-                                 "votes": "each patch's class probabilities, a soft vote: for labels that count "
-                                          "objects"})
+    pooling: str = _key("features", "What attention sampling averages over the patches: {choices}; "
+                        "docs/training.md", METHOD_PANEL,
+                        choices={"features": "their features, then the classifier: the thesis",
+                                 "votes": "each patch's class probabilities: a soft vote",
+                                 "counts": "those over the attention mass around each patch: each object counts "
+                                           "once"})
     # auxiliary training signals (ats_cli.core.model.auxiliary_losses; 0 = off = the thesis's loss).
     # Off by default: they slowed learning in every run measured (docs/training.md, ablation)
     patch_loss: float = _key(0.0, "Weight of the auxiliary per-patch loss: each sampled patch alone predicts the "

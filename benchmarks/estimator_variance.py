@@ -42,7 +42,8 @@ NAMES = ("threshold", "sequential", "auto")
 @torch.no_grad()
 def exact_terms(model, opened) -> tuple[torch.Tensor, torch.Tensor]:
     """(probs [1, K] over the attention grid, the pooled values [K, D] of every cell with
-    a > 0 (features, or class probabilities for a model that pools votes); rows of cells
+    a > 0 (features, or class probabilities for a model that pools votes, over the local
+    attention mass for one that pools counts); rows of cells
     with a = 0 are zero: they are never drawn before the positive ones)."""
     low = opened.low[None]
     scores = model.attention_net(low)
@@ -53,7 +54,8 @@ def exact_terms(model, opened) -> tuple[torch.Tensor, torch.Tensor]:
     offsets = positions_to_offsets(cells[None], att_shape, source_sizes([opened.source]), model.patch_size,
                                    low_size=tuple(low.shape[-2:]), margin=getattr(model.attention_net, "margin", 0))
     patches = pixels_to_float(gather_patches([opened.source], offsets, model.patch_size))
-    feats = model.patch_values(model.patch_features(patches.flatten(0, 1)))
+    mass = model.local_mass(probs, att_shape, source_sizes([opened.source]))[0, cells]
+    feats = model.patch_values(model.patch_features(patches.flatten(0, 1)), mass)
     full = feats.new_zeros(probs.shape[1], feats.shape[1])
     full[cells] = feats
     return probs, full

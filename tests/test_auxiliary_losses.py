@@ -42,10 +42,10 @@ class _TinyFeatures(nn.Module):
         return torch.amax(torch.tanh(self.conv(x)), dim=(2, 3))
 
 
-def _model(estimator="auto", rarity_prior=0.0, patch_gain=False, pooling="features") -> ATSModel:
+def _model(estimator="auto", rarity_prior=0.0, patch_gain=False, pooling="features", patch=PATCH) -> ATSModel:
     torch.manual_seed(3)
     m = ATSModel(create("mnist-attention", in_channels=1, width=4), _TinyFeatures(), n_classes=3, n_patches=N,
-                 patch_size=(PATCH, PATCH), scale=SCALE, entropy_weight=0.0, feature_scale=3.0,
+                 patch_size=(patch, patch), scale=SCALE, entropy_weight=0.0, feature_scale=3.0,
                  estimator=estimator, rarity_prior=rarity_prior, patch_gain=patch_gain, pooling=pooling)
     # a non-uniform attention to start from (the last layer is zero-initialised)
     nn.init.normal_(m.attention_net.score.weight, std=0.5)
@@ -60,7 +60,8 @@ def _image() -> torch.Tensor:
 def _linear(m: ATSModel, logits: torch.Tensor) -> torch.Tensor:
     """A function of the logits that is linear in the pooled estimate, so that its mean
     over draws must equal its value at the exact expectation: the logits themselves for
-    pooled features (the classifier is linear), their exp for pooled votes (log E_a[p])."""
+    pooled features (the classifier is linear), their exp for pooled votes (log E_a[p])
+    and counts (log E_a[p / M])."""
     return logits if m.pooling == "features" else logits.exp()
 
 
@@ -75,10 +76,11 @@ def _exact_loss(m: ATSModel, image: torch.Tensor, c: torch.Tensor) -> torch.Tens
         scores = scores + prior[:, None]
     a = torch.softmax(scores.flatten(1), dim=1)  # [1, K]
     idx = torch.arange(a.shape[1])[None]
-    offsets = positions_to_offsets(idx, tuple(att), (SIZE, SIZE), (PATCH, PATCH), low_size=tuple(low.shape[-2:]))
-    patches = extract_patches(image, offsets, (PATCH, PATCH)).float() / 255.0
+    offsets = positions_to_offsets(idx, tuple(att), (SIZE, SIZE), m.patch_size, low_size=tuple(low.shape[-2:]))
+    patches = extract_patches(image, offsets, m.patch_size).float() / 255.0
     f = m.patch_features(patches.flatten(0, 1))  # [K, D]: scaled unit features (times the gain, if any)
-    return (_linear(m, m.readout((a[0] @ m.patch_values(f))[None])) * c).sum()
+    mass = m.local_mass(a, tuple(att), torch.tensor([[SIZE, SIZE]]))[0]  # used by pooling="counts" only
+    return (_linear(m, m.readout((a[0] @ m.patch_values(f, mass))[None])) * c).sum()
 
 
 def _grads(loss: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:

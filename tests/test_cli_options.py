@@ -87,15 +87,17 @@ def test_flags_left_out_give_the_defaults_and_given_ones_win():
 
 def test_validate_allows_exactly_the_values_the_help_lists():
     from ats_cli.augment import MODES
+    from ats_cli.core.model import POOLINGS
     from ats_cli.core.sampling import ESTIMATORS
     from ats_cli.data.slides import READERS
     from ats_cli.models import available_methods
 
     allowed = allowed_values()
     assert set(allowed) == {"method", "estimator", "reader", "tissue_mask", "optimizer", "schedule", "amp",
-                            "augment", "patch_gain"}
+                            "augment", "patch_gain", "pooling"}
     # the lists the library itself works from
     assert (allowed["estimator"], allowed["reader"], allowed["augment"]) == (ESTIMATORS, READERS, ("auto", *MODES))
+    assert allowed["pooling"] == POOLINGS
     assert set(allowed["method"]) == set(available_methods())
     text = _help_lines("train")
     for key, values in allowed.items():

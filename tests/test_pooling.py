@@ -1,7 +1,8 @@
-"""Pooling votes (``--pooling votes``, ats_cli.core.model.ATSModel.patch_values): the
-estimate of E_a[p] stays unbiased in value and in the gradient of every parameter, a
-confident patch cannot outvote several, a patch of equal logits does not vote, and
-models and runs saved before it keep pooling features."""
+"""Pooling votes and counts (``--pooling``, ats_cli.core.model.ATSModel.patch_values):
+the estimates of E_a[p] and E_a[p / M] stay unbiased in value and in the gradient of
+every parameter, a confident patch cannot outvote several, a patch of equal logits does
+not vote, counts weigh every object once whatever its attention mass, and models and
+runs saved before them keep pooling features."""
 
 from __future__ import annotations
 
@@ -14,13 +15,46 @@ from ats_cli.models import create_model, model_spec
 from tests.test_auxiliary_losses import Z_MAX, _model, _z_of_classification_gradient
 
 
+@pytest.mark.parametrize("pooling", ["votes", "counts"])
 @pytest.mark.parametrize("estimator", ["sequential", "threshold"])
-def test_value_and_gradient_stay_unbiased_with_votes(estimator):
-    """The pooled probabilities exp(logits) = estimate of sum_i a_i p_i: its Monte Carlo
-    mean and the mean of its gradient (attention net, feature net, classifier) match the
-    exact expectation over every position (tests/test_auxiliary_losses.py's check, whose
-    negative control shows it rejects a biased pooling)."""
-    assert _z_of_classification_gradient(_model(estimator, pooling="votes"), value=True) < Z_MAX
+def test_value_and_gradient_stay_unbiased_with_votes_and_counts(estimator, pooling):
+    """exp(logits) = the estimate of sum_i a_i p_i (votes) or sum_i a_i p_i / M_i (counts,
+    M the attention mass around cell i, itself a function of the attention net): its
+    Monte Carlo mean and the mean of its gradient (attention net, feature net,
+    classifier) match the exact expectation over every position
+    (tests/test_auxiliary_losses.py's check, whose negative control shows it rejects a
+    biased pooling). Patches of 16 px on cells of 8: M sums 3x3 cells, so it moves with
+    the attention (with a 1-cell window a_i p_i / M_i = p_i and the attention's exact
+    gradient is 0: nothing to test)."""
+    m = _model(estimator, pooling=pooling, patch=16)
+    assert _z_of_classification_gradient(m, value=True) < Z_MAX
+
+
+def test_counts_weigh_every_object_once_where_votes_follow_the_attention_mass():
+    """Two objects on a 20x20 attention grid (cells of 5 px, patches of 16 px: windows of
+    5 cells): class 0 under 0.8 of the mass, spread over 4 cells; class 1 under 0.2, on
+    one cell. The exact vote follows the mass; the exact count is one of each."""
+    m = create_model({**_spec(pooling="counts"), "patch_size": [16, 16]})
+    a = torch.zeros(1, 20, 20)
+    a[0, 3:5, 3:5] = 0.2
+    a[0, 14, 12] = 0.2
+    a = a.view(1, -1)
+    p = torch.zeros(400, 3)
+    p[:, 2] = 1.0  # cells without mass: their value never counts
+    p[a[0] > 0.1] = torch.tensor([0.0, 0.0, 1.0])
+    p[torch.tensor([3 * 20 + 3, 3 * 20 + 4, 4 * 20 + 3, 4 * 20 + 4])] = torch.tensor([1.0, 0.0, 0.0])
+    p[14 * 20 + 12] = torch.tensor([0.0, 1.0, 0.0])
+    mass = m.local_mass(a, (20, 20), torch.tensor([[100, 100]]))[0]
+    assert torch.allclose(mass[a[0] > 0], torch.tensor([0.8, 0.8, 0.8, 0.8, 0.2]))
+    votes, counts = a[0] @ p, a[0] @ (p / mass.clamp_min(1e-30)[:, None])
+    assert torch.allclose(votes, torch.tensor([0.8, 0.2, 0.0]))
+    assert torch.allclose(counts, torch.tensor([1.0, 1.0, 0.0]))
+    feats = torch.randn(5, 8)
+    with pytest.raises(ValueError, match="needs the attention mass"):
+        m.patch_values(feats)
+    counted = m.patch_values(feats, torch.full((5,), 0.5))
+    m.pooling = "votes"
+    assert torch.allclose(counted, 2 * m.patch_values(feats))  # each patch's vote over its mass
 
 
 def _spec(**kw):

@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> None:
     for flag, default in (("--attention-net", "mnist-attention"), ("--attention-width", 8),
                           ("--feature-net", "small-cnn"), ("--feature-width", 32), ("--feature-scale", 10.0)):
         ap.add_argument(flag, type=type(default), default=default, help=f"as ats train's (default {default})")
-    ap.add_argument("--pooling", choices=["features", "votes"], default="features",
+    ap.add_argument("--pooling", choices=["features", "votes", "counts"], default="features",
                     help="as ats train's: what the checkpoint's model pools (votes: each patch's class\n"
                          "probabilities, which is what this stage trains the classifier on)")
     args = ap.parse_args(argv)

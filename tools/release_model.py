@@ -1,7 +1,7 @@
 """Write a released model: a run's checkpoint without its optimizer state.
 
     python tools/release_model.py RUN_DIR/best.pt models/NAME.pt [--mpp MPP] [--eval-n-patches N]
-                                  [--pooling features|votes]
+                                  [--pooling features|votes|counts]
 
 Keeps what prediction and a model card need (spec, classes, weights, the training
 configuration and the per-epoch history) and drops the optimizer and scaler state, so
@@ -16,7 +16,7 @@ are unchanged, and predict then reads slides that record their mpp at that scale
 saved before predicts with its training count): e.g. twice the training count, the
 default of models trained since (docs/training.md, "Patches at evaluation").
 
-``--pooling features|votes``: what the released model pools (spec version 6), for a
+``--pooling features|votes|counts``: what the released model pools (spec version 6), for a
 checkpoint whose classifier reads one patch as well as the pooled features: that of
 ``tools/pretrain_mnist_features.py``, trained on single patches, read either way.
 """
@@ -60,6 +60,6 @@ if __name__ == "__main__":
     parser.add_argument("dst")
     parser.add_argument("--mpp", type=float, default=None)
     parser.add_argument("--eval-n-patches", type=int, default=None)
-    parser.add_argument("--pooling", choices=["features", "votes"], default=None)
+    parser.add_argument("--pooling", choices=["features", "votes", "counts"], default=None)
     a = parser.parse_args()
     main(a.src, a.dst, a.mpp, a.eval_n_patches, a.pooling)

@@ -5,7 +5,8 @@
     patch source --read only those patches--> feature net --L2 normalise--> f
     (f, a at the samples) --unbiased estimator--> pooled feature --classifier--> logits
     (pooling="votes": the classifier's probabilities on each patch are pooled instead,
-    and the logits are their log)
+    and the logits are their log; pooling="counts": those probabilities, each divided by
+    the attention mass around its cell, so that every object counts once)
 
 The full-resolution image is only ever touched through a patch source (see
 :mod:`ats_cli.core.source`), so its size never enters the cost of a step.
@@ -34,7 +35,7 @@ from ats_cli.core.source import Sources, gather_patches, source_sizes
 
 __all__ = ["POOLINGS", "ATSModel", "ATSOutput", "auxiliary_losses", "pixels_to_float", "rarity"]
 
-POOLINGS = ("features", "votes")
+POOLINGS = ("features", "votes", "counts")
 
 CRITIC_FLOOR = 0.1  # nats added to every draw's information in the attention critic's target
 
@@ -116,6 +117,21 @@ class ATSModel(nn.Module):
     the estimate of ``E_a[p]`` and both its gradients are unbiased exactly as for features
     (tests/test_pooling.py); the log is the model's nonlinearity, as the classifier and
     softmax are with features. Measured: benchmarks/README.md, "Votes".
+
+    ``counts``: the vote of each patch divided by ``M_i``, the attention mass of the cells
+    within one patch of its cell (:meth:`local_mass`), so the estimate is of
+    ``sum_i a_i p_i / M_i``. Why: a vote weighs each object by the attention mass it got,
+    and a learned attention is uneven (one digit 5 times another on clean Megapixel MNIST,
+    which alone cost 9 points of a perfect reader's majority: benchmarks/README.md,
+    "Votes"). Derivation: for an object whose cells R lie within one patch of each other
+    with no other mass near, ``M_i = a(R)`` for ``i`` in R and ``sum_{i in R} a_i / M_i =
+    1``: every object adds its class probabilities once, whatever its mass, and the
+    logits are the log of the estimated counts per class. Unbiased: ``p_i / M_i`` is a
+    deterministic, differentiable function of the parameters for every cell (M from the
+    whole attention map), so the estimator's argument (*) in
+    :func:`ats_cli.core.sampling.expectation` holds unchanged for the value and for both
+    gradients (tests/test_pooling.py); and ``a_i / M_i <= 1``, so no draw weighs more than
+    a vote does.
     """
 
     def __init__(
@@ -263,16 +279,42 @@ class ATSModel(nn.Module):
         feats = self.feature_scale * F.normalize(raw, dim=-1)
         return feats, None if self.gain is None else F.softplus(self.gain(raw))
 
-    def patch_values(self, feats: torch.Tensor) -> torch.Tensor:
+    def patch_values(self, feats: torch.Tensor, mass: torch.Tensor | None = None) -> torch.Tensor:
         """What the estimator pools for patches of features ``feats`` [..., D]: the features
         themselves, or with ``pooling="votes"`` the class probabilities [..., classes]
-        (float32 even under autocast: the estimator's weights multiply them)."""
-        return feats if self.pooling == "features" else self.classifier(feats).float().softmax(-1)
+        (float32 even under autocast: the estimator's weights multiply them), or with
+        ``"counts"`` those divided by ``mass`` [...], the patches' :meth:`local_mass`."""
+        if self.pooling == "features":
+            return feats
+        probs = self.classifier(feats).float().softmax(-1)
+        if self.pooling == "votes":
+            return probs
+        if mass is None:
+            raise ValueError("pooling 'counts' needs the attention mass around each patch (local_mass)")
+        return probs / mass.float().clamp(min=torch.finfo(torch.float32).tiny)[..., None]
+
+    def local_mass(self, probs: torch.Tensor, att_shape: tuple[int, int], sizes: torch.Tensor) -> torch.Tensor:
+        """[B, K]: for every cell, the attention mass of the cells whose centres lie within
+        one patch of it (a window of ``ceil(patch / cell)`` cells, made odd), with
+        ``probs`` [B, K] over the attention grid ``att_shape`` and ``sizes`` [B, 2] the
+        full-resolution (H, W) that sets the cell size. What ``pooling="counts"`` divides
+        each vote by (see the class docstring)."""
+        h, w = att_shape
+        out = probs.new_empty(probs.shape)
+        windows = [(math.ceil(self.patch_size[0] * h / float(H)) | 1, math.ceil(self.patch_size[1] * w / float(W)) | 1)
+                   for H, W in sizes.tolist()]
+        for window in set(windows):
+            rows = [b for b, k in enumerate(windows) if k == window]
+            grid = probs[rows].view(len(rows), 1, h, w)
+            summed = F.avg_pool2d(grid, window, stride=1, padding=(window[0] // 2, window[1] // 2),
+                                  count_include_pad=True) * (window[0] * window[1])
+            out[rows] = summed.view(len(rows), -1)
+        return out
 
     def readout(self, pooled: torch.Tensor) -> torch.Tensor:
         """Logits [B, classes] from the pooled estimate [B, ...] (:meth:`patch_values`):
-        the classifier, or with votes the log of the pooled probabilities (floored at the
-        smallest normal number: a class no patch voted for stays finite)."""
+        the classifier, or with votes (counts) the log of the pooled probabilities (counts),
+        floored at the smallest normal number: a class no patch voted for stays finite."""
         if self.pooling == "features":
             return self.classifier(pooled)
         return pooled.clamp(min=torch.finfo(pooled.dtype).tiny).log()
@@ -326,7 +368,10 @@ class ATSModel(nn.Module):
         B = low.shape[0]
         feats = self.patch_features(patches.flatten(0, 1)).view(B, n, -1)
         threshold = estimator_threshold(self.active_estimator, draw, probs)
-        pooled = expectation(self.patch_values(feats), sampled_probs, replace=self.replace, threshold=threshold)
+        mass = None
+        if self.pooling == "counts":
+            mass = self.local_mass(probs, att_shape, source_sizes(sources).to(probs.device)).gather(1, indices)
+        pooled = expectation(self.patch_values(feats, mass), sampled_probs, replace=self.replace, threshold=threshold)
         return ATSOutput(
             logits=self.readout(pooled),
             attention=probs.view(B, *att_shape),
