@@ -35,7 +35,7 @@ __all__ = ["SPEC_VERSION", "SPEC_LEGACY", "SPEC_LEGACY_2", "SPEC_INPUT_LEGACY_3"
 # Version 4: the spec carries ``eval_n_patches``, the patches drawn at evaluation and
 # prediction (ats_cli.core.model.ATSModel.patches_now).
 # Version 5: the spec carries ``patch_gain`` (ats_cli.core.model.ATSModel.patch_features).
-# Version 6: the spec carries ``pooling`` (ats_cli.core.model.ATSModel.patch_values).
+# Version 6: the spec carries ``pooling`` and ``none_class`` (ats_cli.core.model.ATSModel.patch_values).
 SPEC_VERSION = 6
 
 # Keys a version-0 spec may lack, with the value that stands for its absence.
@@ -85,6 +85,7 @@ SPEC_LEGACY_5: dict[str, Any] = {
 SPEC_LEGACY_6: dict[str, Any] = {
     # Models saved before the votes existed pooled their features (the thesis).
     "pooling": "features",
+    "none_class": False,
 }
 
 # Keys a version-2 (or older) spec's ``input`` block may lack.
@@ -113,8 +114,9 @@ RUN_CONFIG_LEGACY: dict[str, Any] = {
     # Runs saved before --patch-gain existed have no gain in their model: resuming one
     # keeps it off (today's default, auto, would add one to a slide run's checkpoint).
     "patch_gain": "off",
-    # Runs saved before --pooling existed pooled features.
+    # Runs saved before --pooling existed pooled features, with no "none" logit.
     "pooling": "features",
+    "none_class": "off",
 }
 
 

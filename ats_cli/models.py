@@ -87,6 +87,7 @@ def model_spec(cfg: TrainConfig, *, n_classes: int, channels: int, mpp: float | 
         "rarity_prior": cfg.rarity_prior,
         "patch_gain": cfg.patch_gain == "on",  # settled by training (auto -> on/off) before the spec is written
         "pooling": cfg.pooling,
+        "none_class": cfg.none_class == "on",
         # how inputs were read in training: predict and visualize read them alike by default
         "input": {**cfg.input_options(), **({"mpp": float(mpp)} if mpp else {}), "resample": True},
     }
@@ -116,6 +117,7 @@ def _sampling_model(spec: dict[str, Any], attention: nn.Module) -> ATSModel:
         rarity_prior=spec["rarity_prior"] if not isinstance(attention, UniformAttention) else 0.0,
         patch_gain=bool(spec["patch_gain"]),
         pooling=spec["pooling"],
+        none_class=bool(spec["none_class"]),
     )
 
 

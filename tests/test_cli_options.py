@@ -94,7 +94,7 @@ def test_validate_allows_exactly_the_values_the_help_lists():
 
     allowed = allowed_values()
     assert set(allowed) == {"method", "estimator", "reader", "tissue_mask", "optimizer", "schedule", "amp",
-                            "augment", "patch_gain", "pooling"}
+                            "augment", "patch_gain", "pooling", "none_class"}
     # the lists the library itself works from
     assert (allowed["estimator"], allowed["reader"], allowed["augment"]) == (ESTIMATORS, READERS, ("auto", *MODES))
     assert allowed["pooling"] == POOLINGS
@@ -105,8 +105,9 @@ def test_validate_allows_exactly_the_values_the_help_lists():
         # the values in order, each with an optional note in brackets, " | " between, and no others
         listing = r" \| ".join(rf"\b{re.escape(v)}(?: \([^)]*\))?" for v in values)
         assert re.search(listing, line) and line.count("|") == len(values) - 1, (key, line)
+        needs = {"pooling": "votes"} if key == "none_class" else {}  # a none logit needs per-patch votes
         for value in values:
-            TrainConfig(**{key: value}).validate()
+            TrainConfig(**{key: value, **needs}).validate()
         with pytest.raises(ConfigError, match=re.escape(f"{key} must be one of {', '.join(values)} ")):
             TrainConfig(**{key: "bogus"}).validate()
 

@@ -30,6 +30,16 @@ def test_value_and_gradient_stay_unbiased_with_votes_and_counts(estimator, pooli
     assert _z_of_classification_gradient(m, value=True) < Z_MAX
 
 
+@pytest.mark.parametrize("pooling", ["votes", "counts"])
+def test_value_and_gradient_stay_unbiased_with_a_none_logit(pooling):
+    """--none-class on: each vote is the classes' share of a softmax with one more logit
+    (its own linear head, a gradient path of its own): still a function of the patch
+    alone, so the same check passes, the none head's parameters included."""
+    m = _model("sequential", pooling=pooling, patch=16, none_class=True)
+    torch.nn.init.normal_(m.none.weight, std=0.5)  # a patch-dependent none logit, not a constant
+    assert _z_of_classification_gradient(m, value=True) < Z_MAX
+
+
 def test_counts_weigh_every_object_once_where_votes_follow_the_attention_mass():
     """Two objects on a 20x20 attention grid (cells of 5 px, patches of 16 px: windows of
     5 cells): class 0 under 0.8 of the mass, spread over 4 cells; class 1 under 0.2, on
@@ -86,13 +96,51 @@ def test_the_pooling_is_in_the_spec_and_a_class_without_votes_stays_finite():
 
 
 def test_models_and_runs_from_before_the_votes_pool_features():
-    old = {k: v for k, v in _spec().items() if k != "pooling"} | {"version": 5}
-    assert upgrade_spec(old)["pooling"] == "features"
-    assert create_model(old).pooling == "features"
+    old = {k: v for k, v in _spec().items() if k not in ("pooling", "none_class")} | {"version": 5}
+    assert upgrade_spec(old)["pooling"] == "features" and upgrade_spec(old)["none_class"] is False
+    assert create_model(old).pooling == "features" and create_model(old).none is None
     assert upgrade_run_config({"method": "ats"})["pooling"] == "features"
+    assert upgrade_run_config({"method": "ats"})["none_class"] == "off"
+
+
+def test_a_none_logit_is_refused_where_patches_do_not_vote():
+    with pytest.raises(ConfigError, match="none_class on needs pooling votes or counts"):
+        resolve_config(None, none_class="on")
+    with pytest.raises(ValueError, match="none_class needs pooling votes or counts"):
+        create_model({**_spec(), "none_class": True})
+    m = create_model(_spec(pooling="votes", none_class="on"))
+    feats = torch.randn(4, 8)
+    with torch.no_grad():
+        m.none.weight.zero_()
+        m.none.bias.fill_(30.0)  # every patch sure it shows no class: it votes (almost) nothing
+        assert float(m.patch_values(feats).sum(1).max()) < 1e-6
 
 
 def test_votes_are_refused_where_nothing_is_pooled_by_attention():
     for method in ("cnn", "deepmil"):
         with pytest.raises(ConfigError, match=f"pooling votes: method {method}"):
             resolve_config(None, method=method, pooling="votes")
+
+
+def test_release_reads_one_checkpoint_with_another_pooling_and_without_its_none_logit(tmp_path):
+    """tools/release_model.py --pooling / --none-class off: the same weights, pooled as asked;
+    dropping the none logit leaves every other tensor as it was."""
+    import importlib.util
+
+    from ats_cli.checkpoint import load_model, save_checkpoint
+
+    spec = importlib.util.spec_from_file_location("release_model", "tools/release_model.py")
+    release = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(release)
+    src = tmp_path / "stage1.pt"
+    m = create_model(_spec(pooling="votes", none_class="on"))
+    save_checkpoint(src, spec=_spec(pooling="votes", none_class="on"), classes=["a", "b", "c"], model=m)
+    release.main(str(src), str(tmp_path / "counts.pt"), pooling="counts")
+    release.main(str(src), str(tmp_path / "plain.pt"), none_class="off")
+    counts, _ = load_model(tmp_path / "counts.pt")
+    plain, ckpt = load_model(tmp_path / "plain.pt")
+    assert counts.pooling == "counts" and counts.none is not None
+    assert plain.pooling == "votes" and plain.none is None and ckpt["spec"]["none_class"] is False
+    kept = m.state_dict()
+    assert all(torch.equal(v, kept[k]) for k, v in plain.state_dict().items())
+    assert set(kept) - set(plain.state_dict()) == {"none.weight", "none.bias"}

@@ -420,7 +420,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pooling", choices=["features", "votes", "counts"], default="features",
                     help="as ats train's: what the checkpoint's model pools (votes: each patch's class\n"
                          "probabilities, which is what this stage trains the classifier on)")
+    ap.add_argument("--none-class", choices=["off", "on"], default="off",
+                    help="as ats train's (with --pooling votes or counts): the checkpoint keeps this stage's\n"
+                         "'none' row as its per-patch 'no class here' logit")
     args = ap.parse_args(argv)
+    if args.none_class == "on" and args.pooling == "features":
+        ap.error("--none-class on needs --pooling votes or counts")
     if args.none_uniform < 0:
         ap.error(f"--none-uniform must be >= 0 (got {args.none_uniform})")
 
@@ -446,7 +451,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = TrainConfig(data=args.data, attention_net=args.attention_net, attention_width=args.attention_width,
                       feature_net=args.feature_net, feature_width=args.feature_width,
                       feature_scale=args.feature_scale, seed=args.seed, patch_gain=args.patch_gain,
-                      scale=args.scale, pooling=args.pooling)
+                      scale=args.scale, pooling=args.pooling, none_class=args.none_class)
     cfg.from_data(data.hints)
     # what ats train decides for Megapixel MNIST's black canvas: only bright cells are sampled,
     # so the attention is taught (and its mass on the digits measured) over those
@@ -559,6 +564,9 @@ def main(argv: list[str] | None = None) -> None:
     with torch.no_grad():  # the ten digit rows: the image's logits start as its patches' weighted vote
         model.classifier.weight.copy_(head.weight[: data.num_classes])
         model.classifier.bias.copy_(head.bias[: data.num_classes])
+        if model.none is not None:  # --none-class on: the none row, as the model's "no class here" logit
+            model.none.weight.copy_(head.weight[data.num_classes :])
+            model.none.bias.copy_(head.bias[data.num_classes :])
     save_checkpoint(args.out, spec=spec, classes=data.classes, model=model.cpu(),
                     pretrain={"images": min(args.images, len(data["train"])), "patches": int(len(y)),
                               "epochs": args.epochs, "shrunken": args.shrunken,

@@ -1,7 +1,7 @@
 """Write a released model: a run's checkpoint without its optimizer state.
 
     python tools/release_model.py RUN_DIR/best.pt models/NAME.pt [--mpp MPP] [--eval-n-patches N]
-                                  [--pooling features|votes|counts]
+                                  [--pooling features|votes|counts] [--none-class off]
 
 Keeps what prediction and a model card need (spec, classes, weights, the training
 configuration and the per-epoch history) and drops the optimizer and scaler state, so
@@ -19,6 +19,8 @@ default of models trained since (docs/training.md, "Patches at evaluation").
 ``--pooling features|votes|counts``: what the released model pools (spec version 6), for a
 checkpoint whose classifier reads one patch as well as the pooled features: that of
 ``tools/pretrain_mnist_features.py``, trained on single patches, read either way.
+``--none-class off`` drops a checkpoint's "no class here" logit (ats train --none-class),
+so that one checkpoint can be read with and without it.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from ats_cli.models import create_model
 
 
 def main(src: str, dst: str, mpp: float | None = None, eval_n_patches: int | None = None,
-         pooling: str | None = None) -> None:
+         pooling: str | None = None, none_class: str | None = None) -> None:
     try:
         ckpt = load_checkpoint(src)
     except CheckpointError as e:
@@ -47,6 +49,9 @@ def main(src: str, dst: str, mpp: float | None = None, eval_n_patches: int | Non
         ckpt["spec"] = {**upgrade_spec(ckpt["spec"]), "eval_n_patches": int(eval_n_patches)}
     if pooling is not None:
         ckpt["spec"] = {**upgrade_spec(ckpt["spec"]), "pooling": pooling}
+    if none_class == "off":
+        ckpt["spec"] = {**upgrade_spec(ckpt["spec"]), "none_class": False}
+        ckpt["model"] = {k: v for k, v in ckpt["model"].items() if not k.startswith("none.")}
     model = create_model(ckpt["spec"])
     model.load_state_dict(ckpt["model"])
     save_checkpoint(dst, spec=ckpt["spec"], classes=ckpt["classes"], model=model, epoch=ckpt.get("epoch"),
@@ -61,5 +66,6 @@ if __name__ == "__main__":
     parser.add_argument("--mpp", type=float, default=None)
     parser.add_argument("--eval-n-patches", type=int, default=None)
     parser.add_argument("--pooling", choices=["features", "votes", "counts"], default=None)
+    parser.add_argument("--none-class", choices=["off"], default=None)
     a = parser.parse_args()
-    main(a.src, a.dst, a.mpp, a.eval_n_patches, a.pooling)
+    main(a.src, a.dst, a.mpp, a.eval_n_patches, a.pooling, a.none_class)

@@ -118,6 +118,13 @@ class ATSModel(nn.Module):
     (tests/test_pooling.py); the log is the model's nonlinearity, as the classifier and
     softmax are with features. Measured: benchmarks/README.md, "Votes".
 
+    ``none_class`` (votes and counts only): one more logit per patch, for "no class here",
+    in the softmax of each patch's vote, whose class entries are then its vote: a patch
+    read as none (noise, background) votes little, where otherwise it must spread a whole
+    vote over the classes. Stage 1 of the robust Megapixel MNIST recipe trains it
+    (tools/pretrain_mnist_features.py: digit vs none on patches). Still a function of the
+    patch alone: the estimate stays unbiased (tests/test_pooling.py).
+
     ``counts``: the vote of each patch divided by ``M_i``, the attention mass of the cells
     within one patch of its cell (:meth:`local_mass`), so the estimate is of
     ``sum_i a_i p_i / M_i``. Why: a vote weighs each object by the attention mass it got,
@@ -153,6 +160,7 @@ class ATSModel(nn.Module):
         eval_n_patches: int = 0,
         patch_gain: bool = False,
         pooling: str = "features",
+        none_class: bool = False,
     ):
         super().__init__()
         if estimator not in ESTIMATORS:
@@ -163,6 +171,10 @@ class ATSModel(nn.Module):
         self.feature_net = feature_net
         self.classifier = nn.Linear(feature_net.out_features, n_classes)
         self.gain = nn.Linear(feature_net.out_features, 1) if patch_gain else None
+        # one more logit per patch, for "no class here": see patch_values
+        self.none = nn.Linear(feature_net.out_features, 1) if none_class else None
+        if self.none is not None and pooling == "features":
+            raise ValueError("none_class needs pooling votes or counts: pooled features have no per-patch vote")
         if self.gain is not None:  # g = softplus(b) = 1 for every patch at the start: the unit-norm model
             nn.init.zeros_(self.gain.weight)
             nn.init.constant_(self.gain.bias, math.log(math.e - 1.0))
@@ -286,7 +298,11 @@ class ATSModel(nn.Module):
         ``"counts"`` those divided by ``mass`` [...], the patches' :meth:`local_mass`."""
         if self.pooling == "features":
             return feats
-        probs = self.classifier(feats).float().softmax(-1)
+        logits = self.classifier(feats).float()
+        if self.none is None:
+            probs = logits.softmax(-1)
+        else:  # the classes' share of a softmax that also has "no class here": a patch read as none votes little
+            probs = torch.cat([logits, self.none(feats).float()], -1).softmax(-1)[..., :-1]
         if self.pooling == "votes":
             return probs
         if mass is None:
