@@ -97,6 +97,8 @@ class TrainConfig:
     none_class: str = _key("off", "A per-patch logit for no class here, with --pooling votes or counts: {choices}",
                            METHOD_PANEL, choices={"off": "every patch spreads a whole vote over the classes",
                                                   "on": "a patch read as none votes little"})
+    count_floor: float = _key(0.0, "With --pooling counts: an object with less than this share of the attention "
+                              "counts in proportion to it, not once (0 = every object once, 1 = votes)", METHOD_PANEL)
     # auxiliary training signals (ats_cli.core.model.auxiliary_losses; 0 = off = the thesis's loss).
     # Off by default: they slowed learning in every run measured (docs/training.md, ablation)
     patch_loss: float = _key(0.0, "Weight of the auxiliary per-patch loss: each sampled patch alone predicts the "
@@ -164,6 +166,8 @@ class TrainConfig:
         problems += [f"{k} must be >= 0" for k in non_negative if getattr(self, k) < 0]
         if self.feature_lr != 1 and self.method == "cnn":
             problems.append(f"feature_lr {self.feature_lr}: method cnn has no feature network (it trains one ResNet)")
+        if not 0 <= self.count_floor <= 1:
+            problems.append(f"count_floor must be in [0, 1] (got {self.count_floor})")
         if self.none_class == "on" and self.pooling == "features":
             problems.append("none_class on needs pooling votes or counts (pooled features have no per-patch vote)")
         if self.pooling != "features" and self.method in ("cnn", "deepmil"):

@@ -35,7 +35,8 @@ __all__ = ["SPEC_VERSION", "SPEC_LEGACY", "SPEC_LEGACY_2", "SPEC_INPUT_LEGACY_3"
 # Version 4: the spec carries ``eval_n_patches``, the patches drawn at evaluation and
 # prediction (ats_cli.core.model.ATSModel.patches_now).
 # Version 5: the spec carries ``patch_gain`` (ats_cli.core.model.ATSModel.patch_features).
-# Version 6: the spec carries ``pooling`` and ``none_class`` (ats_cli.core.model.ATSModel.patch_values).
+# Version 6: the spec carries ``pooling``, ``none_class`` and ``count_floor``
+# (ats_cli.core.model.ATSModel.patch_values).
 SPEC_VERSION = 6
 
 # Keys a version-0 spec may lack, with the value that stands for its absence.
@@ -86,6 +87,7 @@ SPEC_LEGACY_6: dict[str, Any] = {
     # Models saved before the votes existed pooled their features (the thesis).
     "pooling": "features",
     "none_class": False,
+    "count_floor": 0.0,
 }
 
 # Keys a version-2 (or older) spec's ``input`` block may lack.
@@ -117,6 +119,7 @@ RUN_CONFIG_LEGACY: dict[str, Any] = {
     # Runs saved before --pooling existed pooled features, with no "none" logit.
     "pooling": "features",
     "none_class": "off",
+    "count_floor": 0.0,
 }
 
 

@@ -88,6 +88,7 @@ def model_spec(cfg: TrainConfig, *, n_classes: int, channels: int, mpp: float | 
         "patch_gain": cfg.patch_gain == "on",  # settled by training (auto -> on/off) before the spec is written
         "pooling": cfg.pooling,
         "none_class": cfg.none_class == "on",
+        "count_floor": cfg.count_floor,
         # how inputs were read in training: predict and visualize read them alike by default
         "input": {**cfg.input_options(), **({"mpp": float(mpp)} if mpp else {}), "resample": True},
     }
@@ -118,6 +119,7 @@ def _sampling_model(spec: dict[str, Any], attention: nn.Module) -> ATSModel:
         patch_gain=bool(spec["patch_gain"]),
         pooling=spec["pooling"],
         none_class=bool(spec["none_class"]),
+        count_floor=float(spec["count_floor"]),
     )
 
 

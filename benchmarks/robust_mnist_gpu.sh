@@ -14,8 +14,8 @@
 # NTRAIN=12000 (training images, all used by stage 1) EPOCHS=4 ATT_EPOCHS=8 NFRESH=1000
 # JOBS=8 (sets predicted at once) TRAIN_NOISE=reference,strokes,fragments,grid,glyphs
 # (blobs and rings are held out: only the table sees them) PY=python3.
-# Files back (at most 8): log.txt, stage1.log, robustness_{counts-none,votes-none,votes}.json and
-# robustness_features.json (each table is in log.txt), models.tar (the checkpoint and the releases).
+# Files back (at most 8): log.txt, stage1.log, robustness_{counts-none-f0.02,counts-none,votes-none,
+# votes}.json (each table is in log.txt), models.tar (the checkpoint and the releases).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$(date +%s); BUDGET_S=${BUDGET_S:-400}
@@ -61,8 +61,8 @@ boxed stage1 "$PY" tools/pretrain_mnist_features.py "$W/data" "$W/stage1.pt" --i
   --pooling counts --none-class on 2>&1 | tee "$RES/stage1.log"
 
 # the same checkpoint read four ways, the most promising first (the budget may end the list)
-for way in "counts-none --pooling counts" "votes-none --pooling votes" "votes --pooling votes --none-class off" \
-           "features --pooling features --none-class off"; do
+for way in "counts-none-f0.02 --pooling counts --count-floor 0.02" "counts-none --pooling counts" \
+           "votes-none --pooling votes" "votes --pooling votes --none-class off"; do
   read -r name flags <<< "$way"
   [[ -f "$W/stage1.pt" ]] || break
   "$PY" tools/release_model.py "$W/stage1.pt" "$W/stage1-$name.pt" --eval-n-patches 80 $flags

@@ -43,12 +43,12 @@ class _TinyFeatures(nn.Module):
 
 
 def _model(estimator="auto", rarity_prior=0.0, patch_gain=False, pooling="features", patch=PATCH,
-           none_class=False) -> ATSModel:
+           none_class=False, count_floor=0.0) -> ATSModel:
     torch.manual_seed(3)
     m = ATSModel(create("mnist-attention", in_channels=1, width=4), _TinyFeatures(), n_classes=3, n_patches=N,
                  patch_size=(patch, patch), scale=SCALE, entropy_weight=0.0, feature_scale=3.0,
                  estimator=estimator, rarity_prior=rarity_prior, patch_gain=patch_gain, pooling=pooling,
-                 none_class=none_class)
+                 none_class=none_class, count_floor=count_floor)
     # a non-uniform attention to start from (the last layer is zero-initialised)
     nn.init.normal_(m.attention_net.score.weight, std=0.5)
     return m.train()

@@ -30,6 +30,13 @@ def test_value_and_gradient_stay_unbiased_with_votes_and_counts(estimator, pooli
     assert _z_of_classification_gradient(m, value=True) < Z_MAX
 
 
+def test_value_and_gradient_stay_unbiased_with_a_count_floor():
+    """counts with --count-floor 0.3: M_i floored where the 3x3 window holds less (most
+    cells here, not all), still a deterministic function of the attention per cell."""
+    m = _model("sequential", pooling="counts", patch=16, count_floor=0.3)
+    assert _z_of_classification_gradient(m, value=True) < Z_MAX
+
+
 @pytest.mark.parametrize("pooling", ["votes", "counts"])
 def test_value_and_gradient_stay_unbiased_with_a_none_logit(pooling):
     """--none-class on: each vote is the classes' share of a softmax with one more logit
@@ -59,6 +66,15 @@ def test_counts_weigh_every_object_once_where_votes_follow_the_attention_mass():
     votes, counts = a[0] @ p, a[0] @ (p / mass.clamp_min(1e-30)[:, None])
     assert torch.allclose(votes, torch.tensor([0.8, 0.2, 0.0]))
     assert torch.allclose(counts, torch.tensor([1.0, 1.0, 0.0]))
+    # --count-floor 0.5: the heavy object still counts once, the light one 0.2 / 0.5 of a count;
+    # a floor of 1 is the vote
+    for floor, expected in ((0.5, [1.0, 0.4, 0.0]), (1.0, [0.8, 0.2, 0.0])):
+        assert torch.allclose(a[0] @ (p / mass.clamp_min(floor)[:, None]), torch.tensor(expected))
+    # ... which is what the model divides by
+    feats, some = torch.randn(6, 8), torch.tensor([0.05, 0.2, 0.5, 0.7, 0.9, 1.0])
+    m.count_floor = 0.5
+    probs = m.classifier(feats).softmax(-1)
+    assert torch.allclose(m.patch_values(feats, some), probs / some.clamp_min(0.5)[:, None])
     feats = torch.randn(5, 8)
     with pytest.raises(ValueError, match="needs the attention mass"):
         m.patch_values(feats)
@@ -101,6 +117,12 @@ def test_models_and_runs_from_before_the_votes_pool_features():
     assert create_model(old).pooling == "features" and create_model(old).none is None
     assert upgrade_run_config({"method": "ats"})["pooling"] == "features"
     assert upgrade_run_config({"method": "ats"})["none_class"] == "off"
+
+
+def test_a_count_floor_outside_0_1_is_refused():
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ConfigError, match="count_floor must be in"):
+            resolve_config(None, pooling="counts", count_floor=bad)
 
 
 def test_a_none_logit_is_refused_where_patches_do_not_vote():

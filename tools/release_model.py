@@ -2,6 +2,7 @@
 
     python tools/release_model.py RUN_DIR/best.pt models/NAME.pt [--mpp MPP] [--eval-n-patches N]
                                   [--pooling features|votes|counts] [--none-class off]
+                                  [--count-floor F]
 
 Keeps what prediction and a model card need (spec, classes, weights, the training
 configuration and the per-epoch history) and drops the optimizer and scaler state, so
@@ -20,7 +21,8 @@ default of models trained since (docs/training.md, "Patches at evaluation").
 checkpoint whose classifier reads one patch as well as the pooled features: that of
 ``tools/pretrain_mnist_features.py``, trained on single patches, read either way.
 ``--none-class off`` drops a checkpoint's "no class here" logit (ats train --none-class),
-so that one checkpoint can be read with and without it.
+so that one checkpoint can be read with and without it; ``--count-floor F`` sets the floor
+of a counts pooling (ats train --count-floor).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from ats_cli.models import create_model
 
 
 def main(src: str, dst: str, mpp: float | None = None, eval_n_patches: int | None = None,
-         pooling: str | None = None, none_class: str | None = None) -> None:
+         pooling: str | None = None, none_class: str | None = None, count_floor: float | None = None) -> None:
     try:
         ckpt = load_checkpoint(src)
     except CheckpointError as e:
@@ -49,6 +51,10 @@ def main(src: str, dst: str, mpp: float | None = None, eval_n_patches: int | Non
         ckpt["spec"] = {**upgrade_spec(ckpt["spec"]), "eval_n_patches": int(eval_n_patches)}
     if pooling is not None:
         ckpt["spec"] = {**upgrade_spec(ckpt["spec"]), "pooling": pooling}
+    if count_floor is not None:
+        if not 0 <= count_floor <= 1:
+            raise SystemExit(f"--count-floor must be in [0, 1], got {count_floor}")
+        ckpt["spec"] = {**upgrade_spec(ckpt["spec"]), "count_floor": float(count_floor)}
     if none_class == "off":
         ckpt["spec"] = {**upgrade_spec(ckpt["spec"]), "none_class": False}
         ckpt["model"] = {k: v for k, v in ckpt["model"].items() if not k.startswith("none.")}
@@ -67,5 +73,6 @@ if __name__ == "__main__":
     parser.add_argument("--eval-n-patches", type=int, default=None)
     parser.add_argument("--pooling", choices=["features", "votes", "counts"], default=None)
     parser.add_argument("--none-class", choices=["off"], default=None)
+    parser.add_argument("--count-floor", type=float, default=None)
     a = parser.parse_args()
-    main(a.src, a.dst, a.mpp, a.eval_n_patches, a.pooling, a.none_class)
+    main(a.src, a.dst, a.mpp, a.eval_n_patches, a.pooling, a.none_class, a.count_floor)
