@@ -166,3 +166,7 @@ def test_release_reads_one_checkpoint_with_another_pooling_and_without_its_none_
     kept = m.state_dict()
     assert all(torch.equal(v, kept[k]) for k, v in plain.state_dict().items())
     assert set(kept) - set(plain.state_dict()) == {"none.weight", "none.bias"}
+    # features cannot read a none logit: one line naming the file, nothing written
+    with pytest.raises(SystemExit, match="stage1.pt: cannot be released so .*none_class needs pooling votes"):
+        release.main(str(src), str(tmp_path / "features.pt"), pooling="features")
+    assert not (tmp_path / "features.pt").exists()

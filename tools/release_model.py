@@ -58,8 +58,11 @@ def main(src: str, dst: str, mpp: float | None = None, eval_n_patches: int | Non
     if none_class == "off":
         ckpt["spec"] = {**upgrade_spec(ckpt["spec"]), "none_class": False}
         ckpt["model"] = {k: v for k, v in ckpt["model"].items() if not k.startswith("none.")}
-    model = create_model(ckpt["spec"])
-    model.load_state_dict(ckpt["model"])
+    try:  # e.g. --pooling features on a checkpoint with a none logit: one line naming the file
+        model = create_model(ckpt["spec"])
+        model.load_state_dict(ckpt["model"])
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise SystemExit(f"error: {src}: cannot be released so ({str(e).splitlines()[0]})") from None
     save_checkpoint(dst, spec=ckpt["spec"], classes=ckpt["classes"], model=model, epoch=ckpt.get("epoch"),
                     config=ckpt.get("config", {}), history=ckpt.get("history", []))
     print(f"wrote {dst} ({Path(dst).stat().st_size / 1e3:.0f} kB) from {src}, epoch {ckpt.get('epoch')}")
