@@ -116,7 +116,7 @@ class ATSModel(nn.Module):
     to every class, so it cannot tip the vote. ``p`` is a function of the patch alone, so
     the estimate of ``E_a[p]`` and both its gradients are unbiased exactly as for features
     (tests/test_pooling.py); the log is the model's nonlinearity, as the classifier and
-    softmax are with features. Measured: benchmarks/README.md, "Votes".
+    softmax are with features. Measured: benchmarks/README.md, "Votes and counts".
 
     ``none_class`` (votes and counts only): one more logit per patch, for "no class here",
     in the softmax of each patch's vote, whose class entries are then its vote: a patch
@@ -130,7 +130,7 @@ class ATSModel(nn.Module):
     ``sum_i a_i p_i / M_i``. Why: a vote weighs each object by the attention mass it got,
     and a learned attention is uneven (one digit 5 times another on clean Megapixel MNIST,
     which alone cost 9 points of a perfect reader's majority: benchmarks/README.md,
-    "Votes"). Derivation: for an object whose cells R lie within one patch of each other
+    "Votes and counts"). Derivation: for an object whose cells R lie within one patch of each other
     with no other mass near, ``M_i = a(R)`` for ``i`` in R and ``sum_{i in R} a_i / M_i =
     1``: every object adds its class probabilities once, whatever its mass, and the
     logits are the log of the estimated counts per class. Unbiased: ``p_i / M_i`` is a
