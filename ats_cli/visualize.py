@@ -275,6 +275,24 @@ def _gains(model, result) -> torch.Tensor | None:
     return gains.view(result.patches.shape[:2]).double().cpu()
 
 
+def _count_shares(model, result, opened: OpenedImage) -> torch.Tensor | None:
+    """For a model that pools counts, each drawn patch's count per unit of estimator weight
+    [B, n]: its vote's total (below 1 where a none logit takes part of it) over
+    ``max(M, floor)`` (M: ATSModel.local_mass); None for other models. Weight times this is
+    what the draw adds to the class counts, so the figure ranks the patches as the
+    prediction weighs them: a digit drawn many times (a bold one, much attention) counts
+    once in both, and noise read as none adds (almost) nothing."""
+    if getattr(model, "pooling", "features") != "counts" or result.patches is None:
+        return None
+    att = result.attention.detach().float()
+    sizes = torch.tensor([list(opened.source.size)], device=att.device)
+    with torch.no_grad():
+        mass = model.local_mass(att.flatten(1), tuple(att.shape[-2:]), sizes).gather(1, result.indices)
+        feats = model.patch_features(result.patches.flatten(0, 1).to(att.device))
+        counted = model.patch_values(feats, mass.flatten()).sum(-1).view(mass.shape)
+    return counted.double().cpu()
+
+
 def _weights(model, result, seed: int) -> torch.Tensor | None:
     """The estimator weights [B, n] of this sampling (replayed, see
     :func:`ats_cli.geojson.replay_weights`), or None where they cannot be recovered."""
@@ -569,6 +587,9 @@ def render_attention(
     gains = _gains(net, result)
     if weights is not None and gains is not None:  # a patch's share of the pooled feature: w g
         weights = weights * gains
+    shares = _count_shares(net, result, opened)
+    if weights is not None and shares is not None:  # what a draw adds to the counts: w (sum of vote) / M
+        weights = weights * shares
     sites = patch_sites(result.offsets[0].cpu().tolist(), result.sampled_probs[0].cpu().tolist(),
                         None if weights is None else weights[0].tolist())
     # Draws beyond the support (more patches asked than cells that may be sampled) land on
@@ -582,7 +603,8 @@ def render_attention(
     ph, pw = net.patch_size
     n = int(result.offsets.shape[1])
     shown = sites[:MAX_STRIP]
-    what = ("weight x gain" if gains is not None else "weight") if weights is not None else "attention"
+    what = ("weight x gain" if gains is not None else "count" if shares is not None else "weight") \
+        if weights is not None else "attention"
 
     # Layout in inches, top to bottom: title lines, the image panel (its aspect kept) with the
     # colour bar and the weight key on its right, its caption, the strip's heading, the strip.
@@ -630,6 +652,7 @@ def render_attention(
     more = f"the {len(shown)} of most {what}" if len(shown) < len(sites) else f"all {len(shown)}"
     key = ("a: attention probability" if weights is None else
            "wg: estimator weight x learned gain, a: attention probability" if gains is not None else
+           "count: what the draw adds to the class counts, a: attention probability" if shares is not None else
            "w: estimator weight, a: attention probability")
     strip_top = panel_bottom - caption_h
     fig.text(0.5, (strip_top - 0.05) / fig_h, f"the sampled patches at full resolution, {more}, heaviest first  "
@@ -649,7 +672,7 @@ def render_attention(
             spine.set_linewidth(2.0)
         times = f" (x{len(site.draws)})" if len(site.draws) > 1 else ""
         pax.set_title(f"#{i + 1}  draw {site.draws[0]}{times}", fontsize=6.5, pad=2)
-        w = "wg" if gains is not None else "w"
+        w = "wg" if gains is not None else "count" if shares is not None else "w"
         under = (f"{w} {_short_prob(site.weight)}\na {_short_prob(site.attention)}" if weights is not None
                  else f"a {_short_prob(site.attention)}")
         pax.set_xlabel(under, fontsize=6.5, labelpad=1.5, linespacing=1.2)

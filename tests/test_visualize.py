@@ -199,3 +199,23 @@ def test_a_model_with_a_patch_gain_ranks_the_patches_by_weight_times_gain(tmp_pa
 
     assert [on_nest(o) for o in summary.strip[:2]] == [True, True]
     opens(summary.out, (600, 600))
+
+
+def test_a_counts_model_ranks_the_patches_by_what_they_add_to_the_counts():
+    """The released Megapixel MNIST model pools counts: a draw's share in the figure is its
+    estimator weight x its vote's total / max(M, floor), and these shares add up to the
+    counts the prediction was made from (the sum of exp(logits))."""
+    from ats_cli.predict import load_predictor
+    from ats_cli.visualize import _count_shares, _weights, sample_attention
+
+    root = Path(__file__).resolve().parents[1]
+    predictor = load_predictor(root / "models" / "megapixel-mnist-ats.pt", "cpu")
+    net = predictor.model
+    opened = predictor.opener()(root / "sample_data" / "megapixel-mnist" / "00001.png", channels=1, scale=net.scale,
+                                patch_size=net.patch_size)
+    result = sample_attention(predictor, opened, n_patches=None, seed=0, return_patches=True)
+    shares = _count_shares(net, result, opened)
+    weights = _weights(net, result, 0)
+    assert shares is not None and weights is not None and float(shares.max()) <= 1 / net.count_floor
+    counts = result.logits.double().exp().sum()
+    assert torch.allclose((weights * shares).sum(), counts, rtol=1e-4), ((weights * shares).sum(), counts)
