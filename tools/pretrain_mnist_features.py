@@ -417,10 +417,13 @@ def main(argv: list[str] | None = None) -> None:
     for flag, default in (("--attention-net", "mnist-attention"), ("--attention-width", 8),
                           ("--feature-net", "small-cnn"), ("--feature-width", 32), ("--feature-scale", 10.0)):
         ap.add_argument(flag, type=type(default), default=default, help=f"as ats train's (default {default})")
-    ap.add_argument("--pooling", choices=["features", "votes", "counts"], default="features",
+    from ats_cli.config import allowed_values  # torch-free: --help stays instant
+
+    choices = allowed_values()
+    ap.add_argument("--pooling", choices=choices["pooling"], default="features",
                     help="as ats train's: what the checkpoint's model pools (votes: each patch's class\n"
                          "probabilities, which is what this stage trains the classifier on)")
-    ap.add_argument("--none-class", choices=["off", "on"], default="off",
+    ap.add_argument("--none-class", choices=choices["none_class"], default="off",
                     help="as ats train's (with --pooling votes or counts): the checkpoint keeps this stage's\n"
                          "'none' row as its per-patch 'no class here' logit")
     args = ap.parse_args(argv)

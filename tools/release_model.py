@@ -31,6 +31,7 @@ import argparse
 from pathlib import Path
 
 from ats_cli.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from ats_cli.config import allowed_values
 from ats_cli.legacy import upgrade_spec
 from ats_cli.models import create_model
 
@@ -45,19 +46,18 @@ def main(src: str, dst: str, mpp: float | None = None, eval_n_patches: int | Non
         if not mpp > 0:
             raise SystemExit(f"--mpp must be > 0, got {mpp}")
         ckpt["spec"]["input"] = {**ckpt["spec"]["input"], "mpp": float(mpp), "level": None, "resample": True}
-    if eval_n_patches is not None:
-        if eval_n_patches < 0:
-            raise SystemExit(f"--eval-n-patches must be >= 0, got {eval_n_patches}")
-        ckpt["spec"] = {**upgrade_spec(ckpt["spec"]), "eval_n_patches": int(eval_n_patches)}
-    if pooling is not None:
-        ckpt["spec"] = {**upgrade_spec(ckpt["spec"]), "pooling": pooling}
-    if count_floor is not None:
-        if not 0 <= count_floor <= 1:
-            raise SystemExit(f"--count-floor must be in [0, 1], got {count_floor}")
-        ckpt["spec"] = {**upgrade_spec(ckpt["spec"]), "count_floor": float(count_floor)}
+    if eval_n_patches is not None and eval_n_patches < 0:
+        raise SystemExit(f"--eval-n-patches must be >= 0, got {eval_n_patches}")
+    if count_floor is not None and not 0 <= count_floor <= 1:
+        raise SystemExit(f"--count-floor must be in [0, 1], got {count_floor}")
+    # the spec keys these options set, each at the spec version that has it (upgrade_spec)
+    changes = {k: cast(v) for k, v, cast in (("eval_n_patches", eval_n_patches, int), ("pooling", pooling, str),
+                                             ("count_floor", count_floor, float)) if v is not None}
     if none_class == "off":
-        ckpt["spec"] = {**upgrade_spec(ckpt["spec"]), "none_class": False}
+        changes["none_class"] = False
         ckpt["model"] = {k: v for k, v in ckpt["model"].items() if not k.startswith("none.")}
+    if changes:
+        ckpt["spec"] = {**upgrade_spec(ckpt["spec"]), **changes}
     try:  # e.g. --pooling features on a checkpoint with a none logit: one line naming the file
         model = create_model(ckpt["spec"])
         model.load_state_dict(ckpt["model"])
@@ -74,7 +74,7 @@ if __name__ == "__main__":
     parser.add_argument("dst")
     parser.add_argument("--mpp", type=float, default=None)
     parser.add_argument("--eval-n-patches", type=int, default=None)
-    parser.add_argument("--pooling", choices=["features", "votes", "counts"], default=None)
+    parser.add_argument("--pooling", choices=allowed_values()["pooling"], default=None)
     parser.add_argument("--none-class", choices=["off"], default=None)
     parser.add_argument("--count-floor", type=float, default=None)
     a = parser.parse_args()
