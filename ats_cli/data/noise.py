@@ -33,6 +33,11 @@ split's reference patterns, the split's digit images). Families:
 * ``blobs`` -- one to three filled ellipses with soft edges: bright mass without strokes.
 * ``rings`` -- two to four small, nearly circular outlines (radius 2-4.5 px, at most half
   a digit's height, so they read as bubbles rather than zeros or eights).
+* ``waves`` -- one or two thin wavy lines ("~~~"), each a sine of at least 1.8 periods at a
+  random angle, 3-7 px from crest to trough: a smooth curve, which no other family draws,
+  and flat enough never to read as an S or a 2. Added on 2026-11-25 as a family no model
+  of this project had been tuned or screened on (``rings`` had served as the screen of a
+  stage 1 change), so that one held-out figure stays clean.
 * ``grid`` -- a patch of parallel 1-px lines at a random angle, crossed into a grid half of
   the time: texture instead of shape.
 * ``glyphs`` -- one or two printed letters or symbols (side by side) in Pillow's built-in
@@ -93,6 +98,10 @@ FRAGMENT_SIDE = (8, 13)  # piece height and width, inclusive: under half a digit
 FRAGMENT_MIN_INK = 20  # pixels above 127: a piece of stroke, not blank margin
 RING_COUNT = (2, 4)  # inclusive
 RING_RADIUS = (2.0, 4.5)  # at most 9 px across, half a digit's height: bubbles, not zeros
+WAVE_COUNT = (1, 2)  # inclusive
+WAVE_LENGTH = (16.0, 26.0)  # px along the wave's axis
+WAVE_PERIOD = (5.0, 9.0)  # px: at least 16 / 9 = 1.8 periods, a wave rather than an S
+WAVE_AMPLITUDE = (1.5, 3.5)  # px: 3-7 px crest to trough, far under a digit's height
 GLYPH_CHARS = "ACEFHKMNPRUVWXYachkmnpruvwxy#%&@*+=?<>"  # no digit look-alikes
 GLYPH_SIZE = (14, 22)  # font size in pixels, inclusive
 
@@ -253,6 +262,22 @@ def _rings(rng: np.random.Generator, context: NoiseContext) -> np.ndarray:
     return np.rint(out * 255.0).astype(np.uint8)
 
 
+def _waves(rng: np.random.Generator, context: NoiseContext) -> np.ndarray:
+    rr, cc = _grid()
+    out = np.zeros(PATCH, dtype=np.float64)
+    for _ in range(int(rng.integers(WAVE_COUNT[0], WAVE_COUNT[1] + 1))):
+        length, period = rng.uniform(*WAVE_LENGTH), rng.uniform(*WAVE_PERIOD)
+        amplitude, phase, angle = rng.uniform(*WAVE_AMPLITUDE), rng.uniform(0.0, 2 * np.pi), rng.uniform(0.0, np.pi)
+        centre = rng.uniform(9.0, 19.0, size=2)
+        t = np.linspace(-length / 2, length / 2, int(length * 4) + 1)  # points every 0.25 px along the axis
+        y = amplitude * np.sin(2 * np.pi * t / period + phase)
+        pr = centre[0] + t * np.sin(angle) + y * np.cos(angle)
+        pc = centre[1] + t * np.cos(angle) - y * np.sin(angle)
+        dist = np.sqrt((rr[..., None] - pr) ** 2 + (cc[..., None] - pc) ** 2).min(-1)  # to the curve
+        out = np.maximum(out, np.clip(1.3 - dist, 0.0, 1.0) * rng.uniform(0.7, 1.0))  # a ~2.5 px pen
+    return np.rint(out * 255.0).astype(np.uint8)
+
+
 def _parallel_lines(rng: np.random.Generator, context: NoiseContext) -> np.ndarray:
     rr, cc = _grid()
     spacing = rng.uniform(4.0, 7.0)
@@ -337,6 +362,11 @@ FAMILIES: dict[str, NoiseFamily] = {
             "rings", _rings, overlap=False, looks="2-4 small circle outlines (radius 2-4.5 px)",
             params={"count": list(RING_COUNT), "radius": list(RING_RADIUS), "aspect": [0.85, 1.15],
                     "gain": [0.7, 1.0]},
+        ),
+        NoiseFamily(
+            "waves", _waves, overlap=False, looks="1-2 thin wavy lines (>= 1.8 periods, 3-7 px high)",
+            params={"count": list(WAVE_COUNT), "length": list(WAVE_LENGTH), "period": list(WAVE_PERIOD),
+                    "amplitude": list(WAVE_AMPLITUDE), "gain": [0.7, 1.0]},
         ),
         NoiseFamily(
             "grid", _parallel_lines, overlap=False, looks="parallel 1-px lines, crossed half of the time",
