@@ -180,8 +180,10 @@ def _in_processes(args: argparse.Namespace, sets: list, work: Path) -> list[dict
     common += ["--offline"] if args.offline else []
     # one torch thread per core between the children: a full pool each would oversubscribe
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.jobs))}
-    parts = work / "_rows"
-    parts.mkdir(parents=True, exist_ok=True)
+    # this run's own folder for the children's rows: two runs sharing --work (another model on
+    # the same sets) once read each other's rows from a shared one
+    work.mkdir(parents=True, exist_ok=True)
+    parts = Path(tempfile.mkdtemp(prefix="_rows-", dir=work))
     queue, running, failed = [family for family, _, _ in sets], [], []
     while queue or running:
         while queue and len(running) < args.jobs:
@@ -195,8 +197,10 @@ def _in_processes(args: argparse.Namespace, sets: list, work: Path) -> list[dict
                 failed.append(f"{family} (exit {proc.returncode})")
     if failed:
         raise SystemExit(f"error: predicting these sets failed: {', '.join(failed)}")
-    return [{**json.loads((parts / f"{family}.json").read_text())["rows"][0], "generate_s": round(generated, 1)}
+    rows = [{**json.loads((parts / f"{family}.json").read_text())["rows"][0], "generate_s": round(generated, 1)}
             for family, _, generated in sets]
+    shutil.rmtree(parts, ignore_errors=True)
+    return rows
 
 
 if __name__ == "__main__":
