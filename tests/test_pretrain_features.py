@@ -94,13 +94,29 @@ def test_shrunken_digits_are_small_and_from_the_image(tool) -> None:
     assert round(20 * hi) - 2 <= max(tall) <= round(20 * hi) + 1
     from skimage.measure import label as components
 
-    def pieces(count: int, seed: int) -> int:
+    def pieces(count: int, seed: int, adjacent: bool = False) -> np.ndarray:
         out = tool.shrunken_digits(image, [[1, 30, 40, 28, 28]], np.zeros((50, 50), np.uint8),
-                                   np.random.default_rng(seed), count=count)
-        return int(components(out > 0, connectivity=2).max())
+                                   np.random.default_rng(seed), count=count, adjacent=adjacent)
+        return components(out > 0, connectivity=2)
 
-    assert all(pieces(1, seed) == 1 for seed in range(20))
-    assert sum(pieces(2, seed) == 2 for seed in range(20)) >= 15  # two copies (unless they overlap)
+    assert all(pieces(1, seed).max() == 1 for seed in range(20))
+    assert sum(pieces(2, seed).max() == 2 for seed in range(20)) >= 15  # two copies (unless they overlap)
+    # side by side: the two copies' centres SMALL_GAP times the sum of their ink radii apart
+    # (they may touch: then one piece), in varied directions, never scattered
+    ratios, directions = [], set()
+    for seed in range(40):
+        lab = pieces(2, seed, adjacent=True)
+        if lab.max() != 2:
+            continue
+        boxes = [np.argwhere(lab == k) for k in (1, 2)]
+        centres = [(b.min(0) + b.max(0)) / 2 for b in boxes]
+        radii = [(b.max(0) - b.min(0)).max() / 2 + 0.5 for b in boxes]
+        d = centres[1] - centres[0]
+        ratios.append(float(np.hypot(*d)) / sum(radii))
+        directions.add((int(np.sign(round(d[0] / 3))), int(np.sign(round(d[1] / 3)))))
+    lo, hi = tool.SMALL_GAP
+    assert len(ratios) >= 20 and lo - 0.15 <= min(ratios) and max(ratios) <= hi + 0.15, ratios
+    assert len(directions) >= 3  # stacked, side by side, diagonal
 
 
 def _contains(patch: np.ndarray, digit: np.ndarray) -> bool:
@@ -127,6 +143,10 @@ def test_checkpoint_starts_ats_train(tool, tmp_path: Path, capsys) -> None:
     ckpt = load_checkpoint(pre)
     assert ckpt["classes"] == [str(c) for c in range(10)] and ckpt["pretrain"]["patches"] > 12
     assert ckpt["pretrain"]["shrunken"] == tool.SMALL_PATCHES
+    # the share of "none" among the training patches, for tools/release_model.py --none-prior:
+    # a count of patches over the count of all of them
+    share = ckpt["pretrain"]["none_share"]
+    assert 0 < share < 1 and round(share * ckpt["pretrain"]["patches"], 6).is_integer()
     assert ckpt["spec"]["patch_gain"] is False and "gain.weight" not in ckpt["model"]  # no --patch-gain: none
     lines: list[str] = []
     cfg = TrainConfig(data=str(data), out=str(tmp_path / "run"), init=str(pre), epochs=1, lr=1e-12, workers=0,

@@ -23,12 +23,13 @@ noise from the families it was generated with: held-out families stay unseen).
 "None" has to hold for noise the training never showed, and a net that learned it only
 from the training families reads an unseen shape that happens to look like a small digit
 (two stacked bubbles: an 8) as that digit. So each image also gives ``--shrunken`` "none"
-patches holding one or two of its own digits shrunk to 0.3-0.6 of their size
-(:func:`shrunken_digits`): in Megapixel MNIST every digit comes at MNIST's size, so a
-digit-like shape at half that size is noise, whatever drew it -- a fact about the task,
-not about any noise family. ``--check`` measures the point: it reads the noise and digit
-patches of other datasets (fresh sets of held-out families) with the trained head
-(benchmarks/README.md, "Stage 1", has the figures with and without).
+patches holding one or two of its own digits shrunk to 0.3-0.6 of their size, half of
+the pairs set side by side (:func:`shrunken_digits`): in Megapixel MNIST every digit comes
+at MNIST's size, so a digit-like shape at half that size, or two of them together, is
+noise, whatever drew it -- a fact about the task, not about any noise family. ``--check``
+measures the point: it reads the noise and digit patches of other datasets (fresh sets of
+held-out families) with the trained head (benchmarks/README.md, "Stage 1", has the figures
+with and without).
 
 A patch read as "none" still votes in ``ats train``: the pooled feature is the attention-
 weighted mean of unit-norm features, and its ten digit logits still differ. So the ten
@@ -82,6 +83,8 @@ LIT_PATCHES = 8  # patches per image centred on random lit pixels (mostly noise:
 RANDOM_PATCHES = 2  # and anywhere (mostly black)
 SMALL_PATCHES = 3  # "none" patches holding shrunken digits of the image (see shrunken_digits)
 SMALL_SCALE = (0.3, 0.6)  # their size relative to the digits': a digit at half size is not a digit here
+SMALL_ADJACENT = 0.5  # chance that a second small digit is set right beside the first (see shrunken_digits)
+SMALL_GAP = (0.75, 1.1)  # then the distance of their centres over the sum of their ink radii (< 1: they touch)
 NONE_UNIFORM = 0.5  # weight of uniform_loss (outlier exposure's weight in its paper)
 ATTENTION_EPOCHS = 5  # stage 1b (see attention_targets)
 
@@ -178,7 +181,7 @@ def cut_patches(image: np.ndarray, boxes: list[list[int]], size: int, seed: int,
 
 
 def shrunken_digits(image: np.ndarray, boxes: list[list[int]], base: np.ndarray,
-                    rng: np.random.Generator, count: int | None = None) -> np.ndarray:
+                    rng: np.random.Generator, count: int | None = None, adjacent: bool | None = None) -> np.ndarray:
     """``base`` (a "none" patch) with ``count`` (default: one or two) of the image's digits
     pasted in, each shrunk to SMALL_SCALE of its size: a negative labelled "none".
 
@@ -187,19 +190,45 @@ def shrunken_digits(image: np.ndarray, boxes: list[list[int]], base: np.ndarray,
     "none" only from the noise families it is trained on, and an unseen family whose
     shapes happen to look like a small digit (two stacked circles, an 8) is read as that
     digit. A property of the task, not of any noise family: it teaches nothing about a
-    particular held-out family's look."""
+    particular held-out family's look.
+
+    ``adjacent`` (default: with probability SMALL_ADJACENT): the second digit is set right
+    beside the first, in a random direction, touching it or a pixel or two away (centres
+    SMALL_GAP times the sum of their ink radii apart), instead of anywhere. Why: two small
+    shapes side by side or stacked span a whole digit's height, and a net taught only with
+    scattered small digits still read two small 0s stacked as an 8 (one in five at half
+    size, measured on the 2026-11-25 release: benchmarks/README.md, "Stage 1"). Two small
+    digits next to each other are two small digits, not one of the usual size: again a fact
+    of the task, made from the image's own digits."""
     from PIL import Image
 
     out = base.copy()
     size = out.shape[0]
-    for _ in range(int(rng.integers(1, 3)) if count is None else count):
+    n = int(rng.integers(1, 3)) if count is None else count
+    beside = bool(rng.random() < SMALL_ADJACENT) if adjacent is None else adjacent
+    previous = None  # (centre row, centre col, ink radius) of the last digit pasted
+    for k in range(n):
         _, r, c, h, w = boxes[int(rng.integers(len(boxes)))]
         digit = image[r : r + h, c : c + w]
         s = rng.uniform(*SMALL_SCALE)
         sh, sw = max(1, round(h * s)), max(1, round(w * s))
         small = np.asarray(Image.fromarray(digit).resize((sw, sh), Image.Resampling.BILINEAR, reducing_gap=2.0))
-        top, left = int(rng.integers(0, size - sh + 1)), int(rng.integers(0, size - sw + 1))
+        rows, cols = np.flatnonzero(small.any(1)), np.flatnonzero(small.any(0))
+        if rows.size:  # the ink's centre and radius inside the small box
+            ink = ((rows[0] + rows[-1]) / 2, (cols[0] + cols[-1]) / 2,
+                   max(rows[-1] - rows[0], cols[-1] - cols[0]) / 2 + 0.5)
+        else:
+            ink = (sh / 2, sw / 2, 0.0)
+        if k and beside and previous is not None:
+            angle = rng.uniform(0.0, 2 * np.pi)
+            dist = (previous[2] + ink[2]) * rng.uniform(*SMALL_GAP)
+            top = round(previous[0] + dist * np.sin(angle) - ink[0])
+            left = round(previous[1] + dist * np.cos(angle) - ink[1])
+            top, left = int(np.clip(top, 0, size - sh)), int(np.clip(left, 0, size - sw))
+        else:
+            top, left = int(rng.integers(0, size - sh + 1)), int(rng.integers(0, size - sw + 1))
         out[top : top + sh, left : left + sw] = np.maximum(out[top : top + sh, left : left + sw], small)
+        previous = (top + ink[0], left + ink[1], ink[2])
     return out
 
 
@@ -573,6 +602,7 @@ def main(argv: list[str] | None = None) -> None:
     save_checkpoint(args.out, spec=spec, classes=data.classes, model=model.cpu(),
                     pretrain={"images": min(args.images, len(data["train"])), "patches": int(len(y)),
                               "epochs": args.epochs, "shrunken": args.shrunken,
+                              "none_share": float((y == 10).mean()),  # release_model.py --none-prior
                               "test_patch_accuracy": float((pred == yt).mean()),
                               "attention_epochs": args.attention_epochs, "none_uniform": args.none_uniform})
     print(f"wrote {args.out}: ats train {args.data} --init {args.out} (same network flags)")
