@@ -170,3 +170,50 @@ def test_release_reads_one_checkpoint_with_another_pooling_and_without_its_none_
     with pytest.raises(SystemExit, match="stage1.pt: cannot be released so .*none_class needs pooling votes"):
         release.main(str(src), str(tmp_path / "features.pt"), pooling="features")
     assert not (tmp_path / "features.pt").exists()
+
+
+def test_release_none_prior_gives_the_posterior_under_the_new_prior(tmp_path):
+    """tools/release_model.py --none-prior P: each patch's 11-way softmax becomes the trained
+    one reweighted by pi_test / pi_train (Bayes' rule: "none" from Q to P, each class from
+    (1-Q)/10 to (1-P)/10) and renormalised; only the none bias moves; the values are recorded;
+    a checkpoint without the trained share or without a none logit is refused in one line."""
+    import importlib.util
+
+    from ats_cli.checkpoint import load_checkpoint, load_model, save_checkpoint
+
+    spec = importlib.util.spec_from_file_location("release_model", "tools/release_model.py")
+    release = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(release)
+    src = tmp_path / "stage1.pt"
+    m = create_model(_spec(pooling="counts", none_class="on"))
+    save_checkpoint(src, spec=_spec(pooling="counts", none_class="on"), classes=["a", "b", "c"], model=m,
+                    pretrain={"none_share": 0.6})
+    release.main(str(src), str(tmp_path / "shifted.pt"), none_prior=0.9)
+    shifted, ckpt = load_model(tmp_path / "shifted.pt")
+    assert ckpt["release"]["none_prior"] == 0.9 and ckpt["release"]["trained_none_share"] == 0.6
+    feats = torch.randn(64, m.classifier.in_features)
+
+    def eleven(model):
+        return torch.cat([model.classifier(feats), model.none(feats)], -1).softmax(-1)
+
+    with torch.no_grad():
+        before, after = eleven(m), eleven(shifted)
+    k = m.classifier.out_features
+    ratio = torch.tensor([(1 - 0.9) / (1 - 0.6)] * k + [0.9 / 0.6])  # pi_test / pi_train, per class
+    bayes = before * ratio
+    torch.testing.assert_close(after, bayes / bayes.sum(-1, keepdim=True))
+    assert (after[:, -1] > before[:, -1]).all()  # more noise expected: every patch leans more to none
+    kept, new = m.state_dict(), shifted.state_dict()
+    assert [n for n in kept if not torch.equal(kept[n], new[n])] == ["none.bias"]
+    # the trained share is needed: recorded, or given
+    bare = tmp_path / "bare.pt"
+    save_checkpoint(bare, spec=_spec(pooling="counts", none_class="on"), classes=["a", "b", "c"], model=m)
+    with pytest.raises(SystemExit, match="bare.pt: does not record the share .* --trained-none-share"):
+        release.main(str(bare), str(tmp_path / "x.pt"), none_prior=0.9)
+    release.main(str(bare), str(tmp_path / "given.pt"), none_prior=0.9, trained_none_share=0.6)
+    assert torch.equal(load_checkpoint(tmp_path / "given.pt")["model"]["none.bias"], new["none.bias"])
+    with pytest.raises(SystemExit, match="needs the checkpoint's none logit"):
+        release.main(str(src), str(tmp_path / "y.pt"), none_prior=0.9, none_class="off")
+    with pytest.raises(SystemExit, match="shifted.pt: its none logit is already read at prior 0.9"):
+        release.main(str(tmp_path / "shifted.pt"), str(tmp_path / "z.pt"), none_prior=0.9)
+    assert not any((tmp_path / n).exists() for n in ("x.pt", "y.pt", "z.pt"))
