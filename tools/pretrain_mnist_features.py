@@ -197,7 +197,8 @@ def shrunken_digits(image: np.ndarray, boxes: list[list[int]], base: np.ndarray,
     SMALL_GAP times the sum of their ink radii apart), instead of anywhere. Why: two small
     shapes side by side or stacked span a whole digit's height, and a net taught only with
     scattered small digits still read two small 0s stacked as an 8 (one in five at half
-    size, measured on the 2026-11-25 release: benchmarks/README.md, "Stage 1"). Two small
+    size, measured on the 2026-11-25 release: benchmarks/README.md, "Side-by-side pairs and
+    the object prior"). Two small
     digits next to each other are two small digits, not one of the usual size: again a fact
     of the task, made from the image's own digits."""
     from PIL import Image
@@ -206,7 +207,7 @@ def shrunken_digits(image: np.ndarray, boxes: list[list[int]], base: np.ndarray,
     size = out.shape[0]
     n = int(rng.integers(1, 3)) if count is None else count
     beside = bool(rng.random() < SMALL_ADJACENT) if adjacent is None else adjacent
-    previous = None  # (centre row, centre col, ink radius) of the last digit pasted
+    previous = (0.0, 0.0, 0.0)  # (centre row, centre col, ink radius) of the last digit pasted
     for k in range(n):
         _, r, c, h, w = boxes[int(rng.integers(len(boxes)))]
         digit = image[r : r + h, c : c + w]
@@ -219,7 +220,7 @@ def shrunken_digits(image: np.ndarray, boxes: list[list[int]], base: np.ndarray,
                    max(rows[-1] - rows[0], cols[-1] - cols[0]) / 2 + 0.5)
         else:
             ink = (sh / 2, sw / 2, 0.0)
-        if k and beside and previous is not None:
+        if k and beside:  # beside the digit pasted before (previous)
             angle = rng.uniform(0.0, 2 * np.pi)
             dist = (previous[2] + ink[2]) * rng.uniform(*SMALL_GAP)
             top = round(previous[0] + dist * np.sin(angle) - ink[0])

@@ -32,7 +32,8 @@ split's reference patterns, the split's digit images). Families:
   change the label); test images only cut test digits.
 * ``blobs`` -- one to three filled ellipses with soft edges: bright mass without strokes.
 * ``rings`` -- two to four small, nearly circular outlines (radius 2-4.5 px, at most half
-  a digit's height, so they read as bubbles rather than zeros or eights).
+  a digit's height, so that each reads as a bubble rather than a zero; two stacked can still
+  pass for an 8, and models trained without rings read them so: benchmarks/README.md).
 * ``waves`` -- one or two thin wavy lines ("~~~"), each a sine of at least 1.8 periods at a
   random angle, 3-7 px from crest to trough: a smooth curve, which no other family draws,
   and flat enough never to read as an S or a 2. Added on 2026-11-25 as a family no model
