@@ -35,8 +35,8 @@
 #                     the mix it was ahead of the paper's net at every epoch (benchmarks/README.md)
 #   EVAL_PATCHES=80   patches the released model draws per prediction (it trains with NPATCH):
 #                     80 read the mix 15 points better than 20 (benchmarks/README.md)
-#   PRETRAIN=8000     training images stage 1 + 1b learn from, the release's (4,000 read every
-#                     set but rings 0.2-1.5 points lower, benchmarks/README.md); 0 = none: ats
+#   PRETRAIN=12000    training images stage 1 + 1b learn from, the release's (4,000 and 8,000
+#                     read every set lower, benchmarks/README.md); 0 = none: ats
 #                     train from scratch, read as features (needs EPOCHS>0)
 #   FLOOR=0.02        --count-floor: chosen on the five training families' mean (benchmarks/README.md)
 #   NONE_PRIOR=50/55  share of noise among an image's objects (paper spec: 50 noise, 5 digits)
@@ -47,7 +47,7 @@ OUT_DIR=${1:?usage: $0 OUT_DIR}
 WORK=${WORK:-/tmp/robust}
 TRAIN_NOISE=${TRAIN_NOISE:-reference,strokes,fragments,grid,glyphs}; HOLDOUT=${HOLDOUT:-blobs,rings,waves}
 SCREEN=${SCREEN:-blobs,rings}
-EPOCHS=${EPOCHS:-0}; PRETRAIN=${PRETRAIN:-8000}; FLOOR=${FLOOR:-0.02}; NONE_PRIOR=${NONE_PRIOR:-50/55}
+EPOCHS=${EPOCHS:-0}; PRETRAIN=${PRETRAIN:-12000}; FLOOR=${FLOOR:-0.02}; NONE_PRIOR=${NONE_PRIOR:-50/55}
 if [ "$EPOCHS" -eq 0 ]; then NTRAIN=${NTRAIN:-$PRETRAIN}; else NTRAIN=${NTRAIN:-20000}; fi
 NTEST=${NTEST:-1000}; NFRESH=${NFRESH:-1000}
 if [ "$PRETRAIN" -eq 0 ] && [ "$EPOCHS" -eq 0 ]; then echo "PRETRAIN=0 needs EPOCHS>0" >&2; exit 2; fi
