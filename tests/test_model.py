@@ -207,3 +207,38 @@ def test_auto_estimator_is_the_per_image_rule_in_training_and_threshold_in_predi
     # batch norm behaves differently in train mode, so compare within train mode
     torch.testing.assert_close(logits("auto", True), logits("sequential", True))
     assert not torch.allclose(logits("auto", True), logits("threshold", True))
+
+
+@pytest.mark.parametrize("kw", [{}, {"patch_gain": True}, {"pooling": "votes", "none_class": True},
+                                {"pooling": "counts", "count_floor": 0.02}])
+def test_the_output_carries_the_estimator_weights_and_each_draws_contribution(kw):
+    """Consumers (figures, GeoJSON) read what the model did from its output: the weights must
+    be the ones the estimate used (rebuilding the pooled estimate from them gives the logits),
+    and each contribution the weight times the size of what the draw pooled."""
+    from ats_cli.geojson import replay_weights
+
+    torch.manual_seed(0)
+    model = make_model(n_patches=6, **kw).eval()
+    if model.gain is not None:  # gains other than 1, so that the test can tell them from the weights
+        torch.nn.init.normal_(model.gain.weight, std=0.5)
+    images = torch.randint(0, 256, (2, 1, 64, 80), dtype=torch.uint8)
+    with torch.no_grad():
+        out = model(low_res_view(images, model.scale), images, return_patches=True,
+                    generator=torch.Generator().manual_seed(3))
+        unit, gain = model.patch_parts(out.patches.flatten(0, 1))
+        feats = (unit if gain is None else gain * unit).view(2, 6, -1)
+    assert torch.allclose(out.weights.double(), replay_weights(model, out, seed=3))
+    if model.pooling == "features":
+        assert torch.allclose(model.classifier(torch.einsum("bn,bnd->bd", out.weights, feats)), out.logits, atol=1e-5)
+        size = torch.ones(2, 6) if gain is None else gain.view(2, 6)
+        assert gain is None or not torch.allclose(size, torch.ones(2, 6))
+    else:
+        mass = None
+        if model.pooling == "counts":
+            att = out.attention.flatten(1)
+            mass = model.local_mass(att, tuple(out.attention.shape[-2:]), torch.tensor([[64, 80]] * 2)).gather(
+                1, out.indices)
+        values = model.patch_values(feats, mass)
+        assert torch.allclose(torch.einsum("bn,bnc->bc", out.weights, values).log(), out.logits, atol=1e-5)
+        size = values.sum(-1)
+    assert torch.allclose(out.contributions, out.weights.double() * size.double(), atol=1e-6)

@@ -28,6 +28,7 @@ from ats_cli.core.sampling import (
     attention_distribution,
     entropy,
     estimator_threshold,
+    estimator_weights,
     expectation,
     sample,
 )
@@ -50,6 +51,13 @@ class ATSOutput:
     offsets: torch.Tensor  # [B, n, 2] top-left (row, col) of each patch at full resolution
     sampled_probs: torch.Tensor  # [B, n] attention at the sampled positions
     entropy: torch.Tensor  # [B] entropy of the attention distribution (nats)
+    # [B, n] the estimator's weight of each draw: the pooled estimate is sum_k w_k v_k
+    # (ats_cli.core.sampling.estimator_weights), detached
+    weights: torch.Tensor | None = None
+    # [B, n] what each draw adds to the prediction, in one number: its weight times the size
+    # of what it pooled (the gain with features, the vote's total with votes, that over the
+    # attention mass around it with counts); detached. Figures rank and draw patches by it.
+    contributions: torch.Tensor | None = None
     patch_logits: torch.Tensor | None = None  # [B, n, classes]: the classifier on each sampled patch alone
     patches: torch.Tensor | None = None  # [B, n, C, ph, pw] when asked for (visualisation)
 
@@ -392,12 +400,19 @@ class ATSModel(nn.Module):
         if patch_transform is not None:
             patches = patch_transform(patches)
         B = low.shape[0]
-        feats = self.patch_features(patches.flatten(0, 1)).view(B, n, -1)
+        unit, gain = self.patch_parts(patches.flatten(0, 1))
+        feats = (unit if gain is None else gain * unit).view(B, n, -1)
         threshold = estimator_threshold(self.active_estimator, draw, probs)
+        weights = estimator_weights(sampled_probs, replace=self.replace, threshold=threshold)
         mass = None
         if self.pooling == "counts":
             mass = self.local_mass(probs, att_shape, source_sizes(sources).to(probs.device)).gather(1, indices)
-        pooled = expectation(self.patch_values(feats, mass), sampled_probs, replace=self.replace, threshold=threshold)
+        values = self.patch_values(feats, mass)
+        pooled = expectation(values, sampled_probs, replace=self.replace, weights=weights)
+        with torch.no_grad():  # each draw's share, in the unit of what was pooled (see ATSOutput)
+            size = values.sum(-1) if self.pooling != "features" else (
+                gain.view(B, n) if gain is not None else torch.ones_like(weights))
+            contributions = weights.double() * size.double()
         return ATSOutput(
             logits=self.readout(pooled),
             attention=probs.view(B, *att_shape),
@@ -405,6 +420,8 @@ class ATSModel(nn.Module):
             offsets=offsets,
             sampled_probs=sampled_probs,
             entropy=entropy(probs),
+            weights=weights.detach(),
+            contributions=contributions,
             # read by the auxiliary losses only; the pooled estimate above does not use it
             patch_logits=self.classifier(feats),
             patches=patches if return_patches else None,

@@ -174,11 +174,15 @@ def expectation(
     *,
     replace: bool = False,
     threshold: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Unbiased estimate [B, D] of ``sum_i a_i f_i`` from n sampled features [B, n, D].
 
     ``threshold`` (from :func:`estimator_threshold`) selects the estimator, None the
     ``sequential`` one (see :func:`estimator_weights`); the derivation below holds for all.
+    ``weights``: those weights when the caller already has them (the model returns them
+    with its output, so that nobody has to replay the sampler to know them); they must be
+    :func:`estimator_weights` of the same draw, detached.
 
     Derivation (why the value AND both gradients are unbiased):
 
@@ -206,7 +210,7 @@ def expectation(
             f"features must be [B, n, D] and sampled_probs [B, n]; got {tuple(features.shape)} "
             f"and {tuple(sampled_probs.shape)}"
         )
-    w = estimator_weights(sampled_probs, replace=replace, threshold=threshold)
+    w = estimator_weights(sampled_probs, replace=replace, threshold=threshold) if weights is None else weights.detach()
     a = sampled_probs
     tiny = torch.finfo(a.dtype).tiny
     ratio = a / a.detach().clamp(min=tiny)  # == 1, carries d/da = 1/a
