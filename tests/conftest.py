@@ -3,9 +3,7 @@
 One torch thread, here and in the subprocesses the tests start (they inherit
 OMP_NUM_THREADS; set it to choose another count). The tests' tensors are tiny, where
 intra-op parallelism costs more than it gives, and on a 2-core machine with anything
-else running a second thread waits on a busy core: one training test took 8.6 s with one
-thread and 39.7 s with two while another process held a core (benchmarks/README.md,
-"The test suite").
+else running a second thread waits on a busy core.
 
 The suite runs on two processes (pytest-xdist, ``-n 2`` in pyproject.toml): it spends
 much of its time in tests that train or spawn processes, one core each.

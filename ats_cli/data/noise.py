@@ -33,12 +33,11 @@ split's reference patterns, the split's digit images). Families:
 * ``blobs`` -- one to three filled ellipses with soft edges: bright mass without strokes.
 * ``rings`` -- two to four small, nearly circular outlines (radius 2-4.5 px, at most half
   a digit's height, so that each reads as a bubble rather than a zero; two stacked can still
-  pass for an 8, and models trained without rings read them so: benchmarks/README.md).
+  pass for an 8).
 * ``waves`` -- one or two thin wavy lines ("~~~"), each a sine of at least 1.8 periods at a
   random angle, 3-7 px from crest to trough: a smooth curve, which no other family draws,
-  and flat enough never to read as an S or a 2. Added on 2026-11-25 as a family no model
-  of this project had been tuned or screened on (``rings`` had served as the screen of a
-  stage 1 change), so that one held-out figure stays clean.
+  and flat enough never to read as an S or a 2. Kept out of every training recipe and
+  every choice made on held-out data, so that one held-out figure stays clean.
 * ``grid`` -- a patch of parallel 1-px lines at a random angle, crossed into a grid half of
   the time: texture instead of shape.
 * ``glyphs`` -- one or two printed letters or symbols (side by side) in Pillow's built-in

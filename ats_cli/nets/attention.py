@@ -4,9 +4,9 @@ Why: the paper's attention net (:class:`ats_cli.nets.mnist.ConvAttention`, 8 cha
 three 3x3 convolutions at the view's full resolution) sees 7x7 low-res pixels and has
 room for little more than "bright here". That is enough where the distractors all look
 alike (one noise family: it learns to avoid that texture) and falls short where they
-look like what it should find: on a mix of noise families (fragments of digits, printed
-glyphs, strokes, grids) runs with it plateaued near 70% train accuracy, and on families
-it never saw it attends to the noise (benchmarks/README.md, "Noise robustness").
+look like what it should find (fragments of digits, printed glyphs, strokes, grids):
+telling a digit from a digit-like scribble at low resolution takes a wider view of its
+surroundings than 7x7 pixels.
 
 What: ``PixelUnshuffle(r)`` folds each r x r block of the view into r*r channels (a
 learned stride-r convolution with a 3r x 3r kernel, at none of the cost of running it
@@ -14,7 +14,7 @@ densely), then ``depth`` 3x3 convolutions of ``width`` channels and a 3x3 score 
 that starts at zero (uniform attention at the start, as the paper's net). Four times
 the channels cost about the same time on a CPU: the wide layers run on an r*r times
 smaller grid, and the paper net's 1- and 8-channel convolutions are memory-bound, not
-compute-bound (a training step with each: benchmarks/README.md, "Attention networks").
+compute-bound.
 
 The score map comes back at the view's resolution: each block's score is given to each of
 its r x r pixels (the view is padded with black to a multiple of r first, and the padding

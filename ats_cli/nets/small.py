@@ -5,7 +5,7 @@ pooling, so each output sees only a 13x13 window of a 50x50 patch and every laye
 at full patch resolution (~47 MFLOPs per patch at width 32). Pooling after the first
 two convolutions gives a receptive field larger than an MNIST digit (40x40) at about a
 seventh of the cost (~6.5 MFLOPs at width 32), which matters on a CPU where the feature
-network is most of a training step. Measured effect on accuracy: docs/training.md.
+network is most of a training step.
 """
 
 from __future__ import annotations
