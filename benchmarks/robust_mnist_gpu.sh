@@ -9,7 +9,7 @@
 #   MNIST=.mnist/mnist.npz bash benchmarks/robust_mnist_gpu.sh      # results in $OUT/robust
 #   SMALL=1 MNIST=... bash benchmarks/robust_mnist_gpu.sh           # dry run anywhere, tiny sizes
 #
-# MNIST: the full MNIST (tools/fetch_mnist_npm.py DIR, or an .npz in Keras' layout; the
+# MNIST: the full MNIST (ats make-dataset fetch-mnist DIR, or an .npz in Keras' layout; the
 # device tool carries an ignored folder, e.g. .mnist/). Each step is time-boxed inside
 # BUDGET_S (default 400 s) so that what finished comes back. Environment (optional):
 # NTRAIN=12000 (training images, all used by stage 1) EPOCHS=4 ATT_EPOCHS=8 NFRESH=1000
@@ -29,7 +29,7 @@ else
 fi
 JOBS=${JOBS:-8}; TRAIN_NOISE=${TRAIN_NOISE:-reference,strokes,fragments,grid,glyphs}
 PY=${PY:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3 )}
-MNIST=${MNIST:?MNIST=path to the full MNIST (tools/fetch_mnist_npm.py)}
+MNIST=${MNIST:?MNIST=path to the full MNIST (ats make-dataset fetch-mnist DIR)}
 export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ats_robust_out}; RES="$OUT/robust"; W=${WORK:-/tmp/ats_robust_work}
 rm -rf "$RES" "$W"; mkdir -p "$RES" "$W"

