@@ -9,8 +9,8 @@ the size of the image.
 The method lives in :mod:`ats_cli.core`, the thesis's baselines in
 :mod:`ats_cli.baselines`; networks are created by name through :mod:`ats_cli.nets`, and
 models (ATS or a baseline) from a checkpoint's spec through
-:func:`ats_cli.models.create_model` (:mod:`ats_cli.legacy` reads older files); the
-command line (:mod:`ats_cli.cli`) is a thin shell.
+:func:`ats_cli.models.create_model`, with what a task adds to the method as named
+extensions (:mod:`ats_cli.extensions`); the command line (:mod:`ats_cli.cli`) is a thin shell.
 """
 
 __version__ = "0.1.0"

@@ -3,8 +3,8 @@
 A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts, loaded with
 ``torch.load(weights_only=True)``: loading a file never runs code from it. The model is
 rebuilt from its *spec* (method and network names from the registries plus plain
-settings) by :func:`ats_cli.models.create_model`, never unpickled; a spec written by an
-older ats is read as its run meant it (:func:`ats_cli.legacy.upgrade_spec`). Writes are
+settings) by :func:`ats_cli.models.create_model`, never unpickled; a spec of another
+layout than this ats writes (:data:`ats_cli.models.SPEC_VERSION`) is refused by name. Writes are
 atomic (temporary file + rename): a crash or Ctrl-C during a save leaves the previous
 checkpoint intact.
 """
@@ -20,8 +20,7 @@ from typing import Any
 import torch
 
 from ats_cli.io import atomic_write_bytes
-from ats_cli.legacy import upgrade_spec
-from ats_cli.models import create_model
+from ats_cli.models import SPEC_VERSION, create_model
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "load_model"]
 
@@ -45,8 +44,8 @@ def save_checkpoint(path: str | os.PathLike[str], *, spec: dict, classes: list[s
 
 
 def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """The checkpoint dict of ``path``, its spec upgraded to the current version; raises
-    :class:`CheckpointError` naming the file when it is missing, foreign, damaged or newer."""
+    """The checkpoint dict of ``path``; raises :class:`CheckpointError` naming the file when
+    it is missing, foreign, damaged, newer, or holds a model spec of another version."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: model file not found")
@@ -60,11 +59,22 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.devi
         raise CheckpointError(f"{path}: checkpoint version {ckpt['version']} is newer than this ats ({VERSION})")
     _check_finite(path, ckpt.get("model"))
     if isinstance(ckpt.get("spec"), dict):
-        try:
-            ckpt["spec"] = upgrade_spec(ckpt["spec"])
-        except ValueError as e:
-            raise CheckpointError(f"{path}: {e}") from None
+        _check_spec_version(path, ckpt["spec"])
     return ckpt
+
+
+def _check_spec_version(path: Path, spec: dict[str, Any]) -> None:
+    """Refuse a spec this ats does not write. Before the first release the spec went through
+    versions 0 to 6 of another layout, one of which was also numbered 1; every spec of that
+    layout holds ``smoothing``, which the released layout does not, so that one is told apart."""
+    version = spec.get("version", 0)
+    if version == SPEC_VERSION and "smoothing" not in spec:
+        return
+    if isinstance(version, int) and version > SPEC_VERSION and "smoothing" not in spec:
+        raise CheckpointError(f"{path}: model spec version {version} is newer than this ats ({SPEC_VERSION}); "
+                              "upgrade ats")
+    raise CheckpointError(f"{path}: model spec version {version!r} was written by a pre-release ats; this ats reads "
+                          f"spec version {SPEC_VERSION} only: retrain the model or convert its checkpoint")
 
 
 def _load_problem(e: Exception) -> str:

@@ -12,8 +12,6 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ats_cli.legacy import upgrade_run_config
-
 __all__ = ["TrainConfig", "ConfigError", "allowed_values", "load_config_file", "resolve_config"]
 
 
@@ -61,33 +59,32 @@ class TrainConfig:
                              METHOD_PANEL, means="off")
     replace: bool = _key(False, "Sample with replacement", METHOD_PANEL)
     # auto | threshold | sequential: the unbiased estimator without replacement (same expectation,
-    # different variance: ats_cli.core.sampling). Runs and checkpoints from before the choice
-    # existed (no key) used sequential: resuming such a run keeps sequential, predicting with
-    # such a checkpoint uses auto (ats_cli.legacy says why).
+    # different variance: ats_cli.core.sampling)
     estimator: str = _key("auto", "Unbiased estimator without replacement: {choices}", METHOD_PANEL, choices={
         "auto": "training: per image, threshold when n >= the attention's perplexity, else sequential; evaluation "
                 "and prediction: threshold",
         "threshold": "", "sequential": "the thesis's, appendix B.3"})
     entropy: float = _key(0.01, "Entropy regulariser weight lambda", METHOD_PANEL)
-    smoothing: float = _key(0.0, "Uniform mass mixed into the attention", METHOD_PANEL)
-    # > 0: never sample low-res cells darker than this (black backgrounds); 0 = off; -1 = auto:
-    # AUTO_MIN_BRIGHTNESS when the training images have a black background (ats_cli.train)
+    # > 0: the support extension "bright" (ats_cli.extensions.support_bright; black backgrounds);
+    # 0 = off; -1 = auto: AUTO_MIN_BRIGHTNESS when the training images have a black background (ats_cli.train)
     min_brightness: float = _key(-1.0, "Never sample low-res cells darker than this; 0 = off; -1 = auto: 0.15 when "
                                  "the training images have a black background, else off", METHOD_PANEL, means="auto")
-    # the attention starts where the image looks unusual (ats_cli.core.model.ATSModel.prior); -1 = auto
+    # > 0: the prior extension "rarity", the attention starts where the image looks unusual
+    # (ats_cli.extensions.prior_rarity); -1 = auto
     rarity_prior: float = _key(-1.0, "Weight beta of the attention's starting prior exp(beta r), r = how unusual a "
                                "low-res cell's colour is in its image (1 = typical); 0 = off (the thesis); -1 = auto: "
                                "on for slides (tissue mask), else off", METHOD_PANEL, means="auto")
     # multiplies the L2-normalised features (1 = the paper; see ATSModel)
     feature_scale: float = _key(10.0, "Multiplies the L2-normalised features; >1 lets the classifier become "
                                 "confident sooner (docs/training.md; 1 = the paper)", METHOD_PANEL)
-    # a learned per-patch gain on the unit-norm features (ats_cli.core.model.ATSModel); auto =
-    # on for slides, where one small region decides the label (docs/training.md)
+    # on: the gain extension "learned", a per-patch gain on the unit-norm features
+    # (ats_cli.extensions.gain_learned); auto = on for slides, where one small region decides the label
     patch_gain: str = _key("auto", "Learned per-patch feature gain: {choices}; docs/training.md", METHOD_PANEL,
                            choices={"auto": "on for slides, i.e. a tissue mask, else off",
                                     "on": "one patch showing the class can outweigh look-alikes",
                                     "off": "every patch weighed by its attention alone, the thesis"})
-    # what the estimator averages (ats_cli.core.model.ATSModel.patch_values)
+    # the pooling extension: what the estimator averages (ats_cli.extensions.pooling*); none_class
+    # and count_floor are its options (ats_cli.models.extension_specs)
     pooling: str = _key("features", "What attention sampling averages over the patches: {choices}; "
                         "docs/training.md", METHOD_PANEL,
                         choices={"features": "their features, then the classifier: the thesis",
@@ -99,15 +96,8 @@ class TrainConfig:
                                                   "on": "a patch read as none votes little"})
     count_floor: float = _key(0.0, "With --pooling counts: an object with less than this share of the attention "
                               "counts in proportion to it, not once (0 = every object once, 1 = votes)", METHOD_PANEL)
-    # auxiliary training signals (ats_cli.core.model.auxiliary_losses; 0 = off = the thesis's loss).
-    # Off by default: they slowed learning in every run measured (docs/training.md, ablation)
-    patch_loss: float = _key(0.0, "Weight of the auxiliary per-patch loss: each sampled patch alone predicts the "
-                             "label (0 = off, the thesis's loss; docs/training.md)", METHOD_PANEL)
-    attention_loss: float = _key(0.0, "Weight of the attention critic: the attention learns which sampled patches "
-                                 "were informative (0 = off; docs/training.md)", METHOD_PANEL)
-    # more patches at evaluation cost no memory for gradients and cut the estimator's noise:
-    # twice the training count scored 2-4 points higher on both tasks measured, four times no
-    # higher (docs/training.md, "Patches at evaluation"); -1 = auto = that, recorded in the model
+    # more patches at evaluation cost no memory for gradients and cut the estimator's noise;
+    # -1 = auto = twice the training count, recorded in the model
     eval_n_patches: int = _key(-1, "Patches sampled at evaluation and prediction (the model records it); 0 = as "
                                "many as in training; -1 = auto: twice the training count", METHOD_PANEL, means="auto")
     # reading slides and TIFFs (saved in the model, so predict and visualize read alike; their
@@ -161,7 +151,7 @@ class TrainConfig:
         positive = ("batch_size", "epochs", "lr", "feature_scale")
         problems += [f"{k} must be > 0 (got {getattr(self, k)})" for k in positive if not getattr(self, k) > 0]
         non_negative = ("entropy", "weight_decay", "clip_norm", "warmup_epochs", "level", "mpp",
-                        "patch_loss", "attention_loss", "feature_lr", "n_patches", "patch_size", "scale", "patch_um",
+                        "feature_lr", "n_patches", "patch_size", "scale", "patch_um",
                         "low_res_um")  # 0: from the data
         problems += [f"{k} must be >= 0" for k in non_negative if getattr(self, k) < 0]
         if self.feature_lr != 1 and self.method == "cnn":
@@ -184,8 +174,6 @@ class TrainConfig:
             problems.append(f"scale is the low-res view's scale and must be <= 1 (got {self.scale})")
         if self.level and self.mpp:
             problems.append("give level or mpp, not both")
-        if not 0 <= self.smoothing < 1:
-            problems.append(f"smoothing must be in [0, 1) (got {self.smoothing})")
         for key, allowed in allowed_values().items():
             if getattr(self, key) not in allowed:
                 problems.append(f"{key} must be one of {', '.join(allowed)} (got {getattr(self, key)!r})")
@@ -254,16 +242,10 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return values
 
 
-def resolve_config(file: str | Path | None = None, *, resumed: bool = False, **overrides: Any) -> TrainConfig:
-    """Defaults, then the file, then the overrides that are not None.
-
-    ``resumed``: the file is a run's saved config.json; keys it lacks because the run predates
-    them take the value that run used (:func:`ats_cli.legacy.upgrade_run_config`), not today's
-    default.
-    """
+def resolve_config(file: str | Path | None = None, **overrides: Any) -> TrainConfig:
+    """Defaults, then the file (a TOML file, or a run's config.json when it is resumed),
+    then the overrides that are not None."""
     values: dict[str, Any] = load_config_file(file) if file else {}
-    if resumed:
-        values = upgrade_run_config(values)
     values.update({k: v for k, v in overrides.items() if v is not None})
     types = {f.name: type(f.default) for f in fields(TrainConfig)}
     for k, v in values.items():

@@ -12,6 +12,14 @@ under its name, so a checkpoint is rebuilt without unpickling anything. The meth
 
 A new method is a function from a spec to a model, decorated with
 ``@register_method("name")``.
+
+The spec layout (:data:`SPEC_VERSION`): the method and network names with their keyword
+arguments, ``n_classes``, ``channels``, the sampling settings of
+:class:`~ats_cli.core.model.ATSModel` (``n_patches``, ``eval_n_patches``, ``patch_size``,
+``scale``, ``replace``, ``estimator``, ``entropy_weight``, ``feature_scale``), the four
+extension slots as plain specs (``"pooling": {"name": "counts", "none_class": true,
+"floor": 0.02}``; ``support``, ``prior`` and ``gain`` likewise or null:
+:mod:`ats_cli.extensions`) and ``input``, how training read its inputs.
 """
 
 from __future__ import annotations
@@ -23,13 +31,16 @@ import torch.nn as nn
 from ats_cli import nets
 from ats_cli.baselines import CNNClassifier, DeepMIL, UniformAttention
 from ats_cli.core.model import ATSModel
-from ats_cli.legacy import SPEC_VERSION, upgrade_spec
 from ats_cli.registry import Registry, UnknownNameError
 
 if TYPE_CHECKING:
     from ats_cli.config import TrainConfig
 
-__all__ = ["UnknownMethodError", "available_methods", "create_model", "model_spec", "register_method"]
+__all__ = ["SPEC_VERSION", "UnknownMethodError", "available_methods", "create_model", "model_spec", "register_method"]
+
+# The spec layout this ats writes and reads (see the module docstring). A change of what a
+# key means bumps it; a checkpoint of another version is refused by name (ats_cli.checkpoint).
+SPEC_VERSION = 1
 
 CNN_NET = "resnet18"  # the CNN baseline's network name (thesis: a ResNet on the downsampled image)
 
@@ -53,9 +64,7 @@ def available_methods() -> list[str]:
 
 def create_model(spec: dict[str, Any]) -> nn.Module:
     """The model ``spec`` describes, with fresh weights (load a state dict into it).
-    A spec from an older ats is read through :func:`ats_cli.legacy.upgrade_spec` first.
     Raises :class:`UnknownMethodError` for a method that is not registered."""
-    spec = upgrade_spec(spec)
     return _METHODS.create(spec["method"], spec=spec)
 
 
@@ -81,16 +90,30 @@ def model_spec(cfg: TrainConfig, *, n_classes: int, channels: int, mpp: float | 
         "replace": cfg.replace,
         "estimator": cfg.estimator,
         "entropy_weight": cfg.entropy,
-        "smoothing": cfg.smoothing,
-        "min_brightness": cfg.min_brightness,
         "feature_scale": cfg.feature_scale,
-        "rarity_prior": cfg.rarity_prior,
-        "patch_gain": cfg.patch_gain == "on",  # settled by training (auto -> on/off) before the spec is written
-        "pooling": cfg.pooling,
-        "none_class": cfg.none_class == "on",
-        "count_floor": cfg.count_floor,
+        **extension_specs(cfg),
         # how inputs were read in training: predict and visualize read them alike by default
         "input": {**cfg.input_options(), **({"mpp": float(mpp)} if mpp else {}), "resample": True},
+    }
+
+
+def extension_specs(cfg: TrainConfig) -> dict[str, dict[str, Any] | None]:
+    """The extension slots (:mod:`ats_cli.extensions`) ``cfg``'s flags select, as plain specs:
+    ``--pooling``, ``--none-class`` and ``--count-floor`` the pooling; ``--min-brightness``
+    the ``bright`` support; ``--rarity-prior`` the ``rarity`` prior (never for ``uniform``,
+    whose attention is uniform by definition); ``--patch-gain`` the ``learned`` gain. A
+    value still at auto (-1, settled by training) or at 0 selects nothing."""
+    pooling: dict[str, Any] = {"name": cfg.pooling}
+    if cfg.pooling in ("votes", "counts"):
+        pooling["none_class"] = cfg.none_class == "on"
+    if cfg.pooling == "counts":
+        pooling["floor"] = float(cfg.count_floor)
+    return {
+        "pooling": pooling,
+        "support": {"name": "bright", "threshold": float(cfg.min_brightness)} if cfg.min_brightness > 0 else None,
+        "prior": {"name": "rarity", "weight": float(cfg.rarity_prior)}
+        if cfg.rarity_prior > 0 and cfg.method != "uniform" else None,
+        "gain": {"name": "learned"} if cfg.patch_gain == "on" else None,
     }
 
 
@@ -98,28 +121,25 @@ def _features(spec: dict[str, Any]) -> nn.Module:
     return nets.create(spec["feature_net"], kind="features", **spec["feature_kwargs"])
 
 
-def _sampling_model(spec: dict[str, Any], attention: nn.Module) -> ATSModel:
-    """ATS with ``attention``: the learned network for ``ats``, a fixed one for ``uniform``."""
+def _sampling_model(spec: dict[str, Any], attention: nn.Module, *, prior: bool = True) -> ATSModel:
+    """ATS with ``attention``: the learned network for ``ats``, a fixed one for ``uniform``
+    (``prior`` False: nothing reshapes a uniform attention)."""
     return ATSModel(
         attention,
         _features(spec),
         spec["n_classes"],
         n_patches=spec["n_patches"],
-        eval_n_patches=spec["eval_n_patches"],
         patch_size=tuple(spec["patch_size"]),
         scale=spec["scale"],
         replace=spec["replace"],
-        entropy_weight=spec["entropy_weight"],
-        smoothing=spec["smoothing"],
-        min_brightness=spec["min_brightness"],
-        feature_scale=spec["feature_scale"],
         estimator=spec["estimator"],
-        # U-N is uniform by definition: no prior reshapes its attention
-        rarity_prior=spec["rarity_prior"] if not isinstance(attention, UniformAttention) else 0.0,
-        patch_gain=bool(spec["patch_gain"]),
+        entropy_weight=spec["entropy_weight"],
+        eval_n_patches=spec["eval_n_patches"],
+        feature_scale=spec["feature_scale"],
         pooling=spec["pooling"],
-        none_class=bool(spec["none_class"]),
-        count_floor=float(spec["count_floor"]),
+        support=spec["support"],
+        prior=spec["prior"] if prior else None,
+        gain=spec["gain"],
     )
 
 
@@ -130,7 +150,7 @@ def _ats(spec: dict[str, Any]) -> nn.Module:
 
 @register_method("uniform")
 def _uniform(spec: dict[str, Any]) -> nn.Module:
-    return _sampling_model(spec, UniformAttention())
+    return _sampling_model(spec, UniformAttention(), prior=False)
 
 
 @register_method("deepmil")

@@ -40,7 +40,6 @@ from torch.utils.data import DataLoader
 from ats_cli.augment import Augmentation
 from ats_cli.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ats_cli.config import TrainConfig
-from ats_cli.core.model import ATSModel
 from ats_cli.data.dataset import load_dataset
 from ats_cli.data.loader import Batch, ImageDataset, Unreadable, collate, readable, single_thread_worker
 from ats_cli.data.magnification import settle_physical_scale
@@ -183,9 +182,6 @@ def train_one_epoch(cfg: TrainConfig, ctx: Dist, device: torch.device, net: torc
     last finished step and raises :class:`TrainingInterrupted`.
     """
     model = net.module if isinstance(net, DistributedDataParallel) else net
-    # the auxiliary terms exist for models that sample patches (ats, uniform); see auxiliary_losses
-    aux = {"patch_loss": cfg.patch_loss, "attention_loss": cfg.attention_loss} \
-        if isinstance(model, ATSModel) else {}
     global_batch = cfg.batch_size * ctx.world_size
     batches = shard_batches(order, pos.done, cfg.batch_size, ctx)
     loader = _loader(train_set, batches, cfg, device)
@@ -208,7 +204,7 @@ def train_one_epoch(cfg: TrainConfig, ctx: Dist, device: torch.device, net: torc
             with _autocast(cfg, device):
                 out = net(aug.low(low) if aug else low, batch.sources, generator=sampling_gen,
                           support_mask=batch.support_on(device), **extra)
-                loss = model.loss(out, labels, **aux)
+                loss = model.loss(out, labels)
             opt.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()  # DDP averages the gradients over the ranks here
             n = len(labels)

@@ -263,34 +263,35 @@ def _extents(model, opened: OpenedImage):
     return (0, W, H, 0), (margin * rx, (low_w - margin) * rx, (low_h - margin) * ry, margin * ry)
 
 
+def _per_weight(result) -> torch.Tensor:
+    """Each draw's contribution per unit of estimator weight [B, n] (0 where the weight is 0),
+    from the model's output (ATSOutput.contributions / .weights)."""
+    w = result.weights.double().cpu()
+    return torch.where(w > 0, result.contributions.cpu() / w.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
+
+
 def _gains(model, result) -> torch.Tensor | None:
     """Each drawn patch's learned gain [B, n] (``--patch-gain``), None for a model without
     one. With a gain, a patch's share of the pooled feature is its estimator weight times
     its gain, not its weight alone: a nest patch of small weight can carry the prediction,
     and the figure ranks and draws the patches by that product."""
-    if not getattr(model, "patch_gain", False) or result.patches is None:  # other methods: no such property
+    if getattr(model, "gain", None) is None or getattr(result, "contributions", None) is None:
         return None
-    with torch.no_grad():
-        gains = model.patch_gains(result.patches.flatten(0, 1).to(next(model.parameters()).device))
-    return gains.view(result.patches.shape[:2]).double().cpu()
+    return _per_weight(result)
 
 
 def _count_shares(model, result, opened: OpenedImage) -> torch.Tensor | None:
     """For a model that pools counts, each drawn patch's count per unit of estimator weight
     [B, n]: its vote's total (below 1 where a none logit takes part of it) over
-    ``max(M, floor)`` (M: ATSModel.local_mass); None for other models. Weight times this is
-    what the draw adds to the class counts, so the figure ranks the patches as the
+    ``max(M, floor)`` (ats_cli.extensions.pooling_counts); None for other models. Weight times
+    this is what the draw adds to the class counts, so the figure ranks the patches as the
     prediction weighs them: a digit drawn many times (a bold one, much attention) counts
     once in both, and noise read as none adds (almost) nothing."""
-    if getattr(model, "pooling", "features") != "counts" or result.patches is None:
+    from ats_cli.extensions.pooling_counts import CountPooling
+
+    if not isinstance(getattr(model, "pooling", None), CountPooling) or result.contributions is None:
         return None
-    att = result.attention.detach().float()
-    sizes = torch.tensor([list(opened.source.size)], device=att.device)
-    with torch.no_grad():
-        mass = model.local_mass(att.flatten(1), tuple(att.shape[-2:]), sizes).gather(1, result.indices)
-        feats = model.patch_features(result.patches.flatten(0, 1).to(att.device))
-        counted = model.patch_values(feats, mass.flatten()).sum(-1).view(mass.shape)
-    return counted.double().cpu()
+    return _per_weight(result)
 
 
 def _weights(model, result, seed: int) -> torch.Tensor | None:

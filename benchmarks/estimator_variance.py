@@ -32,6 +32,7 @@ from ats_cli.core.geometry import positions_to_offsets
 from ats_cli.core.model import pixels_to_float
 from ats_cli.core.sampling import attention_distribution, entropy, estimator_threshold, expectation, sample
 from ats_cli.core.source import gather_patches, source_sizes
+from ats_cli.extensions.pooling import Where
 from ats_cli.predict import load_predictor, resolve_inputs
 
 # the two estimators, and auto's training rule (per image: threshold iff n >= perplexity);
@@ -41,21 +42,23 @@ NAMES = ("threshold", "sequential", "auto")
 
 @torch.no_grad()
 def exact_terms(model, opened) -> tuple[torch.Tensor, torch.Tensor]:
-    """(probs [1, K] over the attention grid, the pooled values [K, D] of every cell with
-    a > 0 (features, or class probabilities for a model that pools votes, over the local
-    attention mass for one that pools counts); rows of cells
+    """(probs [1, K] over the attention grid, its prior and support included, the pooled
+    values [K, D] of every cell with a > 0 (what the model's pooling averages); rows of cells
     with a = 0 are zero: they are never drawn before the positive ones)."""
     low = opened.low[None]
     scores = model.attention_net(low)
     att_shape = tuple(scores.shape[-2:])
     mask = None if opened.support is None else opened.support[None]
-    probs = attention_distribution(scores, model.smoothing, model.support(low, att_shape, mask))
+    prior = model.log_prior(low, att_shape, mask)
+    if prior is not None:
+        scores = scores + prior[:, None]
+    probs = attention_distribution(scores, model.sampling_support(low, att_shape, mask))
     cells = (probs[0] > 0).nonzero()[:, 0]
     offsets = positions_to_offsets(cells[None], att_shape, source_sizes([opened.source]), model.patch_size,
                                    low_size=tuple(low.shape[-2:]), margin=getattr(model.attention_net, "margin", 0))
     patches = pixels_to_float(gather_patches([opened.source], offsets, model.patch_size))
-    mass = model.local_mass(probs, att_shape, source_sizes([opened.source]))[0, cells]
-    feats = model.patch_values(model.patch_features(patches.flatten(0, 1)), mass)
+    where = Where(probs, att_shape, cells[None], source_sizes([opened.source]), model.patch_size)
+    feats = model.pooling.values(model.patch_features(patches.flatten(0, 1))[None], model.classifier, where)[0]
     full = feats.new_zeros(probs.shape[1], feats.shape[1])
     full[cells] = feats
     return probs, full
@@ -88,7 +91,7 @@ def main() -> None:
         opened = open_one(item.path, channels=predictor.channels, scale=model.scale, patch_size=model.patch_size)
         probs, feats = exact_terms(model, opened)
         exact = probs[0] @ feats
-        exact_pred = int(model.readout(exact[None]).argmax())
+        exact_pred = int(model.pooling.readout(exact[None], model.classifier).argmax())
         label = predictor.classes.index(item.label)
         exact_correct += exact_pred == label
         support_sizes.append(int((probs > 0).sum()))
@@ -100,7 +103,7 @@ def main() -> None:
             for est in NAMES:
                 threshold = estimator_threshold(est, draw, rows)
                 pooled = expectation(picked, draw.probs, threshold=threshold)
-                pred = model.readout(pooled).argmax(1)
+                pred = model.pooling.readout(pooled, model.classifier).argmax(1)
                 s = stats[(est, n)]
                 s["rel_mse"] += float(((pooled - exact) ** 2).sum(1).mean() / (exact**2).sum())
                 s["flip"] += float((pred != exact_pred).float().mean())

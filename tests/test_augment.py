@@ -256,13 +256,6 @@ def test_auto_augments_rgb_slides_only(channels, masked, method, want):
     assert explicit.augment == "colour"
 
 
-def test_a_run_saved_before_the_flag_resumes_without_augmentation(tmp_path):
-    old = tmp_path / "config.json"
-    old.write_text('{"data": "d", "out": "o", "estimator": "auto", "rarity_prior": 2.0}')
-    assert resolve_config(old, resumed=True).augment == "none"
-    assert resolve_config(old).augment == "auto"  # a new run from the same file: today's default
-
-
 # ---------------------------------------------------------------------------- synthetic slides
 
 

@@ -87,9 +87,9 @@ def test_flags_left_out_give_the_defaults_and_given_ones_win():
 
 def test_validate_allows_exactly_the_values_the_help_lists():
     from ats_cli.augment import MODES
-    from ats_cli.core.model import POOLINGS
     from ats_cli.core.sampling import ESTIMATORS
     from ats_cli.data.slides import READERS
+    from ats_cli.extensions import available_extensions
     from ats_cli.models import available_methods
 
     allowed = allowed_values()
@@ -97,7 +97,7 @@ def test_validate_allows_exactly_the_values_the_help_lists():
                             "augment", "patch_gain", "pooling", "none_class"}
     # the lists the library itself works from
     assert (allowed["estimator"], allowed["reader"], allowed["augment"]) == (ESTIMATORS, READERS, ("auto", *MODES))
-    assert allowed["pooling"] == POOLINGS
+    assert allowed["pooling"] == tuple(available_extensions("pooling"))
     assert set(allowed["method"]) == set(available_methods())
     text = _help_lines("train")
     for key, values in allowed.items():

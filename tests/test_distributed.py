@@ -240,7 +240,7 @@ def test_every_parameter_gets_a_gradient_in_every_step(feature_net, replace, one
             model = ATSModel(nets.create(attention_net, in_channels=1, width=4),
                              nets.create(feature_net, in_channels=1, width=4), 3, n_patches=3,
                              patch_size=(16, 16), scale=0.25, replace=replace, entropy_weight=entropy_weight,
-                             min_brightness=min_brightness)
+                             support={"name": "bright", "threshold": min_brightness} if min_brightness else None)
             images = (torch.rand(2, 1, 64, 64) * 255).to(torch.uint8)
             out = model(low_res_view(images, 0.25), images, generator=torch.Generator().manual_seed(0))
             model.loss(out, torch.tensor([0, 2])).backward()

@@ -210,5 +210,3 @@ def test_attention_distribution_log_is_the_log_of_the_probabilities_off_support_
     on = keep.flatten(1)
     assert torch.isneginf(logp[~on]).all() and torch.isfinite(logp[on]).all()
     torch.testing.assert_close(logp.exp(), probs)
-    with pytest.raises(ValueError, match="smoothing"):
-        attention_distribution(scores, 0.1, keep, log=True)

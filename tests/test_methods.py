@@ -88,6 +88,25 @@ def test_create_model_round_trips_through_a_checkpoint_with_identical_outputs(tm
         assert torch.equal(getattr(before, field), getattr(after, field)), field
 
 
+def test_a_checkpoint_of_a_pre_release_spec_is_refused_in_one_line_naming_the_file(tmp_path):
+    """Specs of the layout before the first release (versions 0 to 6, one of them also 1;
+    all hold ``smoothing``) are refused, not guessed at; a later version asks for a newer ats."""
+    good = _spec("ats")
+    model = create_model(good)
+    for name, spec, message in (("v6.pt", {**good, "version": 6, "smoothing": 0.0}, "version 6 was written by a "
+                                                                                      "pre-release ats"),
+                                ("v1.pt", {**good, "smoothing": 0.0}, "version 1 was written by a pre-release ats"),
+                                ("v0.pt", {k: v for k, v in good.items() if k != "version"} | {"smoothing": 0.0},
+                                 "version 0 was written by a pre-release ats"),
+                                ("v2.pt", {**good, "version": 2}, "version 2 is newer than this ats")):
+        save_checkpoint(tmp_path / name, spec=spec, classes=["a", "b"], model=model)
+        with pytest.raises(CheckpointError, match=f"{name}: model spec {message}") as e:
+            load_model(tmp_path / name)
+        assert "\n" not in str(e.value)
+    save_checkpoint(tmp_path / "ok.pt", spec=good, classes=["a", "b"], model=model)
+    assert load_model(tmp_path / "ok.pt")[1]["spec"]["version"] == 1
+
+
 def test_an_unknown_method_is_refused_naming_the_available_ones(tmp_path):
     assert available_methods() == METHODS
     for method in available_methods():  # every registered method is a valid --method

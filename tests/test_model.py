@@ -8,6 +8,7 @@ import torch
 from ats_cli import nets
 from ats_cli.core import ATSModel, TensorSource, low_res_view
 from ats_cli.core.sampling import estimator_weights
+from ats_cli.extensions.pooling import FeaturePooling, Where
 
 
 def make_model(n_patches=4, patch=(16, 16), scale=0.25, channels=1, classes=3, attention="mnist-attention",
@@ -113,8 +114,8 @@ def _stripes_batch(g, B, size=64, box=12):
 def test_learns_where_to_look_and_what_it_sees(attention, width, scale, steps):
     """A small task where success needs the attention gradient: with 2 patches out of 64
     positions (paper net, 8x8 view) or 256 (block-attention: a 16x16 view scored in 3x3
-    blocks), uniform sampling seldom sees the square. block-attention gets 250 steps: after
-    150 some seeds had found the square and some not yet; after 250, seeds 0-2 scored 98-99%."""
+    blocks), uniform sampling seldom sees the square. block-attention gets more steps: it
+    has four times the positions to search."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     model = make_model(n_patches=2, patch=(16, 16), scale=scale, entropy_weight=0.0, attention=attention,
@@ -165,16 +166,16 @@ def test_feature_scale_multiplies_the_normalised_features_before_the_classifier(
 
 
 def test_more_patches_than_supported_cells_keeps_the_support():
-    """min_brightness leaves a few bright cells; asking for more patches than that must not
+    """The bright support leaves a few bright cells; asking for more patches than that must not
     spread the attention over the dark background (it once fell back to the whole map)."""
     torch.manual_seed(0)
-    model = make_model(n_patches=4, min_brightness=0.3).eval()
+    model = make_model(n_patches=4, support={"name": "bright", "threshold": 0.3}).eval()
     images = torch.zeros(2, 1, 64, 80, dtype=torch.uint8)
     images[0, 0, 8:14, 10:30] = 255  # image 0: two bright blobs -> a few supported cells
     images[0, 0, 40:46, 60:70] = 200
     # image 1 stays blank: no supported cell at all
     low = low_res_view(images, model.scale)
-    keep = model.support(low, (16, 20))
+    keep = model.sampling_support(low, (16, 20))
     n_kept = int(keep[0].sum())
     assert 0 < n_kept < 40 and bool(keep[1].all())  # blank image -> the whole map
     with torch.no_grad():
@@ -209,8 +210,8 @@ def test_auto_estimator_is_the_per_image_rule_in_training_and_threshold_in_predi
     assert not torch.allclose(logits("auto", True), logits("threshold", True))
 
 
-@pytest.mark.parametrize("kw", [{}, {"patch_gain": True}, {"pooling": "votes", "none_class": True},
-                                {"pooling": "counts", "count_floor": 0.02}])
+@pytest.mark.parametrize("kw", [{}, {"gain": {"name": "learned"}}, {"pooling": {"name": "votes", "none_class": True}},
+                                {"pooling": {"name": "counts", "floor": 0.02}}])
 def test_the_output_carries_the_estimator_weights_and_each_draws_contribution(kw):
     """Consumers (figures, GeoJSON) read what the model did from its output: the weights must
     be the ones the estimate used (rebuilding the pooled estimate from them gives the logits),
@@ -220,7 +221,7 @@ def test_the_output_carries_the_estimator_weights_and_each_draws_contribution(kw
     torch.manual_seed(0)
     model = make_model(n_patches=6, **kw).eval()
     if model.gain is not None:  # gains other than 1, so that the test can tell them from the weights
-        torch.nn.init.normal_(model.gain.weight, std=0.5)
+        torch.nn.init.normal_(model.gain.linear.weight, std=0.5)
     images = torch.randint(0, 256, (2, 1, 64, 80), dtype=torch.uint8)
     with torch.no_grad():
         out = model(low_res_view(images, model.scale), images, return_patches=True,
@@ -228,17 +229,14 @@ def test_the_output_carries_the_estimator_weights_and_each_draws_contribution(kw
         unit, gain = model.patch_parts(out.patches.flatten(0, 1))
         feats = (unit if gain is None else gain * unit).view(2, 6, -1)
     assert torch.allclose(out.weights.double(), replay_weights(model, out, seed=3))
-    if model.pooling == "features":
+    if isinstance(model.pooling, FeaturePooling):
         assert torch.allclose(model.classifier(torch.einsum("bn,bnd->bd", out.weights, feats)), out.logits, atol=1e-5)
         size = torch.ones(2, 6) if gain is None else gain.view(2, 6)
         assert gain is None or not torch.allclose(size, torch.ones(2, 6))
     else:
-        mass = None
-        if model.pooling == "counts":
-            att = out.attention.flatten(1)
-            mass = model.local_mass(att, tuple(out.attention.shape[-2:]), torch.tensor([[64, 80]] * 2)).gather(
-                1, out.indices)
-        values = model.patch_values(feats, mass)
+        where = Where(out.attention.flatten(1), tuple(out.attention.shape[-2:]), out.indices,
+                      torch.tensor([[64, 80]] * 2), model.patch_size)
+        values = model.pooling.values(feats, model.classifier, where)
         assert torch.allclose(torch.einsum("bn,bnc->bc", out.weights, values).log(), out.logits, atol=1e-5)
         size = values.sum(-1)
     assert torch.allclose(out.contributions, out.weights.double() * size.double(), atol=1e-6)

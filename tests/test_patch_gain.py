@@ -1,7 +1,6 @@
-"""The learned per-patch gain (ats_cli.core.model.ATSModel, ``--patch-gain``): it starts
-as the unit-norm model, lets one patch outweigh many, is on for slides only, and models and
-runs saved before it keep working as they were. Its unbiasedness is tested with the other
-estimator checks in tests/test_auxiliary_losses.py."""
+"""The learned per-patch gain (ats_cli.extensions.gain_learned, ``--patch-gain``): it starts
+as the unit-norm model, lets one patch outweigh many, is on for slides only, and a model
+without it holds no gain. Its unbiasedness: tests/test_extensions.py."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ import pytest
 import torch
 
 from ats_cli.config import resolve_config
-from ats_cli.legacy import upgrade_run_config, upgrade_spec
 from ats_cli.models import create_model, model_spec
 from ats_cli.train import _resolve_auto
 from tests.test_augment import _Probe
@@ -28,7 +26,7 @@ def test_a_new_gain_is_one_for_every_patch_so_training_starts_from_the_unit_norm
     off = create_model(_spec(patch_gain="off")).eval()
     off.load_state_dict({k: v for k, v in on.state_dict().items() if not k.startswith("gain.")})
     patches = torch.rand(5, 3, 16, 16)
-    assert on.patch_gain and not off.patch_gain
+    assert on.gain is not None and off.gain is None
     assert torch.allclose(on.patch_features(patches), off.patch_features(patches), atol=1e-6)
     assert torch.allclose(off.patch_features(patches).norm(dim=-1), torch.full((5,), off.feature_scale))
 
@@ -46,8 +44,8 @@ def test_one_patch_with_a_large_gain_outweighs_many_with_more_attention():
         assert cos(a @ unit, unit[1], dim=0) > cos(a @ unit, unit[0], dim=0)  # the seven win
         raw = m.feature_net(patches)
         d = raw[0] - raw[1]  # a gain that is large on the first patch's raw feature, small on the others'
-        m.gain.weight.copy_(60 * d[None] / d.norm() ** 2)
-        m.gain.bias.fill_(-60 * float(raw[1] @ d / d.norm() ** 2) - 5.0)
+        m.gain.linear.weight.copy_(60 * d[None] / d.norm() ** 2)
+        m.gain.linear.bias.fill_(-60 * float(raw[1] @ d / d.norm() ** 2) - 5.0)
         f = m.patch_features(patches)
         assert cos(a @ f, f[0], dim=0) > 0.99  # the one wins
 
@@ -67,12 +65,11 @@ def test_auto_turns_the_gain_on_for_slides_only(channels, masked, method, want):
     assert explicit.patch_gain != want
 
 
-def test_models_and_runs_saved_before_the_gain_keep_working_without_one():
+def test_a_model_without_the_gain_holds_no_gain_weights():
     spec = _spec(patch_gain="off")
-    old = {k: v for k, v in spec.items() if k != "patch_gain"} | {"version": 4}
-    assert upgrade_spec(old)["patch_gain"] is False
+    assert spec["gain"] is None and _spec(patch_gain="on")["gain"] == {"name": "learned"}
     torch.manual_seed(0)
-    model = create_model(old)
+    model = create_model(spec)
     assert model.gain is None and not any(k.startswith("gain.") for k in model.state_dict())
-    assert create_model(_spec(patch_gain="on")).state_dict()["gain.weight"].shape == (1, model.classifier.in_features)
-    assert upgrade_run_config({"data": "d", "out": "o"})["patch_gain"] == "off"
+    shape = create_model(_spec(patch_gain="on")).state_dict()["gain.linear.weight"].shape
+    assert shape == (1, model.classifier.in_features)

@@ -1,50 +1,19 @@
-"""Pooling votes and counts (``--pooling``, ats_cli.core.model.ATSModel.patch_values):
-the estimates of E_a[p] and E_a[p / M] stay unbiased in value and in the gradient of
-every parameter, a confident patch cannot outvote several, a patch of equal logits does
-not vote, counts weigh every object once whatever its attention mass, and models and
-runs saved before them keep pooling features."""
+"""Pooling votes and counts (``--pooling``, ats_cli.extensions.pooling_votes and
+pooling_counts): a confident patch cannot outvote several, a patch of equal logits does not
+vote, counts weigh every object once whatever its attention mass, and the flags become the
+pooling's spec. Their unbiasedness: tests/test_extensions.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ats_cli.config import ConfigError, resolve_config
-from ats_cli.legacy import upgrade_run_config, upgrade_spec
+from ats_cli.config import ConfigError, TrainConfig, resolve_config
+from ats_cli.extensions import ExtensionError, UnknownExtensionError
+from ats_cli.extensions.pooling import FeaturePooling
+from ats_cli.extensions.pooling_counts import CountPooling, local_mass
+from ats_cli.extensions.pooling_votes import VotePooling
 from ats_cli.models import create_model, model_spec
-from tests.test_auxiliary_losses import Z_MAX, _model, _z_of_classification_gradient
-
-
-@pytest.mark.parametrize("pooling", ["votes", "counts"])
-@pytest.mark.parametrize("estimator", ["sequential", "threshold"])
-def test_value_and_gradient_stay_unbiased_with_votes_and_counts(estimator, pooling):
-    """exp(logits) = the estimate of sum_i a_i p_i (votes) or sum_i a_i p_i / M_i (counts,
-    M the attention mass around cell i, itself a function of the attention net): its
-    Monte Carlo mean and the mean of its gradient (attention net, feature net,
-    classifier) match the exact expectation over every position
-    (tests/test_auxiliary_losses.py's check, whose negative control shows it rejects a
-    biased pooling). Patches of 16 px on cells of 8: M sums 3x3 cells, so it moves with
-    the attention (with a 1-cell window a_i p_i / M_i = p_i and the attention's exact
-    gradient is 0: nothing to test)."""
-    m = _model(estimator, pooling=pooling, patch=16)
-    assert _z_of_classification_gradient(m, value=True) < Z_MAX
-
-
-def test_value_and_gradient_stay_unbiased_with_a_count_floor():
-    """counts with --count-floor 0.3: M_i floored where the 3x3 window holds less (most
-    cells here, not all), still a deterministic function of the attention per cell."""
-    m = _model("sequential", pooling="counts", patch=16, count_floor=0.3)
-    assert _z_of_classification_gradient(m, value=True) < Z_MAX
-
-
-@pytest.mark.parametrize("pooling", ["votes", "counts"])
-def test_value_and_gradient_stay_unbiased_with_a_none_logit(pooling):
-    """--none-class on: each vote is the classes' share of a softmax with one more logit
-    (its own linear head, a gradient path of its own): still a function of the patch
-    alone, so the same check passes, the none head's parameters included."""
-    m = _model("sequential", pooling=pooling, patch=16, none_class=True)
-    torch.nn.init.normal_(m.none.weight, std=0.5)  # a patch-dependent none logit, not a constant
-    assert _z_of_classification_gradient(m, value=True) < Z_MAX
 
 
 def test_counts_weigh_every_object_once_where_votes_follow_the_attention_mass():
@@ -52,6 +21,7 @@ def test_counts_weigh_every_object_once_where_votes_follow_the_attention_mass():
     5 cells): class 0 under 0.8 of the mass, spread over 4 cells; class 1 under 0.2, on
     one cell. The exact vote follows the mass; the exact count is one of each."""
     m = create_model({**_spec(pooling="counts"), "patch_size": [16, 16]})
+    pooling = m.pooling
     a = torch.zeros(1, 20, 20)
     a[0, 3:5, 3:5] = 0.2
     a[0, 14, 12] = 0.2
@@ -61,7 +31,7 @@ def test_counts_weigh_every_object_once_where_votes_follow_the_attention_mass():
     p[a[0] > 0.1] = torch.tensor([0.0, 0.0, 1.0])
     p[torch.tensor([3 * 20 + 3, 3 * 20 + 4, 4 * 20 + 3, 4 * 20 + 4])] = torch.tensor([1.0, 0.0, 0.0])
     p[14 * 20 + 12] = torch.tensor([0.0, 1.0, 0.0])
-    mass = m.local_mass(a, (20, 20), torch.tensor([[100, 100]]))[0]
+    mass = local_mass(a, (20, 20), torch.tensor([[100, 100]]), m.patch_size)[0]
     assert torch.allclose(mass[a[0] > 0], torch.tensor([0.8, 0.8, 0.8, 0.8, 0.2]))
     votes, counts = a[0] @ p, a[0] @ (p / mass.clamp_min(1e-30)[:, None])
     assert torch.allclose(votes, torch.tensor([0.8, 0.2, 0.0]))
@@ -70,23 +40,20 @@ def test_counts_weigh_every_object_once_where_votes_follow_the_attention_mass():
     # a floor of 1 is the vote
     for floor, expected in ((0.5, [1.0, 0.4, 0.0]), (1.0, [0.8, 0.2, 0.0])):
         assert torch.allclose(a[0] @ (p / mass.clamp_min(floor)[:, None]), torch.tensor(expected))
-    # ... which is what the model divides by
+    # ... which is what the pooling divides each vote by
     feats, some = torch.randn(6, 8), torch.tensor([0.05, 0.2, 0.5, 0.7, 0.9, 1.0])
-    m.count_floor = 0.5
+    pooling.floor = 0.5
     probs = m.classifier(feats).softmax(-1)
-    assert torch.allclose(m.patch_values(feats, some), probs / some.clamp_min(0.5)[:, None])
-    feats = torch.randn(5, 8)
-    with pytest.raises(ValueError, match="needs the attention mass"):
-        m.patch_values(feats)
-    counted = m.patch_values(feats, torch.full((5,), 0.5))
-    m.pooling = "votes"
-    assert torch.allclose(counted, 2 * m.patch_values(feats))  # each patch's vote over its mass
+    assert torch.allclose(pooling.count(pooling.probabilities(feats, m.classifier), some),
+                          probs / some.clamp_min(0.5)[:, None])
+    with pytest.raises(ValueError, match="needs the attention around the draws"):
+        pooling.values(feats[None], m.classifier)
 
 
 def _spec(**kw):
-    from ats_cli.config import TrainConfig
-    return model_spec(TrainConfig(patch_size=16, scale=0.25, n_patches=4, feature_width=8, min_brightness=0.0,
-                                  rarity_prior=0.0, **kw), n_classes=3, channels=1)
+    settings = {"patch_size": 16, "scale": 0.25, "n_patches": 4, "feature_width": 8, "min_brightness": 0.0,
+                "rarity_prior": 0.0, **kw}
+    return model_spec(TrainConfig(**settings), n_classes=3, channels=1)
 
 
 def test_votes_give_each_patch_at_most_its_share_where_features_let_a_confident_one_win():
@@ -96,27 +63,20 @@ def test_votes_give_each_patch_at_most_its_share_where_features_let_a_confident_
     m = create_model(_spec(pooling="votes")).eval()
     logits = torch.tensor([[1.0, 0.0, 0.0]] * 3 + [[0.0, 8.0, 0.0]])
     votes = logits.softmax(-1).mean(0, keepdim=True)
-    assert logits.mean(0).argmax() == 1 and m.readout(votes).argmax() == 0
+    assert logits.mean(0).argmax() == 1 and m.pooling.readout(votes, m.classifier).argmax() == 0
     # a patch of equal logits adds the same to every class: the vote's order is unchanged
     flat = torch.cat([logits.softmax(-1), torch.full((5, 3), 1 / 3)]).mean(0, keepdim=True)
-    assert m.readout(flat).argsort().tolist() == m.readout(votes).argsort().tolist()
+    read = m.pooling.readout
+    assert read(flat, m.classifier).argsort().tolist() == read(votes, m.classifier).argsort().tolist()
 
 
 def test_the_pooling_is_in_the_spec_and_a_class_without_votes_stays_finite():
     m = create_model(_spec(pooling="votes"))
-    assert m.pooling == "votes" and create_model(_spec()).pooling == "features"
-    out = m.readout(torch.tensor([[0.5, 0.5, 0.0]]))
+    assert isinstance(m.pooling, VotePooling) and isinstance(create_model(_spec()).pooling, FeaturePooling)
+    out = m.pooling.readout(torch.tensor([[0.5, 0.5, 0.0]]), m.classifier)
     assert torch.isfinite(out).all() and out[0, 2] < -80
-    with pytest.raises(ValueError, match="unknown pooling 'mean'"):
-        create_model({**_spec(), "pooling": "mean"})
-
-
-def test_models_and_runs_from_before_the_votes_pool_features():
-    old = {k: v for k, v in _spec().items() if k not in ("pooling", "none_class")} | {"version": 5}
-    assert upgrade_spec(old)["pooling"] == "features" and upgrade_spec(old)["none_class"] is False
-    assert create_model(old).pooling == "features" and create_model(old).none is None
-    assert upgrade_run_config({"method": "ats"})["pooling"] == "features"
-    assert upgrade_run_config({"method": "ats"})["none_class"] == "off"
+    with pytest.raises(UnknownExtensionError, match="unknown pooling 'mean'"):
+        create_model({**_spec(), "pooling": {"name": "mean"}})
 
 
 def test_a_count_floor_outside_0_1_is_refused():
@@ -128,14 +88,14 @@ def test_a_count_floor_outside_0_1_is_refused():
 def test_a_none_logit_is_refused_where_patches_do_not_vote():
     with pytest.raises(ConfigError, match="none_class on needs pooling votes or counts"):
         resolve_config(None, none_class="on")
-    with pytest.raises(ValueError, match="none_class needs pooling votes or counts"):
-        create_model({**_spec(), "none_class": True})
+    with pytest.raises(ExtensionError, match="pooling 'features': .*none_class"):
+        create_model({**_spec(), "pooling": {"name": "features", "none_class": True}})
     m = create_model(_spec(pooling="votes", none_class="on"))
     feats = torch.randn(4, 8)
     with torch.no_grad():
-        m.none.weight.zero_()
-        m.none.bias.fill_(30.0)  # every patch sure it shows no class: it votes (almost) nothing
-        assert float(m.patch_values(feats).sum(1).max()) < 1e-6
+        m.pooling.none.weight.zero_()
+        m.pooling.none.bias.fill_(30.0)  # every patch sure it shows no class: it votes (almost) nothing
+        assert float(m.pooling.values(feats[None], m.classifier).sum(-1).max()) < 1e-6
 
 
 def test_votes_are_refused_where_nothing_is_pooled_by_attention():
@@ -144,76 +104,16 @@ def test_votes_are_refused_where_nothing_is_pooled_by_attention():
             resolve_config(None, method=method, pooling="votes")
 
 
-def test_release_reads_one_checkpoint_with_another_pooling_and_without_its_none_logit(tmp_path):
-    """tools/release_model.py --pooling / --none-class off: the same weights, pooled as asked;
-    dropping the none logit leaves every other tensor as it was."""
-    import importlib.util
-
-    from ats_cli.checkpoint import load_model, save_checkpoint
-
-    spec = importlib.util.spec_from_file_location("release_model", "tools/release_model.py")
-    release = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(release)
-    src = tmp_path / "stage1.pt"
-    m = create_model(_spec(pooling="votes", none_class="on"))
-    save_checkpoint(src, spec=_spec(pooling="votes", none_class="on"), classes=["a", "b", "c"], model=m)
-    release.main(str(src), str(tmp_path / "counts.pt"), pooling="counts")
-    release.main(str(src), str(tmp_path / "plain.pt"), none_class="off")
-    counts, _ = load_model(tmp_path / "counts.pt")
-    plain, ckpt = load_model(tmp_path / "plain.pt")
-    assert counts.pooling == "counts" and counts.none is not None
-    assert plain.pooling == "votes" and plain.none is None and ckpt["spec"]["none_class"] is False
-    kept = m.state_dict()
-    assert all(torch.equal(v, kept[k]) for k, v in plain.state_dict().items())
-    assert set(kept) - set(plain.state_dict()) == {"none.weight", "none.bias"}
-    # features cannot read a none logit: one line naming the file, nothing written
-    with pytest.raises(SystemExit, match="stage1.pt: cannot be released so .*none_class needs pooling votes"):
-        release.main(str(src), str(tmp_path / "features.pt"), pooling="features")
-    assert not (tmp_path / "features.pt").exists()
-
-
-def test_release_none_prior_gives_the_posterior_under_the_new_prior(tmp_path):
-    """tools/release_model.py --none-prior P: each patch's 11-way softmax becomes the trained
-    one reweighted by pi_test / pi_train (Bayes' rule: "none" from Q to P, each class from
-    (1-Q)/10 to (1-P)/10) and renormalised; only the none bias moves; the values are recorded;
-    a checkpoint without the trained share or without a none logit is refused in one line."""
-    import importlib.util
-
-    from ats_cli.checkpoint import load_checkpoint, load_model, save_checkpoint
-
-    spec = importlib.util.spec_from_file_location("release_model", "tools/release_model.py")
-    release = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(release)
-    src = tmp_path / "stage1.pt"
-    m = create_model(_spec(pooling="counts", none_class="on"))
-    save_checkpoint(src, spec=_spec(pooling="counts", none_class="on"), classes=["a", "b", "c"], model=m,
-                    pretrain={"none_share": 0.6})
-    release.main(str(src), str(tmp_path / "shifted.pt"), none_prior=0.9)
-    shifted, ckpt = load_model(tmp_path / "shifted.pt")
-    assert ckpt["release"]["none_prior"] == 0.9 and ckpt["release"]["trained_none_share"] == 0.6
-    feats = torch.randn(64, m.classifier.in_features)
-
-    def eleven(model):
-        return torch.cat([model.classifier(feats), model.none(feats)], -1).softmax(-1)
-
-    with torch.no_grad():
-        before, after = eleven(m), eleven(shifted)
-    k = m.classifier.out_features
-    ratio = torch.tensor([(1 - 0.9) / (1 - 0.6)] * k + [0.9 / 0.6])  # pi_test / pi_train, per class
-    bayes = before * ratio
-    torch.testing.assert_close(after, bayes / bayes.sum(-1, keepdim=True))
-    assert (after[:, -1] > before[:, -1]).all()  # more noise expected: every patch leans more to none
-    kept, new = m.state_dict(), shifted.state_dict()
-    assert [n for n in kept if not torch.equal(kept[n], new[n])] == ["none.bias"]
-    # the trained share is needed: recorded, or given
-    bare = tmp_path / "bare.pt"
-    save_checkpoint(bare, spec=_spec(pooling="counts", none_class="on"), classes=["a", "b", "c"], model=m)
-    with pytest.raises(SystemExit, match="bare.pt: does not record the share .* --trained-none-share"):
-        release.main(str(bare), str(tmp_path / "x.pt"), none_prior=0.9)
-    release.main(str(bare), str(tmp_path / "given.pt"), none_prior=0.9, trained_none_share=0.6)
-    assert torch.equal(load_checkpoint(tmp_path / "given.pt")["model"]["none.bias"], new["none.bias"])
-    with pytest.raises(SystemExit, match="needs the checkpoint's none logit"):
-        release.main(str(src), str(tmp_path / "y.pt"), none_prior=0.9, none_class="off")
-    with pytest.raises(SystemExit, match="shifted.pt: its none logit is already read at prior 0.9"):
-        release.main(str(tmp_path / "shifted.pt"), str(tmp_path / "z.pt"), none_prior=0.9)
-    assert not any((tmp_path / n).exists() for n in ("x.pt", "y.pt", "z.pt"))
+def test_the_flags_become_the_extension_specs_the_model_is_built_from():
+    """--pooling counts --none-class on --count-floor 0.02 --min-brightness 0.15, the prior and
+    the gain off: the spec of the released Megapixel MNIST model, with its extensions nested."""
+    spec = _spec(pooling="counts", none_class="on", count_floor=0.02, min_brightness=0.15)
+    assert {k: spec[k] for k in ("pooling", "support", "prior", "gain")} == {
+        "pooling": {"name": "counts", "none_class": True, "floor": 0.02},
+        "support": {"name": "bright", "threshold": 0.15}, "prior": None, "gain": None}
+    m = create_model(spec)
+    assert isinstance(m.pooling, CountPooling) and m.pooling.floor == 0.02 and m.pooling.none is not None
+    slides = _spec(rarity_prior=2.0, patch_gain="on")
+    assert (slides["pooling"], slides["support"], slides["prior"], slides["gain"]) == (
+        {"name": "features"}, None, {"name": "rarity", "weight": 2.0}, {"name": "learned"})
+    assert _spec(rarity_prior=2.0, method="uniform")["prior"] is None  # U-N's attention is uniform by definition

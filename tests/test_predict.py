@@ -161,8 +161,7 @@ def test_samples_and_n_patches_reach_the_model(setup, monkeypatch):
 
 
 def test_estimator_is_saved_in_the_model_and_overridable(setup, tmp_path):
-    """The estimator travels in the checkpoint (a spec without it, from before the choice
-    existed, gets ``auto``); ``--estimator`` replaces it and changes the estimate (4 of
+    """The estimator travels in the checkpoint; ``--estimator`` replaces it and changes the estimate (4 of
     1,024 cells: both are unbiased but weight the same draw differently)."""
     model, images = setup
     assert load_predictor(model, "cpu").model.estimator == "auto"
@@ -170,10 +169,7 @@ def test_estimator_is_saved_in_the_model_and_overridable(setup, tmp_path):
     ckpt["spec"]["estimator"] = "sequential"
     torch.save(ckpt, tmp_path / "seq.pt")
     assert load_predictor(tmp_path / "seq.pt", "cpu").model.estimator == "sequential"
-    del ckpt["spec"]["estimator"], ckpt["spec"]["version"]  # as written before specs had either
-    torch.save(ckpt, tmp_path / "old.pt")
-    assert load_predictor(tmp_path / "old.pt", "cpu").model.estimator == "auto"
-    assert load_predictor(tmp_path / "old.pt", "cpu", estimator="threshold").model.estimator == "threshold"
+    assert load_predictor(tmp_path / "seq.pt", "cpu", estimator="threshold").model.estimator == "threshold"
 
     rows = {}
     for est in ("threshold", "sequential"):

@@ -1,7 +1,6 @@
-"""The rarity prior (ATSModel.prior, ``ats train --rarity-prior``): what ``rarity`` measures,
-that it points the untrained attention at the unusual cell, and when ``auto`` turns it on.
-Its unbiasedness is tested with the other additions to the thesis's model, in
-tests/test_auxiliary_losses.py."""
+"""The rarity prior (ats_cli.extensions.prior_rarity, ``ats train --rarity-prior``): what
+``rarity`` measures, that it points the untrained attention at the unusual cell, and when
+``auto`` turns it on. Its unbiasedness: tests/test_extensions.py."""
 
 from __future__ import annotations
 
@@ -11,9 +10,10 @@ from PIL import Image
 
 from ats_cli.config import resolve_config
 from ats_cli.core.geometry import low_res_view
-from ats_cli.core.model import ATSModel, rarity
+from ats_cli.core.model import ATSModel
 from ats_cli.data.dataset import load_dataset, write_dataset
 from ats_cli.data.loader import ImageDataset
+from ats_cli.extensions.prior_rarity import rarity
 from ats_cli.nets import create
 from ats_cli.train import AUTO_RARITY_PRIOR, _resolve_auto
 
@@ -52,7 +52,7 @@ def test_the_prior_points_the_untrained_attention_at_the_unusual_cell():
     low = _tissue()
     for beta, expect_peak in ((0.0, False), (2.0, True)):
         m = ATSModel(create("mnist-attention", in_channels=3, width=4), create("small-cnn", in_channels=3, width=4),
-                     rarity_prior=beta, **kwargs).eval()
+                     prior={"name": "rarity", "weight": beta} if beta else None, **kwargs).eval()
         image = torch.nn.functional.interpolate(low, scale_factor=4).mul(255).clamp(0, 255).to(torch.uint8)
         with torch.no_grad():
             out = m(low_res_view(image, 0.25), image, generator=torch.Generator().manual_seed(0))

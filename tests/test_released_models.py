@@ -29,6 +29,9 @@ def test_released_model_loads_safely_and_predicts_the_samples(name, samples, cla
     ckpt = torch.load(path, weights_only=True)  # plain tensors and values only, never pickled objects
     assert ckpt["format"] == "ats-checkpoint" and ckpt["classes"] == classes
     assert "optimizer" not in ckpt  # a release, not a training state
+    spec = ckpt["spec"]  # the released spec layout: the extensions as nested plain specs
+    assert spec["version"] == 1 and isinstance(spec["pooling"], dict)
+    assert all(spec[k] is None or isinstance(spec[k], dict) for k in ("support", "prior", "gain"))
     out = tmp_path / "preds.csv"
     result = runner.invoke(app, ["predict", str(ROOT / samples), "--model", str(path), "--out", str(out)])
     assert result.exit_code == 0, result.output

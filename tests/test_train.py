@@ -252,32 +252,6 @@ def test_config_file_then_flags(tmp_path):
     assert resolve_config(cfg_file).estimator == "sequential"
 
 
-def test_resuming_a_run_saved_before_a_key_existed_keeps_what_it_was_trained_with(tmp_path):
-    # runs saved before --estimator existed trained with sequential: resuming must not switch
-    # them to the newer default half-way; a new run from the same kind of file gets the default
-    old = tmp_path / "config.json"
-    old.write_text(json.dumps({"n_patches": 7, "data": "d", "out": "o"}))
-    assert resolve_config(old, resumed=True).estimator == "sequential"
-    assert resolve_config(old).estimator == "auto"
-    assert resolve_config(old, resumed=True, estimator="threshold").estimator == "threshold"
-    old.write_text(json.dumps({"estimator": "auto", "data": "d", "out": "o"}))
-    assert resolve_config(old, resumed=True).estimator == "auto"
-
-
-def test_cli_resume_of_a_run_saved_before_the_estimator_key_keeps_sequential(squares, tmp_path):
-    run = tmp_path / "run"
-    args = ["--n-patches", "2", "--patch-size", "16", "--scale", "0.125", "--feature-width", "8",
-            "--batch-size", "8", "--workers", "0"]
-    first = CliRunner().invoke(app, ["train", str(squares), "--out", str(run), "--epochs", "1", *args])
-    assert first.exit_code == 0, first.output
-    saved = json.loads((run / "config.json").read_text())
-    del saved["estimator"]  # as written before --estimator existed
-    (run / "config.json").write_text(json.dumps(saved))
-    again = CliRunner().invoke(app, ["train", "--resume", str(run), "--epochs", "2"])
-    assert again.exit_code == 0, again.output
-    assert json.loads((run / "config.json").read_text())["estimator"] == "sequential"
-
-
 def test_cli_train_runs_and_reports(squares, tmp_path, monkeypatch):
     # CliRunner's output is not a terminal, like a batch job's log: progress comes as lines
     monkeypatch.setattr(cli_train, "LOG_EVERY_S", 0.0)

@@ -216,6 +216,6 @@ def test_a_counts_model_ranks_the_patches_by_what_they_add_to_the_counts():
     result = sample_attention(predictor, opened, n_patches=None, seed=0, return_patches=True)
     shares = _count_shares(net, result, opened)
     weights = _weights(net, result, 0)
-    assert shares is not None and weights is not None and float(shares.max()) <= 1 / net.count_floor
+    assert shares is not None and weights is not None and float(shares.max()) <= 1 / net.pooling.floor
     counts = result.logits.double().exp().sum()
     assert torch.allclose((weights * shares).sum(), counts, rtol=1e-4), ((weights * shares).sum(), counts)

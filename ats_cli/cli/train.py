@@ -73,7 +73,6 @@ def train(
     from ats_cli.train import train as run_training
 
     console = OutputConsole()
-    from_run = resume is not None and config is None  # the run's own config.json: see ats_cli.legacy
     if resume is not None:
         config = config or resume / "config.json"
         overrides["out"] = str(resume)
@@ -85,7 +84,7 @@ def train(
             raise typer.Exit(2)
         overrides.update(data=str(data), out=str(out))
     try:
-        cfg = resolve_config(config, resumed=from_run, **overrides)
+        cfg = resolve_config(config, **overrides)
         ctx = distributed.from_env()
     except (ConfigError, ValueError) as e:
         console.print(f"[red]error:[/] {e}")

@@ -26,11 +26,10 @@ can predict with the other (``ESTIMATORS``):
   attention's perplexity ``exp(H(a))`` and ``sequential`` otherwise: the one with the
   smaller squared error of the pooled feature, which is what the gradient carries. The
   choice depends on ``a`` and n only, never on the draw, so the estimate stays unbiased.
-  For prediction :class:`~ats_cli.core.model.ATSModel` in eval mode uses ``threshold``:
-  on a trained model it changed the predicted class less often than ``sequential``
-  (benchmarks/README.md, estimator variance), even where its squared error is larger --
-  presumably because the error is mostly in the pooled feature's size, which moves the
-  arg-max less than an error in its direction.
+  For prediction :class:`~ats_cli.core.model.ATSModel` in eval mode uses ``threshold``,
+  which evaluation draws many patches for: a position the attention clearly favours then
+  enters almost exactly, so the estimate's direction, which sets the arg-max, is nearly
+  that of the exact expectation; its error is mostly in the pooled feature's size.
 """
 
 from __future__ import annotations
@@ -222,19 +221,15 @@ def expectation(
 
 
 def attention_distribution(
-    scores: torch.Tensor, smoothing: float = 0.0, support: torch.Tensor | None = None, *, log: bool = False
+    scores: torch.Tensor, support: torch.Tensor | None = None, *, log: bool = False
 ) -> torch.Tensor:
     """Softmax over ALL positions of an attention map [B, ...] -> probabilities [B, K].
 
     ``support`` (bool, same shape as ``scores``) restricts the distribution to some
     positions (e.g. not the empty background); the others get probability exactly 0 and
-    are never sampled. ``smoothing`` s mixes in the uniform distribution over the
-    support, ``a (1 - s) + s / |support|``, so that no supported position has
-    probability 0 (every position stays reachable and the importance weights 1/a stay
-    bounded); the reference used s=1e-5 on Megapixel MNIST. The softmax runs in float32
-    even under autocast, since the estimator divides by it. ``log``: the log-probabilities
-    instead (log-softmax, -inf off the support; no smoothing), for a cross-entropy that
-    stays finite where a probability underflows.
+    are never sampled. The softmax runs in float32 even under autocast, since the
+    estimator divides by it. ``log``: the log-probabilities instead (log-softmax, -inf off
+    the support), for a cross-entropy that stays finite where a probability underflows.
     """
     flat = scores.flatten(1).float()
     if support is not None:
@@ -242,17 +237,7 @@ def attention_distribution(
         if not keep.any(1).all():
             raise ValueError("support mask is empty for some image")
         flat = flat.masked_fill(~keep, float("-inf"))
-    if log:
-        if smoothing:
-            raise ValueError("log=True takes no smoothing")
-        return torch.log_softmax(flat, dim=1)
-    probs = torch.softmax(flat, dim=1)
-    if smoothing:
-        if not 0.0 <= smoothing < 1.0:
-            raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
-        uniform = torch.full_like(probs, 1.0 / flat.shape[1]) if support is None else keep / keep.sum(1, True)
-        probs = probs * (1.0 - smoothing) + smoothing * uniform
-    return probs
+    return torch.log_softmax(flat, dim=1) if log else torch.softmax(flat, dim=1)
 
 
 def entropy(probs: torch.Tensor) -> torch.Tensor:

@@ -61,8 +61,8 @@ def open_input(path: str | os.PathLike[str], *, channels: int, scale: float,
     ``resample`` (the default) ``mpp`` is a physical scale to match: a file that records
     its microns per pixel is read from the level at or below ``mpp`` and resampled to it
     (:meth:`~ats_cli.data.slides.SlideReader.match_mpp`), any other file at ``level`` as
-    it is (``reading`` says so); without it (models whose spec predates version 3:
-    :mod:`ats_cli.legacy`) ``mpp`` picks the closest level, read as it is, and a file
+    it is (``reading`` says so); without it
+    ``mpp`` picks the closest level, read as it is, and a file
     without mpp is refused. ``tissue`` (default: on for slides read lazily, off for
     ordinary images) restricts sampling to
     the Otsu tissue mask. Other files are read whole with :func:`read_image`, as before.

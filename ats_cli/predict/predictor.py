@@ -73,7 +73,7 @@ def load_predictor(model: str | os.PathLike[str], device: str = "auto", *, estim
     if len(classes) != n_out:
         raise CheckpointError(f"{path}: lists {len(classes)} class names for a model with {n_out} outputs")
     channels = int(ckpt["spec"]["channels"])
-    saved = ckpt["spec"]["input"]  # for models saved without it: ats_cli.legacy
+    saved = ckpt["spec"]["input"]
     options = {k: saved.get(k) for k in ("reader", "level", "mpp", "tissue", "resample")}
     return Predictor(model=net, classes=classes, channels=channels, device=dev, path=path, input_options=options)
 

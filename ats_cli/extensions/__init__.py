@@ -1,0 +1,44 @@
+"""Extensions of attention sampling: the named pieces a kind of data adds to the thesis's model.
+
+:class:`ats_cli.core.model.ATSModel` is the method of the thesis. What a task needs beyond
+it plugs into one of four slots, each with a registry of its own (:mod:`.registries`):
+
+* ``pooling`` -- what the estimator averages and how the logits are read from the estimate
+  (:mod:`.pooling`: ``features``, the thesis's; :mod:`.pooling_votes`; :mod:`.pooling_counts`);
+* ``support`` -- which low-res cells may be sampled at all (:mod:`.support`; :mod:`.support_bright`);
+* ``prior`` -- a fixed log-prior added to the attention scores (:mod:`.prior`; :mod:`.prior_rarity`);
+* ``gain`` -- a per-patch factor on the unit-norm feature (:mod:`.gain`; :mod:`.gain_learned`).
+
+Each is created from a plain spec, ``{"name": ..., **options}`` (:func:`create_extension`),
+the form a checkpoint stores, so that a model is rebuilt without unpickling anything.
+Adding one is adding a file to this package: every module in it is imported here, and
+registers what it defines with :func:`register`.
+
+Why they all keep the estimator unbiased: its argument (step (*) of
+:func:`ats_cli.core.sampling.expectation`) asks only that the value pooled for a cell be a
+deterministic, differentiable function of the parameters and the input, the same whichever
+cells are drawn, and that the draws come from the distribution the weights are computed
+for. A support or a prior changes that distribution (the weights follow it); a gain or a
+pooling changes the value of a cell. Each module says why its piece keeps both conditions;
+tests/test_extensions.py checks each by Monte Carlo, beside a biased variant it rejects.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from ats_cli.extensions.registries import (
+    KINDS,
+    ExtensionError,
+    UnknownExtensionError,
+    available_extensions,
+    create_extension,
+    register,
+)
+
+__all__ = ["KINDS", "ExtensionError", "UnknownExtensionError", "available_extensions", "create_extension",
+           "register"]
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")

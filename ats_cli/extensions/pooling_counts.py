@@ -1,0 +1,77 @@
+"""``counts``: each patch's vote divided by the attention mass around its cell, so that every
+object counts once, whatever attention it got.
+
+``v_i = p_i / max(M_i, floor)``, ``p_i`` the vote of :mod:`ats_cli.extensions.pooling_votes`
+(with its ``none_class``) and ``M_i`` the attention mass of the cells whose centres lie
+within one patch of cell i (:func:`local_mass`). The logits are the log of the estimated
+counts per class. Why: a vote weighs each object by the attention mass it got, and a
+learned attention is uneven, so a majority of objects can lose to a minority that drew
+more mass.
+
+Derivation: for an object whose cells R lie within one patch of each other, with no other
+mass near, ``M_i = a(R)`` for i in R, so ``sum_{i in R} a_i / M_i = 1``: the object adds
+its class probabilities once. ``floor``: an object with at least that share of the
+attention counts once, one with less counts ``a(R) / floor``, in proportion to its mass as
+in a vote; 0 is the pure count, 1 the vote (``M <= 1``). Why a floor: counted once each,
+many small objects of noise that each hold a sliver of the mass would outvote the few
+objects the label is about on what little they misread; weighed by their mass they do not.
+
+Unbiased: ``M`` comes from the whole attention map, not from the draws, so ``v_i`` is a
+deterministic, differentiable function of the parameters for every cell, and step (*) of
+:func:`ats_cli.core.sampling.expectation` holds unchanged for the value and both gradients
+(the attention's gradient now also flows through ``M``, exactly, since ``M`` is computed
+for the drawn cells from the full map). And ``a_i / max(M_i, floor) <= 1``: no draw weighs
+more than in a vote.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ats_cli.extensions.pooling import Where
+from ats_cli.extensions.pooling_votes import VotePooling
+from ats_cli.extensions.registries import ExtensionError, register
+
+__all__ = ["CountPooling", "local_mass"]
+
+
+def local_mass(probs: torch.Tensor, att_shape: tuple[int, int], sizes: torch.Tensor,
+               patch_size: tuple[int, int]) -> torch.Tensor:
+    """[B, K]: for every cell, the attention mass of the cells whose centres lie within one
+    patch of it (a window of ``ceil(patch / cell)`` cells, made odd), with ``probs`` [B, K]
+    over the attention grid ``att_shape`` and ``sizes`` [B, 2] the full-resolution (H, W)
+    that sets the cell size."""
+    h, w = att_shape
+    out = probs.new_empty(probs.shape)
+    windows = [(math.ceil(patch_size[0] * h / float(H)) | 1, math.ceil(patch_size[1] * w / float(W)) | 1)
+               for H, W in sizes.tolist()]
+    for window in set(windows):
+        rows = [b for b, k in enumerate(windows) if k == window]
+        grid = probs[rows].view(len(rows), 1, h, w)
+        summed = F.avg_pool2d(grid, window, stride=1, padding=(window[0] // 2, window[1] // 2),
+                              count_include_pad=True) * (window[0] * window[1])
+        out[rows] = summed.view(len(rows), -1)
+    return out
+
+
+@register("pooling", "counts")
+class CountPooling(VotePooling):
+    def __init__(self, features: int, n_classes: int, *, none_class: bool = False, floor: float = 0.0):
+        if not 0 <= floor <= 1:
+            raise ExtensionError(f"pooling 'counts': floor must be in [0, 1], got {floor}")
+        super().__init__(features, n_classes, none_class=none_class)
+        self.floor = float(floor)
+
+    def values(self, feats: torch.Tensor, classifier: nn.Linear, where: Where | None = None) -> torch.Tensor:
+        if where is None:
+            raise ValueError("pooling 'counts' needs the attention around the draws (where)")
+        mass = local_mass(where.probs, where.att_shape, where.sizes.to(where.probs.device), where.patch_size)
+        return self.count(self.probabilities(feats, classifier), mass.gather(1, where.indices))
+
+    def count(self, votes: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+        """Votes [..., classes] over their cells' mass [...], floored."""
+        return votes / mass.float().clamp(min=max(self.floor, torch.finfo(torch.float32).tiny))[..., None]
