@@ -9,8 +9,8 @@ DIR`` write one FeatureCollection per image (docs/slides.md, "Attention in QuPat
   with the measurement ``attention`` and its own colour (``properties.color``: viridis on
   a log scale spanning three decades below the top, as ``ats visualize``'s figure). Which
   cells: the highest-attention cells that together hold ``CELL_MASS`` of the attention,
-  at most ``MAX_CELLS`` (a feature is ~300 bytes, so a huge slide's file stays a few MB);
-  cells of attention 0 (outside the tissue mask) never. The top-level
+  at most ``MAX_CELLS``, so that the file of a huge slide with an untrained, flat map
+  stays small; cells of attention 0 (outside the tissue mask) never. The top-level
   ``properties.cells`` says how many cells were left out and how much attention they held;
 * **one detection per sampled patch**, in draw order, named ``patch K`` (K = 1.., the
   numbers of the preview), classified as the predicted class, magenta, with the
