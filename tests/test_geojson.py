@@ -1,7 +1,7 @@
 """GeoJSON for QuPath (ats visualize --out X.geojson, ats predict --save-attention): the
-polygons land on the right level-0 pixels at every pyramid level and via --mpp, the file
-is valid GeoJSON, the estimator weights are the ones the model used, and predict keeps
-going past a bad input."""
+polygons land on the right level-0 pixels at every pyramid level and via --mpp and stay on
+the image, the file is valid GeoJSON, the estimator weights are the ones the model used,
+the preview draws it, and predict keeps going past a bad input."""
 
 from __future__ import annotations
 
@@ -17,26 +17,24 @@ import torch.nn as nn
 from typer.testing import CliRunner
 
 import ats_cli.predict as predict_mod
+import ats_cli.visualize as visualize_mod
 from ats_cli.checkpoint import save_checkpoint
 from ats_cli.cli import app
 from ats_cli.config import TrainConfig
 from ats_cli.core.geometry import positions_to_offsets
-from ats_cli.geojson import (
+from ats_cli.models import create_model, model_spec
+from ats_cli.predict import load_predictor, resolve_inputs
+from ats_cli.render.geojson import (
     MAX_CELLS,
-    AttentionRecord,
-    LevelFrame,
-    attention_feature_collection,
     cell_boxes,
-    check_model,
+    feature_collection,
     geojson_text,
     patch_boxes,
-    render_geojson,
-    replay_weights,
     select_cells,
     unique_names,
 )
-from ats_cli.models import create_model, model_spec
-from ats_cli.predict import load_predictor, resolve_inputs
+from ats_cli.render.records import AttentionRecord, LevelFrame
+from ats_cli.visualize import check_model
 
 runner = CliRunner()
 CLASSES = ["normal", "tumor"]
@@ -126,9 +124,9 @@ def run_record(predictor, slide: Path, **reading):
     with torch.no_grad():
         out = net(opened.low[None], [opened.source], generator=torch.Generator().manual_seed(0), return_patches=True,
                   support_mask=None if opened.support is None else opened.support[None])
-    record = AttentionRecord.from_output(net, opened, out, 0, replay_weights(net, out, seed=0))
+    record = AttentionRecord.from_output(net, opened, out, 0)
     probs = torch.softmax(out.logits[0], 0).tolist()
-    collection = attention_feature_collection(record, CLASSES, probs, image=slide)
+    collection = feature_collection(record, CLASSES, probs, image=slide)
     patches = (out.patches[0] * 255).round().to(torch.uint8).numpy()
     return record, collection, patches
 
@@ -140,6 +138,11 @@ def patch_features(collection: dict) -> list[dict]:
 def box_of(feature: dict) -> tuple[float, float, float, float]:
     ring = np.asarray(feature["geometry"]["coordinates"][0], dtype=float)
     return ring[:, 0].min(), ring[:, 1].min(), ring[:, 0].max(), ring[:, 1].max()
+
+
+def read_box(feature: dict) -> tuple[float, float, float, float]:
+    """The box the model read (properties.patch_box), which the polygon clips to the image."""
+    return tuple(feature["properties"]["patch_box"])
 
 
 def region0(image: np.ndarray, box, d: int) -> np.ndarray:
@@ -197,18 +200,48 @@ def test_patch_lands_on_the_square_at_every_level(model_file, slide, level):
 @pytest.mark.parametrize("level", [0, 1, 2])
 def test_every_patch_covers_the_pixels_the_model_read(model_file, slide, level):
     """Corners too (patches partly outside the image, zero-padded): the level-0 pixels under each
-    polygon, every d-th, are exactly the patch the model was given."""
+    patch_box, every d-th, are exactly the patch the model was given, and the polygon is that box
+    cut to the image."""
     predictor = hot_predictor(model_file, (0.0, 0.0), (0.999, 0.999), (0.625, 0.75), (0.3, 0.1))
     record, collection, patches = run_record(predictor, slide, level=level)
     features = patch_features(collection)
     assert len(features) == 4 and [f["properties"]["measurements"]["draw_order"] for f in features] == [1, 2, 3, 4]
     image = level0_image()
     for feature, patch in zip(features, patches, strict=True):
-        np.testing.assert_array_equal(region0(image, box_of(feature), 2**level), patch.transpose(1, 2, 0))
-    boxes = {box_of(f) for f in features}
+        np.testing.assert_array_equal(region0(image, read_box(feature), 2**level), patch.transpose(1, 2, 0))
+        x0, y0, x1, y1 = read_box(feature)
+        assert box_of(feature) == (max(x0, 0), max(y0, 0), min(x1, W0), min(y1, H0))
+    boxes = {read_box(f) for f in features}
     d = 2**level
     assert (-4 * d, -4 * d, 12 * d, 12 * d) in boxes  # the top-left cell's patch sticks out of the image
     assert EXPECTED[level] in boxes
+
+
+@pytest.mark.parametrize("kind", ["slide", "png"])
+def test_patch_polygons_stay_on_the_image(tmp_path, slide, model_file, monkeypatch, kind):
+    """QuPath draws the polygons on the slide: a patch at the border, which the reader pads
+    with zeros, is clipped to the image there, through `ats visualize --out X.geojson`, for a
+    pyramid read at level 1 and for a plain PNG; patch_box keeps what the model read."""
+    hot_cells(monkeypatch, (0.0, 0.0), (0.999, 0.999))
+    image = slide
+    if kind == "png":
+        from PIL import Image
+
+        image = tmp_path / "image.png"
+        Image.fromarray(level0_image()).save(image)
+    out = tmp_path / "x.geojson"
+    flags = ["--level", "1"] if kind == "slide" else []
+    result = runner.invoke(app, ["visualize", str(image), "--model", str(model_file), "--out", str(out), *flags])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    patches = patch_features(data)
+    assert len(patches) == 2
+    for f in data["features"]:
+        x0, y0, x1, y1 = box_of(f)
+        assert 0 <= x0 < x1 <= W0 and 0 <= y0 < y1 <= H0, (f["properties"]["name"], box_of(f))
+    outside = [read_box(f) for f in patches if read_box(f) != box_of(f)]
+    assert len(outside) == 2  # both corners' patches stick out ...
+    assert any(b[0] < 0 and b[1] < 0 for b in outside) and any(b[2] > W0 and b[3] > H0 for b in outside)
 
 
 def test_cells_and_patches_share_one_footprint():
@@ -251,41 +284,52 @@ def test_check_model():
 
 
 @pytest.mark.parametrize("estimator,samples", [("threshold", 1), ("threshold", 3), ("sequential", 2)])
-def test_replayed_weights_are_the_models(tmp_path, slide, estimator, samples):
-    """logits = W (sum_k w_k f_k) + b = sum_k w_k (patch_logit_k - b) + b: the replayed weights reproduce
-    the model's own logits, through Predictor.predict (batch of 2, several samplings)."""
+def test_the_weights_written_are_the_models(tmp_path, slide, estimator, samples):
+    """logits = W (sum_k w_k f_k) + b = sum_k w_k (patch_logit_k - b) + b: the weights the output
+    carries reproduce the model's own logits, through Predictor.predict (batch of 2, several
+    samplings), and --save-attention writes them."""
     predictor = load_predictor(make_model(tmp_path / "m.pt", n_patches=5), "cpu")
     predictor.model.estimator = estimator
     seen = []
     other = write_pyramid(tmp_path / "other.tif", level0_image()[:, ::-1].copy())
     rows = predictor.predict(resolve_inputs([slide, other]), samples=samples, batch_size=2, seed=7,
-                             on_output=lambda i, row, opened, out, b: seen.append((i, out, b)))
-    assert all(r.ok for r in rows) and len(seen) == 2 and seen[0][1] is seen[1][1]  # one batch
-    out = seen[0][1]
-    w = replay_weights(predictor.model, out, seed=7, samplings=samples)
-    assert w is not None
+                             on_output=lambda i, row, opened, out, b: seen.append((i, opened, out, b)))
+    assert all(r.ok for r in rows) and len(seen) == 2 and seen[0][2] is seen[1][2]  # one batch
+    out = seen[0][2]
+    w = out.weights.double()
     bias = predictor.model.classifier.bias.double()
     rebuilt = torch.einsum("bn,bnc->bc", w, out.patch_logits.double() - bias) + bias
     torch.testing.assert_close(rebuilt, out.logits.double(), atol=1e-4, rtol=1e-4)
     if estimator == "sequential":
         torch.testing.assert_close(w.sum(1), torch.ones(2, dtype=torch.float64))
-    assert replay_weights(predictor.model, out, seed=8, samplings=samples) is None  # another seed: not this draw
+    for i, opened, output, b in seen:
+        record = AttentionRecord.from_output(predictor.model, opened, output, b)
+        collection = feature_collection(record, CLASSES, rows[i].probs)
+        written = [f["properties"]["measurements"]["weight"] for f in patch_features(collection)]
+        assert written == [float(f"{v:.4g}") for v in w[b].tolist()]
 
 
 # ---------------------------------------------------------------------------- the commands
 
 
-@pytest.fixture
-def hot_model(monkeypatch):
-    """load_predictor hands out models whose attention sits on the square's centre cell."""
+def hot_cells(monkeypatch, *fracs):
+    """load_predictor hands out models whose attention sits on the cells at ``fracs``, one patch each."""
     real = predict_mod.load_predictor
 
     def load(*args, **kwargs):
         predictor = real(*args, **kwargs)
-        predictor.model.attention_net = HotCells((0.625, 0.75))
+        predictor.model.attention_net = HotCells(*fracs)
+        predictor.model.n_patches = len(fracs)
         return predictor
 
     monkeypatch.setattr(predict_mod, "load_predictor", load)
+    monkeypatch.setattr(visualize_mod, "load_predictor", load)
+
+
+@pytest.fixture
+def hot_model(monkeypatch):
+    """load_predictor hands out models whose attention sits on the square's centre cell."""
+    hot_cells(monkeypatch, (0.625, 0.75))
 
 
 @pytest.mark.parametrize("flags,level", [([], 0), (["--level", "1"], 1), (["--mpp", "0.5"], 1), (["--mpp", "1"], 2)])
@@ -336,11 +380,17 @@ def test_predict_save_attention(tmp_path, slide, model_file):
     assert result.exit_code == 2 and "not a directory" in result.stderr
 
 
-def test_render_from_geojson(tmp_path, slide, model_file, hot_model):
-    out = tmp_path / "x.geojson"
-    assert runner.invoke(app, ["visualize", str(slide), "--model", str(model_file), "--out", str(out)]).exit_code == 0
-    width, height = render_geojson(out, slide, tmp_path / "x.png", max_side=256)
+def test_preview_of_the_geojson(tmp_path, slide, model_file, hot_model):
+    """--preview draws the file written over the image; without a .geojson --out it is refused."""
+    out, png = tmp_path / "x.geojson", tmp_path / "preview" / "x.png"
+    result = runner.invoke(app, ["visualize", str(slide), "--model", str(model_file), "--out", str(out),
+                                 "--preview", str(png)])
+    assert result.exit_code == 0, result.output
+    assert out.is_file() and f"wrote {png}" in result.output
     from PIL import Image
 
-    with Image.open(tmp_path / "x.png") as im:
-        assert im.format == "PNG" and im.size == (width, height) and width > 500
+    with Image.open(png) as im:
+        assert im.format == "PNG" and im.width > 500 and f"{im.width}x{im.height} px" in result.output
+    result = runner.invoke(app, ["visualize", str(slide), "--model", str(model_file), "--out", str(tmp_path / "f.png"),
+                                 "--preview", str(png)])
+    assert result.exit_code == 2 and "--out X.geojson" in result.stderr

@@ -216,7 +216,7 @@ def test_the_output_carries_the_estimator_weights_and_each_draws_contribution(kw
     """Consumers (figures, GeoJSON) read what the model did from its output: the weights must
     be the ones the estimate used (rebuilding the pooled estimate from them gives the logits),
     and each contribution the weight times the size of what the draw pooled."""
-    from ats_cli.geojson import replay_weights
+    from ats_cli.core.sampling import estimator_threshold, sample
 
     torch.manual_seed(0)
     model = make_model(n_patches=6, **kw).eval()
@@ -228,7 +228,12 @@ def test_the_output_carries_the_estimator_weights_and_each_draws_contribution(kw
                     generator=torch.Generator().manual_seed(3))
         unit, gain = model.patch_parts(out.patches.flatten(0, 1))
         feats = (unit if gain is None else gain * unit).view(2, 6, -1)
-    assert torch.allclose(out.weights.double(), replay_weights(model, out, seed=3))
+    # the same draw again, from the same seed: the threshold estimator's weights of it
+    probs = out.attention.flatten(1)
+    draw = sample(probs, 6, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(draw.indices, out.indices)
+    threshold = estimator_threshold(model.active_estimator, draw, probs)
+    assert torch.allclose(out.weights, estimator_weights(out.sampled_probs, threshold=threshold))
     if isinstance(model.pooling, FeaturePooling):
         assert torch.allclose(model.classifier(torch.einsum("bn,bnd->bd", out.weights, feats)), out.logits, atol=1e-5)
         size = torch.ones(2, 6) if gain is None else gain.view(2, 6)

@@ -16,7 +16,9 @@ from ats_cli.checkpoint import save_checkpoint
 from ats_cli.cli import app
 from ats_cli.config import TrainConfig
 from ats_cli.models import create_model, model_spec
-from ats_cli.visualize import MAX_STRIP, find_image_info, patch_sites, render_attention, sample_attention, select_epochs
+from ats_cli.render.figure import MAX_STRIP
+from ats_cli.render.records import patch_sites
+from ats_cli.visualize import find_image_info, render_attention, sample_attention, select_epochs
 
 runner = CliRunner()
 
@@ -201,21 +203,25 @@ def test_a_model_with_a_patch_gain_ranks_the_patches_by_weight_times_gain(tmp_pa
     opens(summary.out, (600, 600))
 
 
-def test_a_counts_model_ranks_the_patches_by_what_they_add_to_the_counts():
+def test_a_counts_model_ranks_the_patches_by_what_they_add_to_the_counts(tmp_path):
     """The released Megapixel MNIST model pools counts: a draw's share in the figure is its
-    estimator weight x its vote's total / max(M, floor), and these shares add up to the
-    counts the prediction was made from (the sum of exp(logits))."""
+    estimator weight x its vote's total / max(M, floor), as the model's output reports it,
+    and these shares add up to the counts the prediction was made from (the sum of
+    exp(logits)); the figure's strip is in the order of those shares."""
     from ats_cli.predict import load_predictor
-    from ats_cli.visualize import _count_shares, _weights, sample_attention
 
     root = Path(__file__).resolve().parents[1]
-    predictor = load_predictor(root / "models" / "megapixel-mnist-ats.pt", "cpu")
+    model, image = root / "models" / "megapixel-mnist-ats.pt", root / "sample_data" / "megapixel-mnist" / "00001.png"
+    predictor = load_predictor(model, "cpu")
     net = predictor.model
-    opened = predictor.opener()(root / "sample_data" / "megapixel-mnist" / "00001.png", channels=1, scale=net.scale,
-                                patch_size=net.patch_size)
+    opened = predictor.opener()(image, channels=1, scale=net.scale, patch_size=net.patch_size)
     result = sample_attention(predictor, opened, n_patches=None, seed=0, return_patches=True)
-    shares = _count_shares(net, result, opened)
-    weights = _weights(net, result, 0)
-    assert shares is not None and weights is not None and float(shares.max()) <= 1 / net.pooling.floor
+    weights, shares = result.weights.double(), result.contributions.double()
+    assert float((shares / weights.clamp_min(1e-12)).max()) <= 1 / net.pooling.floor + 1e-9
     counts = result.logits.double().exp().sum()
-    assert torch.allclose((weights * shares).sum(), counts, rtol=1e-4), ((weights * shares).sum(), counts)
+    assert torch.allclose(shares.sum(), counts, rtol=1e-4), (shares.sum(), counts)
+    summary = render_attention(predictor, image, tmp_path / "counts.png", seed=0)
+    offsets = [tuple(o) for o in result.offsets[0].tolist()]
+    share = {o: sum(float(s) for p, s in zip(offsets, shares[0], strict=True) if p == o) for o in summary.strip}
+    assert [share[o] for o in summary.strip] == sorted(share.values(), reverse=True)
+    opens(summary.out, (600, 600))

@@ -36,6 +36,10 @@ def visualize(
         help="IMAGE mode: model checkpoint (.pt) or run directory (its best.pt).")] = None,
     image: Annotated[Path | None, typer.Option(
         "--image", show_default=False, help="RUN_DIR mode: the image whose attention to follow.")] = None,
+    preview: Annotated[Path | None, typer.Option(
+        "--preview", show_default=False,
+        help="With --out X.geojson: also a PNG of the file drawn over the image, as QuPath shows it after "
+             "importing it.")] = None,
     epochs: Annotated[str, typer.Option(
         "--epochs", help="RUN_DIR mode: 'all' or a list like 1,5,10 (at most 8 panels, evenly spaced).")] = "all",
     n_patches: NPatchesOption = None,
@@ -63,7 +67,8 @@ def visualize(
     [bold]ats visualize SLIDE --model MODEL --out slide.geojson[/]: the same sampling as
     GeoJSON that QuPath imports (File > Import objects from file): the patches and the
     attention cells as detections in level-0 pixels, with their attention, draw order and
-    estimator weight as measurements (docs/slides.md).
+    estimator weight as measurements (docs/slides.md). [bold]--preview slide.png[/] draws
+    that file over the image.
 
     Exit status 2 for a bad model, run directory or option, or an --out that cannot be
     written (checked before any work); 1 for an unusable image; 130 for Ctrl-C (nothing
@@ -72,7 +77,7 @@ def visualize(
     from ats_cli.checkpoint import CheckpointError
     from ats_cli.data.images import ImageReadError, max_pixels_limit
     from ats_cli.io import check_writable
-    from ats_cli.visualize import render_attention, render_evolution
+    from ats_cli.visualize import render_attention, render_evolution, write_attention_geojson
 
     console = OutputConsole(highlight=False, soft_wrap=True)
     err = OutputConsole(stderr=True, highlight=False, soft_wrap=True)
@@ -100,16 +105,18 @@ def visualize(
     geojson = out.suffix.lower() == ".geojson"
     if evolution and geojson:
         raise usage("--out .geojson is for IMAGE mode (one image and --model); the epochs figure is a picture")
-    try:
-        check_writable(out)
-    except OSError as e:
-        raise usage(f"cannot write {out}: {e.strerror or e} (nothing was drawn)") from None
+    if preview is not None and not geojson:
+        raise usage("--preview draws a GeoJSON file: give it with --out X.geojson")
+    for path in (out, preview):
+        try:
+            if path is not None:
+                check_writable(path)
+        except OSError as e:
+            raise usage(f"cannot write {path}: {e.strerror or e} (nothing was drawn)") from None
     try:
         if geojson:
-            from ats_cli.geojson import write_attention_geojson
-
             summary = write_attention_geojson(model, target, out, n_patches=n_patches, seed=seed, data=data,
-                                              device=device, reading=reading)
+                                              device=device, reading=reading, preview=preview)
         elif evolution:
             summary = render_evolution(target, image, out, epochs=epochs, data=data, device=device,
                                        reading=reading)
@@ -135,6 +142,9 @@ def visualize(
         console.print(f"wrote {summary.out}: predicted {summary.prediction} (p = {summary.probability:.2f}){label}; "
                       f"{summary.n_patches} patches and {summary.n_cells} attention cells in level-0 pixels (patches "
                       f"read at level {summary.level}, downsample {summary.downsample:g})")
+        if summary.preview is not None:
+            console.print(f"wrote {summary.preview} ({summary.preview_px[0]}x{summary.preview_px[1]} px): the file "
+                          "drawn over the image")
         return
     what = (f"epochs {', '.join(map(str, summary.epochs))}" if evolution
             else f"predicted {summary.prediction} (p = {summary.probability:.2f})")

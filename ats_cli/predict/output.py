@@ -1,5 +1,5 @@
 """What prediction leaves on disk: the predictions CSV and, with ``--save-attention``,
-one GeoJSON file of attention and sampled patches per input (:mod:`ats_cli.geojson`)."""
+one GeoJSON file of attention and sampled patches per input (:mod:`ats_cli.render.geojson`)."""
 
 from __future__ import annotations
 
@@ -11,17 +11,11 @@ from pathlib import Path
 
 from ats_cli.core.model import ATSOutput
 from ats_cli.data.inputs import OpenedImage
-from ats_cli.geojson import (
-    AttentionRecord,
-    attention_feature_collection,
-    parse_boxes,
-    replay_weights,
-    unique_names,
-    write_geojson,
-)
 from ats_cli.io import atomic_write_text
 from ats_cli.predict.inputs import InputItem
 from ats_cli.predict.predictor import PredictionRow, Predictor
+from ats_cli.render.geojson import feature_collection, parse_boxes, unique_names, write_geojson
+from ats_cli.render.records import AttentionRecord
 
 __all__ = ["AttentionSaver", "prediction_columns", "predictions_csv_text", "write_predictions_csv"]
 
@@ -74,18 +68,14 @@ class AttentionSaver:
         self.names = unique_names([item.path for item in items])
         self.written = 0
         self.errors: list[str] = []
-        self._weights: tuple[object, object] | None = None  # (output, its replayed weights): one per batch
 
     def __call__(self, index: int, row: PredictionRow, opened: OpenedImage, output: ATSOutput, b: int) -> None:
         item = self.items[index]
         target = self.folder / self.names[index]
         try:
-            model = self.predictor.model
-            if self._weights is None or self._weights[0] is not output:
-                self._weights = (output, replay_weights(model, output, seed=self.seed, samplings=self.samples))
-            record = AttentionRecord.from_output(model, opened, output, b, self._weights[1])
+            record = AttentionRecord.from_output(self.predictor.model, opened, output, b)
             boxes = parse_boxes(item.extra.get("boxes") or item.extra.get("digits"))
-            collection = attention_feature_collection(
+            collection = feature_collection(
                 record, self.predictor.classes, row.probs, image=item.path, model=self.predictor.path, seed=self.seed,
                 samples=self.samples, label=item.label, boxes=boxes)
             write_geojson(target, collection)
