@@ -63,8 +63,9 @@ def predict(
         help="Predict in N processes on this machine: one per GPU, or N CPU processes (starts torchrun for you, as "
              "ats train --devices; needs --out FILE) \\[default: 1].")] = None,
     overwrite: Annotated[bool, typer.Option(
-        "--overwrite", help="Predict every input again and replace --out. Without it an existing --out of this model "
-                            "is resumed (its inputs are skipped) and one of another model or cohort is refused.")]
+        "--overwrite", help="Predict every input again: --out, its part files and its record are removed first. "
+                            "Without it an existing --out made by this model file with these settings and inputs is "
+                            "resumed (its inputs are skipped) and any other is refused.")]
     = False,
     prefetch: Annotated[bool, typer.Option(
         "--prefetch/--no-prefetch",
@@ -80,7 +81,9 @@ def predict(
     writes the rows finished so far to --out, says so and exits with status 130.
 
     With --out FILE every finished input is also appended to FILE.part-R as it goes, so
-    rerunning the same command resumes where a run stopped (or crashed); --devices N (or
+    rerunning the same command resumes where a run stopped (or crashed); FILE.ats.json
+    records the model (sha256), settings and inputs that made FILE, and a run of anything
+    else is refused; one run at a time writes FILE (FILE.ats.lock). --devices N (or
     torchrun) shares the inputs among processes and merges one CSV (docs/predict-visualize.md).
     """
     from ats_cli import distributed

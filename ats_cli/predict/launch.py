@@ -1,10 +1,11 @@
 """``ats predict --devices N``: check here what can be checked, then run the same command
 in N processes through torchrun (:func:`ats_cli.distributed.run_launched`).
 
-The checks made here (the model, ``--out``, an output of another run) fail in one line
-before torchrun starts N processes that would each load the model only to refuse; rank
-0 makes them again, and that check is the one that counts. Rank 0's exit status comes
-back through a file (:data:`STATUS_FILE_ENV`): torchrun reports a worker's non-zero status as a failure with
+The checks made here (the model, ``--out``, an output of another run, a live writer of
+``--out``) fail in one line before torchrun starts N processes that would each load the
+model only to refuse; rank 0 makes them again, holding ``--out``'s lock, and that check
+is the one that counts. Rank 0's exit status comes back through a file
+(:data:`STATUS_FILE_ENV`): torchrun reports a worker's non-zero status as a failure with
 a page of its own, which "some inputs failed" is not.
 """
 
@@ -17,7 +18,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from ats_cli.predict.session import Request, identity, load_checked, worker_args
+from ats_cli.predict.session import Request, identity, load_checked, run_record, worker_args
 
 __all__ = ["STATUS_FILE_ENV", "launch"]
 
@@ -29,16 +30,21 @@ def launch(devices: int, req: Request, err: Console) -> int:
     from ats_cli import distributed
     from ats_cli.predict import cohort
     from ats_cli.predict.inputs import resolve_inputs
+    from ats_cli.predict.provenance import OutLock
 
     predictor = load_checked(req, "cpu", err, check_out=True)  # on CPU: the GPUs are the workers'
     if predictor is None:
         return 2
     try:
         distributed.check_devices(devices, req.device)
+        with OutLock(str(req.out)):  # a live writer refuses here, before N processes start
+            pass
         if not req.overwrite:
             items = resolve_inputs(req.inputs, recursive=req.recursive)
-            cohort.plan(str(req.out), items, predictor.classes, identity(predictor, req, devices))
-    except ValueError as e:  # CohortError, too few GPUs
+            settings = identity(predictor, req, devices)
+            cohort.plan(str(req.out), items, predictor.classes, settings,
+                        record=run_record(predictor, req, settings, items))
+    except ValueError as e:  # CohortError, RunDirError, too few GPUs
         err.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)
         return 2
     del predictor

@@ -1,11 +1,12 @@
 """Running ``ats predict`` in this process: to the terminal or stdout, or to ``--out FILE``
 alone or as one rank of several (:mod:`ats_cli.distributed`).
 
-``--out FILE`` is the resumable path (:mod:`ats_cli.predict.cohort`): rank 0 checks
-what is there; every rank predicts its share of what is left, appending each input to
-its part file as it finishes; rank 0 merges the CSV. Each function returns the exit
-status (0 ok, 1 some inputs failed, 2 refused before any image was read, 130 Ctrl-C)
-after saying, in one line, anything that went wrong.
+``--out FILE`` is the resumable path (:mod:`ats_cli.predict.cohort`): rank 0 holds the
+file's lock for the whole run, checks what is there against this run's record
+(:mod:`ats_cli.predict.provenance`) and writes the record; every rank predicts its share
+of what is left, appending each input to its part file as it finishes; rank 0 merges the
+CSV. Each function returns the exit status (0 ok, 1 some inputs failed, 2 refused before
+any image was read, 130 Ctrl-C) after saying, in one line, anything that went wrong.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from ats_cli.predict import cohort
 from ats_cli.predict.inputs import InputItem, resolve_inputs
 from ats_cli.predict.output import AttentionSaver, predictions_csv_text
 from ats_cli.predict.predictor import PredictionInterrupted, PredictionRow
+from ats_cli.predict.provenance import holding, write_record
 from ats_cli.predict.report import print_results, run_with_progress
-from ats_cli.predict.session import Request, announced, identity, load_checked, opener, print_header
+from ats_cli.predict.session import Request, announced, identity, load_checked, opener, print_header, run_record
 
 __all__ = ["COLLECTIVE_TIMEOUT", "PROGRESS_EVERY_S", "RankProgress", "predict_cohort", "predict_here"]
 
@@ -83,8 +85,9 @@ def predict_cohort(req: Request, console: Console, err: Console) -> int:
     code = 2
     ctx = distributed.from_env()
     try:
-        with distributed.process_group(req.device, timeout=COLLECTIVE_TIMEOUT) as (ctx, device):
-            code = _cohort_rank(req, ctx, device, console, err)
+        with contextlib.ExitStack() as held, \
+                distributed.process_group(req.device, timeout=COLLECTIVE_TIMEOUT) as (ctx, device):
+            code = _cohort_rank(req, ctx, device, held, console, err)
     except _Stop as stop:
         code = stop.code
     except ValueError as e:  # process_group: an unusable device for this rank
@@ -98,7 +101,7 @@ def predict_cohort(req: Request, console: Console, err: Console) -> int:
     distributed.exit_worker(code if ctx.is_main or code in (2, 130) else 0)
 
 
-def _cohort_rank(req: Request, ctx, device, console: Console, err: Console) -> int:
+def _cohort_rank(req: Request, ctx, device, held: contextlib.ExitStack, console: Console, err: Console) -> int:
     from ats_cli import distributed
 
     out = str(req.out)
@@ -114,14 +117,20 @@ def _cohort_rank(req: Request, ctx, device, console: Console, err: Console) -> i
         raise _Stop(2)
     settings = identity(predictor, req, ctx.world_size)
 
-    def resolve():
+    def resolve():  # rank 0, holding FILE's lock until this rank returns
+        held.enter_context(holding(out))
         items = resolve_inputs(req.inputs, recursive=req.recursive)
-        return items, cohort.plan(out, items, predictor.classes, settings, overwrite=req.overwrite)
+        record = run_record(predictor, req, settings, items)
+        todo_plan = cohort.plan(out, items, predictor.classes, settings, overwrite=req.overwrite, record=record)
+        write_record(out, record)
+        return items, todo_plan
 
     try:
         items, todo_plan = distributed.from_main(resolve, ctx)
-    except cohort.CohortError as e:
-        main_err.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)
+    except (ValueError, OSError) as e:  # CohortError, the lock's RunDirError, a record that cannot be written
+        text = str(e) if isinstance(e, ValueError) else \
+            f"cannot write {e.filename or out}: {e.strerror or e} (nothing was predicted)"
+        main_err.print(f"[red]error:[/] {escape(text)}", soft_wrap=True)
         raise _Stop(2) from None
     todo = todo_plan.todo(items)
     mine = cohort.share(todo, ctx.rank, ctx.world_size)
@@ -140,7 +149,7 @@ def _cohort_rank(req: Request, ctx, device, console: Console, err: Console) -> i
     part = cohort.part_path(out, ctx.rank)
     start = time.perf_counter()
     reader = announced(predictor, req, err) if ctx.rank == 0 else opener(predictor, req)  # said once, not per rank
-    writer = cohort.PartWriter(part, predictor.classes, settings)
+    writer = cohort.PartWriter(part, predictor.classes, settings, model=str(predictor.path.resolve()))
     try:
         options = dict(n_patches=req.n_patches, samples=req.samples, batch_size=req.batch_size, seed=req.seed,
                        reader=reader, on_output=on_output, prefetch=req.prefetch,

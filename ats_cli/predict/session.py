@@ -16,10 +16,13 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from ats_cli.predict.cohort import input_key
 from ats_cli.predict.inputs import InputItem
 from ats_cli.predict.predictor import Predictor
+from ats_cli.predict.provenance import model_digest, record, settings
 
-__all__ = ["Request", "announced", "identity", "load_checked", "opener", "print_header", "worker_args"]
+__all__ = ["Request", "announced", "identity", "load_checked", "opener", "print_header", "run_record",
+           "worker_args"]
 
 
 @dataclass(frozen=True)
@@ -78,14 +81,20 @@ def announced(predictor: Predictor, req: Request, err: Console):
 
 
 def identity(predictor: Predictor, req: Request, world_size: int) -> dict[str, Any]:
-    """What makes two runs' predictions interchangeable (recorded in the part files): the
-    model file and every option that changes a probability."""
-    path = predictor.path.resolve()
-    stat = path.stat()
-    keep = ("n_patches", "estimator", "samples", "batch_size", "seed", "reader", "level", "mpp", "tissue_mask",
-            "max_pixels")
-    return {"model": str(path), "model_bytes": stat.st_size, "model_mtime": int(stat.st_mtime),
-            **{k: getattr(req, k) for k in keep}}
+    """The settings that change a probability (written in every part file), with effective
+    values: an unset --n-patches or --estimator is the model's, so that naming the
+    model's own value does not make another run."""
+    net = predictor.model
+    values = {"n_patches": req.n_patches or getattr(net, "patches_now", None),
+              "estimator": getattr(net, "estimator", None), "samples": req.samples, "batch_size": req.batch_size,
+              "seed": req.seed}
+    return settings(model_digest(predictor.path), values, opener(predictor, req).keywords, world_size)
+
+
+def run_record(predictor: Predictor, req: Request, run_settings: dict[str, Any], items: Sequence[InputItem]
+               ) -> dict[str, Any]:
+    """``--out FILE``'s record (:mod:`ats_cli.predict.provenance`) for these inputs."""
+    return record(predictor.path, predictor.classes, run_settings, [input_key(item.path) for item in items])
 
 
 def print_header(console: Console, predictor: Predictor, items: Sequence[InputItem], req: Request,
