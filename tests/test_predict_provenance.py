@@ -1,10 +1,12 @@
 """`ats predict --out FILE` answers for what made FILE: a rerun with another model or other
 settings is refused (by name, non-zero), never "already done" with the old rows; an
 interrupted run of one model is never completed by another; --overwrite leaves nothing
-of the old run to resume; two writers of one FILE cannot both run."""
+of the old run to resume; two writers of one FILE cannot both run; a full disk is one
+line and leaves nothing behind."""
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -16,6 +18,7 @@ from test_predict import make_model, png
 from typer.testing import CliRunner
 
 import ats_cli.predict as predict_mod
+import ats_cli.predict.cohort as cohort_mod
 from ats_cli.cli import app
 
 runner = CliRunner()
@@ -168,6 +171,72 @@ def test_3_two_writers_of_one_out_cannot_both_run(cohort, tmp_path):
         second.output
     assert first.returncode == 0, output
     assert out.read_text() == reference(folder, a, tmp_path / "ref-a.csv")  # a's rows, whole
+
+
+class _FullFile:
+    """A file on a full disk: it opens (and exists), but no byte can be written to it."""
+
+    def __init__(self, fh):
+        self.fh = fh
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __getattr__(self, name):
+        return getattr(self.fh, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.fh.close()
+
+
+def _full_disk(monkeypatch, folder: Path, modules, *, pwrite: bool = True) -> None:
+    real_open, real_pwrite = open, os.pwrite
+
+    def full_open(file, mode="r", *args, **kwargs):
+        fh = real_open(file, mode, *args, **kwargs)
+        inside = isinstance(file, (str, os.PathLike)) and Path(file).resolve().is_relative_to(folder.resolve())
+        return _FullFile(fh) if inside and set(mode) & set("wax+") else fh
+
+    def full_pwrite(fd, data, offset):
+        if Path(os.readlink(f"/proc/self/fd/{fd}")).is_relative_to(folder.resolve()):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    for module in modules:
+        monkeypatch.setattr(module, "open", full_open, raising=False)
+    if pwrite:
+        monkeypatch.setattr(os, "pwrite", full_pwrite)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
+def test_a_full_disk_is_one_line_and_leaves_nothing_behind(cohort, tmp_path, monkeypatch):
+    import ats_cli.io
+
+    a, b, folder, images = cohort
+    full = tmp_path / "full"
+    full.mkdir()
+    _full_disk(monkeypatch, full, [ats_cli.io, cohort_mod])
+    result = run(folder, "-m", a, "--out", full / "p.csv")
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert len(errors) == 1 and str(full / "p.csv") in errors[0] and "No space left" in errors[0], result.output
+    assert sorted(os.listdir(full)) == []  # no probe, lock, record, temporary or part file
+
+
+def test_a_full_disk_under_the_part_file_is_one_line(cohort, tmp_path, monkeypatch):
+    a, b, folder, images = cohort
+    out = tmp_path / "p.csv"
+    _full_disk(monkeypatch, tmp_path, [cohort_mod], pwrite=False)  # the part file alone fails
+    result = run(folder, "-m", a, "--out", out)
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code not in (0, 1) and isinstance(result.exception, SystemExit), result.output
+    assert len(errors) == 1 and "p.csv.part-0" in errors[0] and "No space left" in errors[0], result.output
+    monkeypatch.undo()
+    assert run(folder, "-m", a, "--out", out).exit_code == 0  # space again: the same command finishes
+    assert out.read_text() == reference(folder, a, tmp_path / "ref-a.csv")
 
 
 def test_the_number_of_processes_is_part_of_the_record_only_with_batches():

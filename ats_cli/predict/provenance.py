@@ -140,7 +140,8 @@ def write_record(out: str | os.PathLike[str], data: Mapping[str, Any]) -> None:
 
 class OutLock(RunLock):
     """:class:`ats_cli.rundir.RunLock` on ``FILE.ats.lock``: one writer per ``--out FILE``.
-    ``acquire()`` raises :class:`RunDirError` naming the live holder."""
+    ``acquire()`` raises :class:`RunDirError` naming the live holder, or the reason the
+    lock file cannot be written (a full disk: no empty lock file is left behind)."""
 
     def __init__(self, out: str | os.PathLike[str]):
         super().__init__(Path(out).parent)
@@ -150,6 +151,16 @@ class OutLock(RunLock):
     def _busy(self, holder: dict[str, Any] | None) -> RunDirError:
         return RunDirError(f"{self.out}: being written by {_holder_text(holder)} (lock file {self.path}); two runs "
                            "cannot write one --out: wait for it to finish or stop it, or choose another --out")
+
+    def acquire(self) -> OutLock:
+        try:
+            super().acquire()
+        except OSError as e:  # RunLock writes its record into the lock file: a full disk fails there
+            with contextlib.suppress(OSError):
+                if self.path.stat().st_size == 0:  # ours, never written (a holder's has its record)
+                    self.path.unlink()
+            raise RunDirError(f"cannot write {self.path}: {e.strerror or e}") from None
+        return self
 
 
 @contextlib.contextmanager

@@ -149,8 +149,8 @@ def _cohort_rank(req: Request, ctx, device, held: contextlib.ExitStack, console:
     part = cohort.part_path(out, ctx.rank)
     start = time.perf_counter()
     reader = announced(predictor, req, err) if ctx.rank == 0 else opener(predictor, req)  # said once, not per rank
-    writer = cohort.PartWriter(part, predictor.classes, settings, model=str(predictor.path.resolve()))
     try:
+        writer = cohort.PartWriter(part, predictor.classes, settings, model=str(predictor.path.resolve()))
         options = dict(n_patches=req.n_patches, samples=req.samples, batch_size=req.batch_size, seed=req.seed,
                        reader=reader, on_output=on_output, prefetch=req.prefetch,
                        on_row=lambda j, row: writer.write(mine[j], row))
@@ -166,6 +166,10 @@ def _cohort_rank(req: Request, ctx, device, held: contextlib.ExitStack, console:
             raise _Stop(130) from None
         _save_interrupted(stop, out, items, predictor.classes, err, overwrite=req.overwrite)
         raise _Stop(130) from None
+    except OSError as e:  # a full disk under the part file
+        err.print(f"[red]error:[/] {tag}cannot write {escape(str(part))}: {escape(e.strerror or str(e))} (the inputs "
+                  "finished before are kept; free some space and rerun the same command to continue)", soft_wrap=True)
+        raise _Stop(2) from None
     if ctx.enabled:
         err.print(f"{tag}{len(mine)} input(s) in {time.perf_counter() - start:.1f} s", markup=False)
     written, att_errors = distributed.all_reduce(

@@ -8,6 +8,7 @@ any image is read: hours of prediction are not spent to find out at the end.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ from ats_cli.predict.inputs import InputItem
 from ats_cli.predict.predictor import Predictor
 from ats_cli.predict.provenance import model_digest, record, settings
 
-__all__ = ["Request", "announced", "identity", "load_checked", "opener", "print_header", "run_record",
+__all__ = ["Request", "announced", "check_writable", "identity", "load_checked", "opener", "print_header", "run_record",
            "worker_args"]
 
 
@@ -111,11 +112,23 @@ def print_header(console: Console, predictor: Predictor, items: Sequence[InputIt
                   f"{estimator_note(predictor.model)}samples {req.samples}, seed {req.seed}")
 
 
+def check_writable(path: str | os.PathLike[str]) -> None:
+    """:func:`ats_cli.io.check_writable`, leaving no probe file behind when the write fails
+    (a full disk creates the probe, then refuses its byte)."""
+    from ats_cli import io
+
+    try:
+        io.check_writable(path)
+    except OSError:
+        path = Path(path)
+        path.with_name(f".{path.name}.{os.getpid()}.probe").unlink(missing_ok=True)
+        raise
+
+
 def load_checked(req: Request, device: str, err: Console, *, check_out: bool) -> Predictor | None:
     """The model and the checks made before any image is read; None after saying why."""
     from ats_cli.checkpoint import CheckpointError
     from ats_cli.data.images import max_pixels_limit
-    from ats_cli.io import check_writable
     from ats_cli.predict.predictor import load_predictor
 
     try:
@@ -140,7 +153,6 @@ def _attention_writable(folder: Path, predictor: Predictor, err: Console) -> boo
     """--save-attention DIR: the model must have an attention map and DIR must be writable
     (checked before any work); False after saying why."""
     from ats_cli.geojson import check_model
-    from ats_cli.io import check_writable
 
     try:
         check_model(predictor.model)
