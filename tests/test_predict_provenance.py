@@ -66,6 +66,16 @@ def test_1_a_finished_csv_is_not_reused_for_another_model_or_settings(cohort, tm
     assert same.exit_code == 0 and f"{N} of {N} already done" in same.output and out.read_text() == before
 
 
+def test_naming_the_models_own_settings_is_the_same_run(cohort, tmp_path):
+    """The record holds the values in force: the model's n_patches, and the estimator
+    prediction uses (auto predicts with threshold), whether named or not."""
+    a, b, folder, images = cohort
+    out = tmp_path / "p.csv"
+    assert run(folder, "-m", a, "--out", out).exit_code == 0
+    named = run(folder, "-m", a, "--out", out, "--n-patches", "8", "--estimator", "threshold")
+    assert named.exit_code == 0 and f"{N} of {N} already done" in named.output, named.output
+
+
 def test_1_the_model_is_its_bytes_not_its_path(cohort, tmp_path):
     """A model retrained into the same file is another model."""
     a, b, folder, images = cohort

@@ -26,6 +26,7 @@ Part files are JSON lines (never pickles): a first line with the run's model and
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import glob
 import json
@@ -229,6 +230,14 @@ class PartWriter:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self.fh = open(path, "a+b")  # noqa: SIM115 (closed in close())
+        try:
+            self._start(classes, settings, model)
+        except BaseException:
+            with contextlib.suppress(OSError):  # a full disk refuses the buffered bytes again
+                self.fh.close()
+            raise
+
+    def _start(self, classes: Sequence[str], settings: Mapping[str, Any], model: str | None) -> None:
         self.fh.seek(0, os.SEEK_END)
         size = self.fh.tell()
         if size:  # a previous run's file: cut a truncated last line, so the next one starts clean
@@ -255,8 +264,10 @@ class PartWriter:
         self._write(record)
 
     def close(self) -> None:
-        os.fsync(self.fh.fileno())
-        self.fh.close()
+        try:
+            os.fsync(self.fh.fileno())
+        finally:
+            self.fh.close()
 
 
 def merge(out: str | os.PathLike[str], items: Sequence[InputItem], classes: Sequence[str],

@@ -18,7 +18,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from ats_cli.predict.session import Request, identity, load_checked, run_record, worker_args
+from ats_cli.predict.session import Request, load_checked, run_record, run_settings, worker_args
 
 __all__ = ["STATUS_FILE_ENV", "launch"]
 
@@ -41,9 +41,9 @@ def launch(devices: int, req: Request, err: Console) -> int:
             pass
         if not req.overwrite:
             items = resolve_inputs(req.inputs, recursive=req.recursive)
-            settings = identity(predictor, req, devices)
+            settings = run_settings(predictor, req, devices)
             cohort.plan(str(req.out), items, predictor.classes, settings,
-                        record=run_record(predictor, req, settings, items))
+                        record=run_record(predictor, settings, items))
     except ValueError as e:  # CohortError, RunDirError, too few GPUs
         err.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)
         return 2

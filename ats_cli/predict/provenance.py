@@ -135,7 +135,12 @@ def _model(rec: Mapping[str, Any]) -> str:
 
 
 def write_record(out: str | os.PathLike[str], data: Mapping[str, Any]) -> None:
-    atomic_write_text(record_path(out), json.dumps(dict(data), indent=1) + "\n")
+    """Write ``out``'s record atomically; an OSError names the record, not its temporary file."""
+    path = record_path(out)
+    try:
+        atomic_write_text(path, json.dumps(dict(data), indent=1) + "\n")
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None
 
 
 class OutLock(RunLock):

@@ -29,7 +29,7 @@ from ats_cli.predict.output import AttentionSaver, predictions_csv_text
 from ats_cli.predict.predictor import PredictionInterrupted, PredictionRow
 from ats_cli.predict.provenance import holding, write_record
 from ats_cli.predict.report import print_results, run_with_progress
-from ats_cli.predict.session import Request, announced, identity, load_checked, opener, print_header, run_record
+from ats_cli.predict.session import Request, announced, load_checked, opener, print_header, run_record, run_settings
 
 __all__ = ["COLLECTIVE_TIMEOUT", "PROGRESS_EVERY_S", "RankProgress", "predict_cohort", "predict_here"]
 
@@ -115,12 +115,12 @@ def _cohort_rank(req: Request, ctx, device, held: contextlib.ExitStack, console:
         if predictor is None and not ctx.is_main and not failed_main:
             err.print(f"{tag}{main_err.file.getvalue().strip()}", markup=False, soft_wrap=True)
         raise _Stop(2)
-    settings = identity(predictor, req, ctx.world_size)
+    settings = run_settings(predictor, req, ctx.world_size)
 
     def resolve():  # rank 0, holding FILE's lock until this rank returns
         held.enter_context(holding(out))
         items = resolve_inputs(req.inputs, recursive=req.recursive)
-        record = run_record(predictor, req, settings, items)
+        record = run_record(predictor, settings, items)
         todo_plan = cohort.plan(out, items, predictor.classes, settings, overwrite=req.overwrite, record=record)
         write_record(out, record)
         return items, todo_plan

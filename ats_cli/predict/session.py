@@ -17,13 +17,13 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from ats_cli.predict import provenance
 from ats_cli.predict.cohort import input_key
 from ats_cli.predict.inputs import InputItem
 from ats_cli.predict.predictor import Predictor
-from ats_cli.predict.provenance import model_digest, record, settings
 
-__all__ = ["Request", "announced", "check_writable", "identity", "load_checked", "opener", "print_header", "run_record",
-           "worker_args"]
+__all__ = ["Request", "announced", "check_writable", "load_checked", "opener", "print_header", "run_record",
+           "run_settings", "worker_args"]
 
 
 @dataclass(frozen=True)
@@ -81,21 +81,23 @@ def announced(predictor: Predictor, req: Request, err: Console):
                              lambda line: err.print(escape(line), soft_wrap=True, highlight=False))
 
 
-def identity(predictor: Predictor, req: Request, world_size: int) -> dict[str, Any]:
-    """The settings that change a probability (written in every part file), with effective
-    values: an unset --n-patches or --estimator is the model's, so that naming the
-    model's own value does not make another run."""
-    net = predictor.model
+def run_settings(predictor: Predictor, req: Request, world_size: int) -> dict[str, Any]:
+    """The settings that change a probability (written in every part file), with the
+    values in force: an unset --n-patches is the model's, and the estimator is the one
+    prediction uses (``auto`` is ``threshold``), so that naming the model's own value does
+    not make another run."""
+    net = predictor.model  # a loaded predictor's model is in eval mode
     values = {"n_patches": req.n_patches or getattr(net, "patches_now", None),
-              "estimator": getattr(net, "estimator", None), "samples": req.samples, "batch_size": req.batch_size,
-              "seed": req.seed}
-    return settings(model_digest(predictor.path), values, opener(predictor, req).keywords, world_size)
+              "estimator": getattr(net, "active_estimator", None), "samples": req.samples,
+              "batch_size": req.batch_size, "seed": req.seed}
+    reading = opener(predictor, req).keywords
+    return provenance.settings(provenance.model_digest(predictor.path), values, reading, world_size)
 
 
-def run_record(predictor: Predictor, req: Request, run_settings: dict[str, Any], items: Sequence[InputItem]
-               ) -> dict[str, Any]:
-    """``--out FILE``'s record (:mod:`ats_cli.predict.provenance`) for these inputs."""
-    return record(predictor.path, predictor.classes, run_settings, [input_key(item.path) for item in items])
+def run_record(predictor: Predictor, settings: dict[str, Any], items: Sequence[InputItem]) -> dict[str, Any]:
+    """``--out FILE``'s record (:mod:`ats_cli.predict.provenance`): :func:`run_settings`
+    for these inputs."""
+    return provenance.record(predictor.path, predictor.classes, settings, [input_key(i.path) for i in items])
 
 
 def print_header(console: Console, predictor: Predictor, items: Sequence[InputItem], req: Request,
