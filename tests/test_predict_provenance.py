@@ -255,7 +255,7 @@ def test_the_number_of_processes_is_part_of_the_record_only_with_batches():
     batches the ranks' shares decide which inputs share a batch, so they do not."""
     from ats_cli.predict.provenance import settings
 
-    values = dict(n_patches=4, estimator="auto", samples=1, batch_size=1, seed=0)
+    values = dict(n_patches=4, estimator="threshold", samples=1, batch_size=1, seed=0, device="cpu")
     assert settings("x", values, {}, 1) == settings("x", values, {}, 2)
     batched = {**values, "batch_size": 4}
     assert settings("x", batched, {}, 1) != settings("x", batched, {}, 2)

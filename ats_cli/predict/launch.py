@@ -31,6 +31,7 @@ def launch(devices: int, req: Request, err: Console) -> int:
     from ats_cli.predict import cohort
     from ats_cli.predict.inputs import resolve_inputs
     from ats_cli.predict.provenance import OutLock
+    from ats_cli.runtime import resolve_device
 
     predictor = load_checked(req, "cpu", err, check_out=True)  # on CPU: the GPUs are the workers'
     if predictor is None:
@@ -41,7 +42,7 @@ def launch(devices: int, req: Request, err: Console) -> int:
             pass
         if not req.overwrite:
             items = resolve_inputs(req.inputs, recursive=req.recursive)
-            settings = run_settings(predictor, req, devices)
+            settings = run_settings(predictor, req, devices, resolve_device(req.device).type)
             cohort.plan(str(req.out), items, predictor.classes, settings,
                         record=run_record(predictor, settings, items))
     except ValueError as e:  # CohortError, RunDirError, too few GPUs

@@ -45,7 +45,7 @@ __all__ = ["RECORD_FORMAT", "OutLock", "inputs_digest", "lock_path", "model_dige
            "record_differences", "record_path", "settings", "write_record"]
 
 RECORD_FORMAT = "ats-predictions/1"
-SETTINGS = ("n_patches", "estimator", "samples", "batch_size", "seed")
+SETTINGS = ("n_patches", "estimator", "samples", "batch_size", "seed", "device")
 
 
 def record_path(out: str | os.PathLike[str]) -> Path:
@@ -76,11 +76,13 @@ def settings(model_sha256: str, values: Mapping[str, Any], reading: Mapping[str,
              ) -> dict[str, Any]:
     """The settings that change a probability, as recorded in the record and in every
     part file's first line. ``values``: the effective n_patches, estimator, samples,
-    batch_size and seed; ``reading``: the options inputs are opened with.
+    batch_size and seed, and the device type (``cpu``, ``cuda``: the same seed draws other
+    patches from a CUDA generator than from a CPU one); ``reading``: the options inputs
+    are opened with.
 
     Left out on purpose: ``max_pixels`` (it decides whether an input is read at all, not
     what a read input predicts: a rerun with a larger budget may retry the inputs that
-    were refused), the device and prefetching. The number of processes is left out with
+    were refused), which GPU, and prefetching. The number of processes is left out with
     ``batch_size`` 1: the sampling generator is re-seeded with ``seed`` for every batch,
     whatever the rank or the number of ranks, so each input's draws are its own. With a
     larger batch_size it is recorded: ranks batch their own share, so the number of

@@ -81,15 +81,17 @@ def announced(predictor: Predictor, req: Request, err: Console):
                              lambda line: err.print(escape(line), soft_wrap=True, highlight=False))
 
 
-def run_settings(predictor: Predictor, req: Request, world_size: int) -> dict[str, Any]:
+def run_settings(predictor: Predictor, req: Request, world_size: int, device_type: str | None = None
+                 ) -> dict[str, Any]:
     """The settings that change a probability (written in every part file), with the
     values in force: an unset --n-patches is the model's, and the estimator is the one
     prediction uses (``auto`` is ``threshold``), so that naming the model's own value does
-    not make another run."""
+    not make another run. ``device_type``: where the workers predict, when not on
+    ``predictor.device`` (the --devices launcher loads the model on the CPU)."""
     net = predictor.model  # a loaded predictor's model is in eval mode
     values = {"n_patches": req.n_patches or getattr(net, "patches_now", None),
               "estimator": getattr(net, "active_estimator", None), "samples": req.samples,
-              "batch_size": req.batch_size, "seed": req.seed}
+              "batch_size": req.batch_size, "seed": req.seed, "device": device_type or predictor.device.type}
     reading = opener(predictor, req).keywords
     return provenance.settings(provenance.model_digest(predictor.path), values, reading, world_size)
 
