@@ -154,7 +154,7 @@ from ats_cli.cli import app
 real, busy = inputs.resolve_inputs, Path(sys.argv[1])
 def slow(*args, **kw):  # the first writer is busy with the inputs when the second starts
     busy.touch()
-    time.sleep(5)
+    time.sleep(8)
     return real(*args, **kw)
 inputs.resolve_inputs = package.resolve_inputs = slow
 sys.argv = ["ats", "predict", *sys.argv[2:]]
