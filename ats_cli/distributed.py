@@ -11,7 +11,8 @@ loop then needs only:
 * :func:`all_reduce` and :func:`from_main`: global metrics, and rank 0's checkpoint on
   every rank (so other nodes need not see the run directory);
 * :func:`launch`: ``--devices N`` as one torchrun call (:func:`run_launched` for any
-  sub-command: ``ats predict --devices N`` uses it too);
+  sub-command: ``ats predict --devices N`` uses it too; it stops the workers when it is
+  stopped);
 * :func:`exit_worker`: how a worker of several leaves (see there).
 
 With ``WORLD_SIZE`` unset (a plain ``ats train``) every helper is a no-op and no process
@@ -25,9 +26,11 @@ import contextlib
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
@@ -195,18 +198,40 @@ def check_devices(nproc: int, device: str | None) -> None:
 
 
 def run_launched(command: Sequence[str], env: dict[str, str] | None = None) -> int:
-    """Run a :func:`launch_command` and return its exit status. Ctrl-C reaches torchrun,
-    which passes it on to the workers; this process just waits for them to stop (130)
-    instead of killing torchrun half-way."""
-    proc = subprocess.Popen(list(command), env=env)
-    interrupted = False
-    while True:
-        try:
-            rc = proc.wait()
-            break
-        except KeyboardInterrupt:
-            interrupted = True
-    return 130 if interrupted else rc
+    """Run a :func:`launch_command` and return its exit status (128 + the signal when this
+    process was told to stop).
+
+    torchrun and its workers run in a process group of their own, and SIGINT and SIGTERM
+    received here are passed on to that whole group; then this process waits for them to
+    stop. Killing the launcher (``kill PID``, a job scheduler's SIGTERM) thus stops the
+    workers too, instead of leaving them running unseen; Ctrl-C in a terminal reaches
+    them once, through here, and rank 0 still saves what is done before it exits."""
+    started: list[subprocess.Popen] = []
+    received: list[int] = []
+
+    def forward(signum, frame) -> None:
+        received.append(signum)
+        for proc in started:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # where Python lets signals be handled
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        started.append(subprocess.Popen(list(command), env=env, process_group=0))
+        if received:  # told to stop while torchrun was being started
+            forward(received[-1], None)
+        rc = started[0].wait()
+    except BaseException:  # anything else that stops this process: the workers go with it
+        forward(signal.SIGTERM, None)
+        for proc in started:
+            proc.wait()
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 + received[0] if received else rc
 
 
 def exit_worker(code: int = 0) -> NoReturn:
@@ -226,9 +251,9 @@ def launch(nproc: int, config: dict[str, Any], *, resume: bool) -> int:
     """``ats train --devices N``: run the resolved ``config`` in N processes; the exit status.
 
     The configuration was resolved (and validated) once, here; the workers read it from a
-    temporary JSON file, so they run exactly it, whatever flags produced it. Ctrl-C reaches
-    torchrun, which passes it on to the workers: rank 0 saves the state and all stop; this
-    process just waits for that instead of killing torchrun half-way.
+    temporary JSON file, so they run exactly it, whatever flags produced it. Ctrl-C (or
+    SIGTERM) is passed on to torchrun, which passes it on to the workers: rank 0 saves the
+    state and all stop; this process waits for that instead of killing torchrun half-way.
     """
     check_devices(nproc, config.get("device"))
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="ats-train-", delete=False) as f:

@@ -4,11 +4,15 @@ processes, ``ats train --devices 2`` end to end, DDP without unused parameters, 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -259,3 +263,51 @@ def test_amp_on_cpu_warns_once_and_trains_in_float32(squares, tmp_path, one_thre
     assert a["history"][0]["amp"] == "none"
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
+
+
+_FAKE_TORCHRUN = """
+import os, subprocess, sys, time
+from pathlib import Path
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])  # a worker, in torchrun's group
+Path(sys.argv[1]).write_text(f"{worker.pid} {os.getpid()}\\n")
+time.sleep(300)
+"""
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stopping_the_launcher_stops_its_workers(tmp_path, sig):
+    """`kill` of the `ats ... --devices N` process (or Ctrl-C) reaches torchrun and its
+    workers, and the launcher waits for them: nothing is left running unseen."""
+    pids = tmp_path / "pids"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from ats_cli.distributed import run_launched; "
+                               f"sys.exit(run_launched([sys.executable, '-c', {_FAKE_TORCHRUN!r}, {str(pids)!r}]))"],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent),
+                                                          os.environ.get("PYTHONPATH", "")])})
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not pids.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        workers = [int(pid) for pid in pids.read_text().split()]  # the worker, then torchrun
+        time.sleep(0.5)  # the launcher has its handlers by then: it set them before starting torchrun
+        launcher.send_signal(sig)
+        assert launcher.wait(timeout=30) == 128 + sig
+        deadline = time.monotonic() + 10
+        while any(map(_running, workers)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(_running, workers))
+    finally:
+        launcher.kill()
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

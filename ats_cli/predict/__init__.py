@@ -16,9 +16,14 @@ The modules, in the order ``ats predict`` uses them:
   :class:`AttentionSaver` the attention as GeoJSON (``--save-attention``);
 * :mod:`.cohort`: ``--out FILE`` keeps every finished input in a part file per process,
   resumes from them and merges one CSV (``--devices N``, torchrun);
+* :mod:`.provenance`: what made ``FILE`` (``FILE.ats.json``: model digest, settings,
+  inputs), checked before anything in it counts as done, and its one-writer lock;
 * :mod:`.metrics`: :func:`evaluate`, accuracy and a confusion matrix when labels are known;
 * :mod:`.report`: what ``ats predict`` prints on the terminal (not imported here: the
-  library needs none of it).
+  library needs none of it);
+* :mod:`.session`, :mod:`.run` and :mod:`.launch`: the ``ats predict`` command itself
+  (its checks before any image is read; one process, or one rank of several, to the
+  terminal or to ``--out FILE``; ``--devices N``), so that the CLI only parses flags.
 
 Everything a caller needs is importable from ``ats_cli.predict`` itself.
 """

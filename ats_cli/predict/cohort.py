@@ -12,16 +12,21 @@ When all ranks are done, rank 0 :func:`merge` s the existing CSV and every part 
 Rerunning the same command resumes (:func:`plan`): the inputs found in ``FILE`` or in a
 part file are not predicted again, failed ones are tried again. What is found must belong
 to this run: a CSV whose class columns are not this model's, a part file written with
-another model or other settings, or rows for files that are not among the inputs are
-refused (:class:`CohortError`, one line naming the file) rather than silently replaced by
-a CSV with fewer rows; ``overwrite`` starts over.
+another model or other settings, rows for files that are not among the inputs, or a
+``FILE`` whose record (``FILE.ats.json``, :mod:`ats_cli.predict.provenance`: model
+digest, settings, input list) is not this run's are refused (:class:`CohortError`, one
+line naming the file) rather than counted as done or replaced by a CSV with fewer rows.
+``overwrite`` starts over: it removes ``FILE``, its part files and its record first, so
+that nothing of the old run is left to be resumed if the new one is killed.
 
-Part files are JSON lines (never pickles): a first line with the run's settings, then
+Part files are JSON lines (never pickles): a first line with the run's model and settings
+(:func:`ats_cli.predict.provenance.settings`), then
 ``{"i": input index, "path", "prediction", "probs", "label"}`` or ``{..., "error"}``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import glob
 import json
@@ -34,8 +39,10 @@ from typing import Any
 from ats_cli.predict.inputs import InputItem
 from ats_cli.predict.output import prediction_columns, write_predictions_csv
 from ats_cli.predict.predictor import PredictionRow
+from ats_cli.predict.provenance import read_record, record_differences, record_path
 
-__all__ = ["CohortError", "PartWriter", "Plan", "input_key", "merge", "part_path", "part_paths", "plan", "share"]
+__all__ = ["CohortError", "PartWriter", "Plan", "input_key", "merge", "part_path", "part_paths", "plan", "share",
+           "start_over"]
 
 PART_FORMAT = "ats-predict-part/1"
 
@@ -80,16 +87,17 @@ class Plan:
 
 
 def plan(out: str | os.PathLike[str], items: Sequence[InputItem], classes: Sequence[str],
-         settings: Mapping[str, Any], *, overwrite: bool = False) -> Plan:
+         settings: Mapping[str, Any], *, overwrite: bool = False, record: Mapping[str, Any] | None = None) -> Plan:
     """Which inputs are done already, from ``out`` and its part files; with ``overwrite``,
-    none (the part files are removed; ``out`` is replaced when the new CSV is written).
+    none (``out``, its part files and its record are removed).
 
     Raises :class:`CohortError` for an output that belongs to another run (see the module
-    docstring). Call it in one process (rank 0) before any rank starts writing."""
+    docstring), checked against ``record`` (:func:`ats_cli.predict.provenance.record`)
+    when given. Call it in one process (rank 0, holding ``out``'s lock) before any rank
+    starts writing."""
     out = Path(out)
     if overwrite:
-        for part in part_paths(out):
-            part.unlink(missing_ok=True)
+        start_over(out)
         return Plan(set(), len(items), [])
     wanted = {input_key(item.path) for item in items}
     done: set[str] = set()
@@ -97,7 +105,8 @@ def plan(out: str | os.PathLike[str], items: Sequence[InputItem], classes: Seque
     found: list[tuple[Path, list[PredictionRow]]] = []
     if out.exists():
         found.append((out, read_predictions_csv(out, classes)))
-    for part in part_paths(out):
+    parts = part_paths(out)
+    for part in parts:
         found.append((part, read_part(part, classes, settings)))
     for path, rows in found:
         stray = [r.path for r in rows if r.ok and input_key(r.path) not in wanted]  # failures are not kept
@@ -108,7 +117,39 @@ def plan(out: str | os.PathLike[str], items: Sequence[InputItem], classes: Seque
         if ok:
             sources.append(str(path))
         done |= ok
+    if record is not None:
+        csv_rows = len(found[0][1]) if found and found[0][0] == out else 0
+        _check_record(out, record, csv_rows, bool(parts))
     return Plan(done, len(items), sources)
+
+
+def _check_record(out: Path, ours: Mapping[str, Any], csv_rows: int, has_parts: bool) -> None:
+    """Refuse rows that this run's record does not vouch for: a CSV with rows and no
+    record, or a record (of rows in the CSV or in part files) that is not this run's."""
+    try:
+        theirs = read_record(out)
+    except ValueError as e:
+        raise CohortError(f"{e}; give --overwrite to start over, or another --out") from None
+    if theirs is None:
+        if csv_rows:  # part files without a record were checked by their own first line
+            raise CohortError(f"{out}: holds {csv_rows} prediction(s) but no record of the model and settings that "
+                              f"made them ({record_path(out).name} is missing); give --overwrite to replace it, or "
+                              "another --out")
+        return
+    differences = record_differences(theirs, ours)
+    if differences and (csv_rows or has_parts):
+        raise CohortError(f"{out}: was predicted with {differences} ({record_path(out).name}); give --overwrite to "
+                          "replace it, or another --out")
+
+
+def start_over(out: str | os.PathLike[str]) -> None:
+    """Remove ``out``, its part files and then its record: a run killed half-way through
+    leaves either nothing, or parts and a record that still name the old run (refused)."""
+    out = Path(out)
+    out.unlink(missing_ok=True)
+    for part in part_paths(out):
+        part.unlink(missing_ok=True)
+    record_path(out).unlink(missing_ok=True)
 
 
 def read_predictions_csv(path: Path, classes: Sequence[str]) -> list[PredictionRow]:
@@ -160,7 +201,7 @@ def read_part(path: Path, classes: Sequence[str], settings: Mapping[str, Any] | 
     if list(head.get("classes", [])) != list(classes) or not same_settings:
         differences = _differences(head, classes, settings)
         raise CohortError(f"{path}: was written with another model or other settings ({differences}); rerun with "
-                          "those, or give --overwrite to start over")
+                          "those, or give --overwrite to start over, or another --out")
     rows = []
     for line in lines[1:]:
         try:
@@ -178,21 +219,25 @@ def read_part(path: Path, classes: Sequence[str], settings: Mapping[str, Any] | 
 
 
 def _differences(head: Mapping[str, Any], classes: Sequence[str], settings: Mapping[str, Any] | None) -> str:
-    if list(head.get("classes", [])) != list(classes):
-        return f"classes {','.join(map(str, head.get('classes', [])))[:60]}"
-    theirs = head.get("settings") or {}
-    ours = json.loads(json.dumps(settings or {}))
-    keys = [k for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)]
-    return ", ".join(f"{k} {theirs.get(k)!r} (now {ours.get(k)!r})" for k in keys[:3])
+    ours = {"classes": list(classes), "settings": json.loads(json.dumps(dict(settings or head.get("settings") or {})))}
+    return record_differences({"settings": {}, **head}, ours)
 
 
 class PartWriter:
     """Appends this rank's rows to its part file, one flushed JSON line per input."""
 
-    def __init__(self, path: Path, classes: Sequence[str], settings: Mapping[str, Any]):
+    def __init__(self, path: Path, classes: Sequence[str], settings: Mapping[str, Any], model: str | None = None):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self.fh = open(path, "a+b")  # noqa: SIM115 (closed in close())
+        try:
+            self._start(classes, settings, model)
+        except BaseException:
+            with contextlib.suppress(OSError):  # a full disk refuses the buffered bytes again
+                self.fh.close()
+            raise
+
+    def _start(self, classes: Sequence[str], settings: Mapping[str, Any], model: str | None) -> None:
         self.fh.seek(0, os.SEEK_END)
         size = self.fh.tell()
         if size:  # a previous run's file: cut a truncated last line, so the next one starts clean
@@ -204,7 +249,7 @@ class PartWriter:
             size = keep
             self.fh.seek(0, os.SEEK_END)
         if size == 0:
-            self._write({"format": PART_FORMAT, "classes": list(classes), "settings": dict(settings)})
+            self._write({"format": PART_FORMAT, "model": model, "classes": list(classes), "settings": dict(settings)})
 
     def _write(self, record: Mapping[str, Any]) -> None:
         self.fh.write(json.dumps(record, allow_nan=False).encode("utf-8") + b"\n")
@@ -219,8 +264,10 @@ class PartWriter:
         self._write(record)
 
     def close(self) -> None:
-        os.fsync(self.fh.fileno())
-        self.fh.close()
+        try:
+            os.fsync(self.fh.fileno())
+        finally:
+            self.fh.close()
 
 
 def merge(out: str | os.PathLike[str], items: Sequence[InputItem], classes: Sequence[str],
