@@ -21,7 +21,7 @@ from ats_cli.render.records import AttentionRecord, LevelFrame, level_frame
 
 def check_model(model) -> None:
     """:func:`ats_cli.visualize.check_model`."""
-    from ats_cli.visualize import check_model as check
+    from ats_cli.models import check_model as check
 
     check(model)
 

@@ -36,7 +36,7 @@ from ats_cli.registry import Registry, UnknownNameError
 if TYPE_CHECKING:
     from ats_cli.config import TrainConfig
 
-__all__ = ["SPEC_VERSION", "UnknownMethodError", "available_methods", "create_model", "model_spec", "register_method"]
+__all__ = ["SPEC_VERSION", "UnknownMethodError", "available_methods", "check_model", "create_model", "model_spec", "register_method"]
 
 # The spec layout this ats writes and reads (see the module docstring). A change of what a
 # key means bumps it; a checkpoint of another version is refused by name (ats_cli.checkpoint).
@@ -162,3 +162,12 @@ def _deepmil(spec: dict[str, Any]) -> nn.Module:
 def _cnn(spec: dict[str, Any]) -> nn.Module:
     net = nets.create(CNN_NET, kind="features", in_channels=spec["channels"])
     return CNNClassifier(net, spec["n_classes"], scale=spec["scale"])
+
+
+def check_model(model) -> None:
+    """ValueError unless ``model`` samples patches from an attention map over its low-res
+    view (``--method ats`` or ``uniform``): Deep MIL reads a fixed grid and the CNN no
+    patches, so neither has patches and cells to export."""
+    if not isinstance(model, ATSModel):
+        raise ValueError(f"GeoJSON export needs an attention-sampling model (--method ats or uniform); this one is a "
+                         f"{type(model).__name__}")

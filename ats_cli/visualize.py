@@ -24,6 +24,7 @@ import torch
 from ats_cli.checkpoint import CheckpointError
 from ats_cli.data.dataset import KNOWN_SPLITS
 from ats_cli.data.inputs import OpenedImage
+from ats_cli.models import check_model
 from ats_cli.predict import Predictor, load_predictor, read_inputs_csv
 from ats_cli.render.evolution import EpochPanel, EvolutionFigure, draw_evolution
 from ats_cli.render.figure import AttentionFigure, draw_attention
@@ -198,17 +199,6 @@ class GeoJSONSummary:
     reading: str | None = None  # how the slide was read (ats_cli.data.magnification.describe_reading)
     preview: Path | None = None
     preview_px: tuple[int, int] | None = None  # (width, height)
-
-
-def check_model(model) -> None:
-    """ValueError unless ``model`` samples patches from an attention map over its low-res
-    view (``--method ats`` or ``uniform``): Deep MIL reads a fixed grid and the CNN no
-    patches, so neither has patches and cells to export."""
-    from ats_cli.core.model import ATSModel
-
-    if not isinstance(model, ATSModel):
-        raise ValueError(f"GeoJSON export needs an attention-sampling model (--method ats or uniform); this one is a "
-                         f"{type(model).__name__}")
 
 
 def sample_attention(predictor: Predictor, opened: OpenedImage, *, n_patches: int | None, seed: int,

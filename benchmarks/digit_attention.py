@@ -54,7 +54,7 @@ def measure(model_path: str, data: str, n: int, n_patches: int | None, seed: int
     from ats_cli.data.images import ImageReadError, read_image
     from ats_cli.data.inputs import low_res_view
     from ats_cli.data.megapixel_mnist import box_fractions
-    from ats_cli.geojson import parse_boxes
+    from ats_cli.render.records import parse_boxes
 
     model, ckpt = load_model(model_path)
     channels = int(ckpt["spec"]["channels"])

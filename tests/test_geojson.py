@@ -22,7 +22,7 @@ from ats_cli.checkpoint import save_checkpoint
 from ats_cli.cli import app
 from ats_cli.config import TrainConfig
 from ats_cli.core.geometry import positions_to_offsets
-from ats_cli.models import create_model, model_spec
+from ats_cli.models import check_model, create_model, model_spec
 from ats_cli.predict import load_predictor, resolve_inputs
 from ats_cli.render.geojson import (
     MAX_CELLS,
@@ -34,7 +34,6 @@ from ats_cli.render.geojson import (
     unique_names,
 )
 from ats_cli.render.records import AttentionRecord, LevelFrame
-from ats_cli.visualize import check_model
 
 runner = CliRunner()
 CLASSES = ["normal", "tumor"]

@@ -156,7 +156,7 @@ def load_checked(req: Request, device: str, err: Console, *, check_out: bool) ->
 def _attention_writable(folder: Path, predictor: Predictor, err: Console) -> bool:
     """--save-attention DIR: the model must have an attention map and DIR must be writable
     (checked before any work); False after saying why."""
-    from ats_cli.geojson import check_model
+    from ats_cli.models import check_model
 
     try:
         check_model(predictor.model)
