@@ -36,7 +36,8 @@ from ats_cli.registry import Registry, UnknownNameError
 if TYPE_CHECKING:
     from ats_cli.config import TrainConfig
 
-__all__ = ["SPEC_VERSION", "UnknownMethodError", "available_methods", "check_model", "create_model", "model_spec", "register_method"]
+__all__ = ["SPEC_VERSION", "UnknownMethodError", "available_methods", "check_model", "create_model", "model_spec",
+           "register_method"]
 
 # The spec layout this ats writes and reads (see the module docstring). A change of what a
 # key means bumps it; a checkpoint of another version is refused by name (ats_cli.checkpoint).
