@@ -131,6 +131,12 @@ def test_4_patch_um_below_a_pixel_or_absurdly_large_is_one_line(tmp_path):
         settle_physical_scale(TrainConfig(patch_um=1e6), records, print)
 
 
+def test_4_training_refuses_an_absurd_mpp_flag_by_name(tmp_path):
+    records = [Record(_tiff(tmp_path / "x.tif", mpp=0.5), 0, "a")]
+    with pytest.raises(ConfigError, match=r"--mpp 1000 µm/px is outside the plausible 0.01-100"):
+        settle_physical_scale(TrainConfig(mpp=1000.0), records, print)
+
+
 def test_4_training_refuses_a_slide_with_an_absurd_scale_by_name(tmp_path):
     records = [Record(_tiff(tmp_path / "dpi.tif", mpp=25_400 / 72, per_inch=True), 0, "a")]
     with pytest.raises(SlideReadError, match=r"dpi.tif: .*352.8 µm/px.*resolution tags: 72 pixels per inch.*0.01-100"):

@@ -119,12 +119,13 @@ def settle_physical_scale(cfg: TrainConfig, records: Sequence[Record], log: Call
     when a setting in microns has no mpp to be converted with, or when the two forms of
     one setting disagree."""
     from ats_cli.config import ConfigError
-    from ats_cli.data.scale_bounds import patch_pixels
+    from ats_cli.data.scale_bounds import check_mpp_flag, patch_pixels
     from ats_cli.data.slides import MPP_TOLERANCE
 
     opts = cfg.input_options()
     mpps = [file_mpp(r.path, reader=opts["reader"], level=opts["level"]) for r in records]
     known = [m for m in mpps if m is not None]
+    check_mpp_flag(cfg.mpp)  # outside the plausible range: one line naming --mpp (scale_bounds)
     if cfg.mpp:
         missing = [r.path for r, m in zip(records, mpps, strict=True) if m is None]
         if missing:

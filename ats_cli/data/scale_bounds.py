@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["MIN_MPP", "MAX_MPP", "RANGE_TEXT", "mpp_problem", "patch_pixels"]
+__all__ = ["MIN_MPP", "MAX_MPP", "RANGE_TEXT", "check_mpp_flag", "mpp_problem", "patch_pixels"]
 
 MIN_MPP = 0.01
 MAX_MPP = 100.0
@@ -39,6 +39,15 @@ def mpp_problem(value: float) -> str | None:
     if not (math.isfinite(value) and MIN_MPP <= value <= MAX_MPP):
         return f"outside the plausible {RANGE_TEXT} of a microscope image"
     return None
+
+
+def check_mpp_flag(value: float, flag: str = "--mpp") -> None:
+    """Refuse ``flag`` ``value`` (0: off, accepted) outside the plausible range with a one-line
+    :class:`ats_cli.config.ConfigError` naming the flag and the value."""
+    if value and (problem := mpp_problem(value)):
+        from ats_cli.config import ConfigError
+
+        raise ConfigError(f"{flag} {value:g} µm/px is {problem} (0 = off)")
 
 
 def patch_pixels(patch_um: float, mpp: float, max_pixels: int | None = None) -> int:
