@@ -35,6 +35,7 @@ for it (a training run of hours lost to a full cache disk would be the worse ans
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -88,14 +89,17 @@ class ViewCache:
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
 
     def probe(self) -> bool:
-        """Whether the folder takes a file (created if need be); warns once when not."""
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            probe = self.folder / f".probe.{os.getpid()}"  # one per process: ranks probe at once
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as e:
-            self._give_up(e)
+        """Whether the folder can be written, asked of the file system without writing
+        (every rank of a run calls this, and only rank 0 may write): the folder, or the
+        nearest part of its path that exists, must be a writable directory. Warns once
+        when not. A disk that fills later is caught when an entry is stored."""
+        where = self.folder
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        if not where.is_dir():
+            self._give_up(OSError(errno.ENOTDIR, f"{where} is not a directory"))
+        elif not os.access(where, os.W_OK | os.X_OK):
+            self._give_up(OSError(errno.EACCES, f"{where} is not writable"))
         return self.writable
 
     def _give_up(self, e: OSError) -> None:
