@@ -18,18 +18,28 @@
   done) and the ``metrics.jsonl`` line last; ``--resume`` rewrites ``metrics.jsonl``
   from ``last.pt``'s history. An interruption anywhere in between (kill -9, a full
   disk) therefore neither duplicates nor loses an epoch.
+* **A resume continues the same run.** ``--resume`` starts from the newest full
+  training state in RUN (:func:`resume_state`): ``last.pt``, or ``best.pt`` when a full
+  disk stopped the epoch's end after writing it (both hold the weights, optimizer and
+  history; the newer epoch wins). A run records its training set's identity
+  (:func:`training_set_identity`: the number of ``train.csv`` rows and a digest of their
+  paths and labels), and a resume against another set is refused: the epoch's order and
+  the position in it (image 18 of 10) would continue over other images, and the result
+  would be neither run. So is a resume whose settings build another model (``--method``,
+  a network): one line naming what changed, instead of PyTorch's state_dict dump.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import socket
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +50,14 @@ try:
 except ImportError:  # pragma: no cover - not POSIX
     fcntl = None
 
-__all__ = ["LOCK_NAME", "RunDirError", "RunLock", "append_metrics", "claim", "holds_run", "make_dirs", "move_aside",
-           "prepare", "rewrite_metrics"]
+__all__ = ["LOCK_NAME", "RESUMABLE", "RunDirError", "RunLock", "append_metrics", "check_training_set", "claim",
+           "failed_save", "holds_run", "make_dirs", "move_aside", "prepare", "resumable", "resume_state",
+           "rewrite_metrics", "settings_changed", "training_set_identity"]
 
 LOCK_NAME = ".ats-train.lock"
 METRICS = "metrics.jsonl"
 _RUN_FILES = ("last.pt", "best.pt", METRICS)
+RESUMABLE = ("last.pt", "best.pt")  # full training states (weights, optimizer, history), newest wins
 
 
 class RunDirError(ValueError):
@@ -214,9 +226,9 @@ def claim(run: str | os.PathLike[str], *, resume: bool, enabled: bool = True) ->
         raise RunDirError(f"{run}: no such run directory to resume")
     lock = RunLock(run).acquire()
     try:
-        if resume and not (run / "last.pt").is_file():
-            raise RunDirError(f"{run}: nothing to resume (no last.pt: the run stopped before its first checkpoint); "
-                              "start it again with --overwrite")
+        if resume and not resumable(run):
+            raise RunDirError(f"{run}: nothing to resume (no last.pt or best.pt: the run stopped before its first "
+                              "checkpoint); start it again with --overwrite")
         if not resume and holds_run(run):
             raise _refusal(run)
         yield lock
@@ -295,3 +307,73 @@ def rewrite_metrics(run: str | os.PathLike[str], history: Sequence[dict[str, Any
     """On resume: ``metrics.jsonl`` := the epochs ``last.pt`` vouches for (atomically), so
     lines written after the last checkpoint are dropped and lines lost are restored."""
     atomic_write_text(Path(run) / METRICS, "".join(json.dumps(dict(h)) + "\n" for h in history))
+
+
+# ---------------------------------------------------------------------------- resuming
+
+
+def resumable(run: str | os.PathLike[str]) -> list[Path]:
+    """The full training states in ``run`` (:data:`RESUMABLE` that exist)."""
+    return [Path(run) / name for name in RESUMABLE if (Path(run) / name).is_file()]
+
+
+def resume_state(run: str | os.PathLike[str], load: Callable[[Path], dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
+    """(path, checkpoint) of the newest full training state in ``run``: the highest
+    (epoch, images done) among ``last.pt`` and ``best.pt``, ``last.pt`` on a tie. An epoch's
+    end writes ``best.pt`` before ``last.pt`` (module docstring), so a disk that fills
+    between the two leaves the finished epoch in ``best.pt`` alone; continuing from the
+    older ``last.pt`` (or, in epoch 1, from nothing) would redo or refuse an epoch the run
+    had finished. ``load``: the checkpoint loader (raises naming the file)."""
+    paths = resumable(run)
+    if not paths:
+        raise RunDirError(f"{run}: nothing to resume (no last.pt or best.pt); start it again with --overwrite")
+    states = [(p, load(p)) for p in paths]
+    return max(states, key=lambda s: (int(s[1].get("epoch", 0)), int(s[1].get("samples", 0)),
+                                      s[0].name == "last.pt"))
+
+
+def failed_save(run: str | os.PathLike[str], epoch: int, e: OSError) -> RunDirError:
+    """The one line for an epoch's end that could not be written (a full disk, a directory
+    gone read-only): advises --resume only when there is a state to resume from."""
+    fix = f"continue with --resume {run}" if resumable(run) else "start it again with --overwrite"
+    return RunDirError(f"{run}: cannot save epoch {epoch} ({e.strerror or e}); make room or fix the directory, "
+                       f"then {fix}")
+
+
+def training_set_identity(records: Iterable[Any], root: str | os.PathLike[str]) -> dict[str, Any]:
+    """What a run records of its training set (``records``: the dataset's train split,
+    :class:`~ats_cli.data.dataset.Record`): the number of rows and a digest of their
+    (path, label) in order (the order decides each epoch's shuffle). Paths relative to the
+    dataset ``root``, so a dataset moved whole is still the same set."""
+    h = hashlib.sha256()
+    n = 0
+    for r in records:
+        h.update(f"{os.path.relpath(r.path, root)}\t{r.label_name}\n".encode())
+        n += 1
+    return {"images": n, "digest": h.hexdigest()}
+
+
+def check_training_set(path: str | os.PathLike[str], recorded: Mapping[str, Any] | None, now: Mapping[str, Any],
+                       where: str) -> None:
+    """Refuse to resume the state at ``path`` (recorded training set ``recorded``; None:
+    saved before it was recorded, not checked) on another training set ``now``
+    (:func:`training_set_identity`; ``where``: its train.csv, for the message)."""
+    if not recorded or recorded.get("digest") == now["digest"]:
+        return
+    before, after = int(recorded.get("images", 0)), now["images"]
+    what = f"{after} images, not the {before}" if after != before else f"other rows than the {before} images"
+    raise RunDirError(f"{path}: {where} now lists {what} this run was trained on; resuming would continue its epoch "
+                      "over other images: resume on the data it was trained on, or start a new run with --overwrite")
+
+
+def settings_changed(path: str | os.PathLike[str], theirs: Mapping[str, Any] | None, ours: Mapping[str, Any],
+                     problem: BaseException) -> RunDirError:
+    """The one line for a resume whose settings build another model than the state at
+    ``path`` holds (its spec ``theirs``, this run's ``ours``): what changed, else the
+    first line of the loader's ``problem``."""
+    theirs = dict(theirs or {})
+    changed = [f"{k} {theirs.get(k)!r} -> {ours.get(k)!r}" if not isinstance(ours.get(k), dict) else f"{k}"
+               for k in sorted(set(theirs) | set(ours)) if k != "version" and theirs.get(k) != ours.get(k)]
+    why = ", ".join(changed) if changed else str(problem).strip().splitlines()[0]
+    return RunDirError(f"{path}: cannot be continued with these settings ({why}); resume with the run's own "
+                       "settings (leave out the flags that change them), or start a new run with --overwrite")

@@ -48,7 +48,17 @@ from ats_cli.distributed import Dist, all_reduce, broadcast_buffers, from_main, 
 from ats_cli.inference import predict_probs
 from ats_cli.io import atomic_path, atomic_write_text
 from ats_cli.models import create_model, model_spec
-from ats_cli.rundir import RunDirError, append_metrics, claim, make_dirs, rewrite_metrics
+from ats_cli.rundir import (
+    append_metrics,
+    check_training_set,
+    claim,
+    failed_save,
+    make_dirs,
+    resume_state,
+    rewrite_metrics,
+    settings_changed,
+    training_set_identity,
+)
 from ats_cli.runtime import Deferred, deferred_interrupts, peak_memory_mb, reset_peak_memory
 
 __all__ = ["train", "train_one_epoch", "evaluate", "loader_workers", "TrainingInterrupted"]
@@ -426,6 +436,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
 
     # ---- data: every rank reads the dataset (same path on every node)
     data = load_dataset(cfg.data)
+    train_identity = training_set_identity(data["train"], data.root)  # a resume must find the same (rundir)
     mpp = settle_physical_scale(cfg, data["train"], log)  # before from_data: --patch-um settles patch_size
     settled = cfg.from_data(data.hints)
     if settled:
@@ -452,9 +463,13 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
         _init_from(model, cfg.init, spec, data.classes, ctx)
         log(f"initialised the model from {cfg.init}")
     if resume:
-        ckpt = from_main(lambda: load_checkpoint(run / "last.pt"), ctx)
-        model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
+        state, ckpt = from_main(lambda: resume_state(run, load_checkpoint), ctx)  # last.pt, or a newer best.pt
+        check_training_set(state, ckpt.get("train_set"), train_identity, str(data.root / "train.csv"))
+        try:
+            model.load_state_dict(ckpt["model"])
+            opt.load_state_dict(ckpt["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:  # another --method or network: one line, not a dump
+            raise settings_changed(state, ckpt.get("spec"), spec, e) from None
         if ckpt.get("scaler") and scaler.is_enabled():
             scaler.load_state_dict(ckpt["scaler"])
         start_epoch, history = ckpt["epoch"], ckpt["history"]
@@ -477,7 +492,8 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
     def save(path: Path, epoch: int, step: int, done: int, running_state: dict) -> None:
         save_checkpoint(path, spec=spec, classes=data.classes, model=model, optimizer=opt.state_dict(),
                         scaler=scaler.state_dict(), epoch=epoch, step=step, samples=done,
-                        world_size=ctx.world_size, history=history, running=running_state, config=cfg.to_dict())
+                        world_size=ctx.world_size, history=history, running=running_state, config=cfg.to_dict(),
+                        train_set=train_identity)
 
     def save_position(pos: Position) -> None:  # Ctrl-C: last.pt at the step reached; --resume continues there
         if ctx.is_main:
@@ -541,8 +557,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
                     append_metrics(run, record)
                     _plot_curves(history, run / "curves.png")
                 except OSError as e:  # a full disk, a directory gone read-only: one line, then --resume
-                    raise RunDirError(f"{run}: cannot save epoch {epoch + 1} ({e.strerror or e}); make room or fix "
-                                      f"the directory, then continue with --resume {run}") from None
+                    raise failed_save(run, epoch + 1, e) from None
             board.add(record)
         best_acc = max(best_acc, test["acc"])
         log(f"epoch {epoch + 1}/{cfg.epochs}: train loss {record['train_loss']:.4f} acc {record['train_acc']:.3f} | "

@@ -122,7 +122,20 @@ def tissue_setting(value: str | None) -> bool | str | None:
 # unset, what the model was trained with (saved in its checkpoint).
 ReaderOption = Annotated[str | None, config_option("reader", unset=MODEL_SETTING, check=True)]
 LevelOption = Annotated[int | None, config_option("level", unset=MODEL_SETTING, min=0)]
-MppOption = Annotated[float | None, config_option("mpp", unset=MODEL_SETTING, min=0.0)]
+
+
+def _mpp_check(value: float | None) -> float | None:
+    """``--mpp``: 0 is off (read by level as it is, ats_cli.data.inputs.open_input), else a
+    plausible microscope scale (ats_cli.data.scale_bounds): a value outside it would
+    resample every input by a factor of hundreds or more."""
+    from ats_cli.data.scale_bounds import mpp_problem
+
+    if value is not None and value != 0 and (problem := mpp_problem(value)):
+        raise typer.BadParameter(f"{value:g} µm/px is {problem} (0 = off: read by level as it is)")
+    return value
+
+
+MppOption = Annotated[float | None, config_option("mpp", unset=MODEL_SETTING, callback=_mpp_check)]
 TissueOption = Annotated[str | None, config_option("tissue_mask", unset=MODEL_SETTING, check=True)]
 NPatchesOption = Annotated[int | None, typer.Option(
     "--n-patches", min=1, show_default=False,

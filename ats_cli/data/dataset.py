@@ -267,7 +267,8 @@ def load_dataset(root: str | os.PathLike[str], *, check_files: bool = True) -> D
                 problems.append(Problem(name, row.line, f"unknown label {row.label!r} (classes: {_short(classes)})"))
                 continue
             if check_files and not row.path.is_file():
-                problems.append(Problem(name, row.line, f"missing file {row.raw_path!r}"))
+                problems.append(Problem(name, row.line, f"{row.raw_path!r} is a directory, not an image file"
+                                        if row.path.is_dir() else f"missing file {row.raw_path!r}"))
                 continue
             records.append(Record(row.path, index[row.label], row.label, row.extra, row.line))
         if table.error is not None:  # it also explains why there are no (more) rows

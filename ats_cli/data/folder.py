@@ -54,14 +54,53 @@ def stratified_split(n: int, fractions: dict[str, float], rng: np.random.Generat
 
 
 def _files(folder: Path, extensions: Iterable[str]) -> list[Path]:
+    """The image files under the class folder ``folder``, each once.
+
+    Links are followed, but never out of the class folder and never twice into one
+    directory: a directory link is entered only when its real path lies inside the class
+    folder's real path and has not been walked yet. A link to ``..`` or to another class
+    would otherwise walk the tree again (a loop walks it once per level of the loop),
+    giving every file several rows, some under another class's label and in both train
+    and test. A file reached twice (two links to it, or a link beside its target) is
+    listed once, at the first path found. The class folder itself may be a link (a class
+    kept on another disk): it is the tree's root. A link to a file is followed wherever it
+    points: it names one file, so it can neither loop nor multiply the tree, and gathering
+    a class from several disks by linking its files is common; two classes reaching one
+    file are refused (:func:`_one_class_per_file`)."""
     exts = {e.lower() if e.startswith(".") else "." + e.lower() for e in extensions}
-    found = []
+    root = folder.resolve()
+    found, seen_dirs, seen_files = [], set(), set()
     for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        real = Path(dirpath).resolve()
+        if real in seen_dirs or not (real == root or root in real.parents):
+            dirnames[:] = []  # a loop, or a link out of the class folder: not walked
+            continue
+        seen_dirs.add(real)
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for name in sorted(filenames):
             if not name.startswith(".") and Path(name).suffix.lower() in exts:
-                found.append(Path(dirpath) / name)
+                file = Path(dirpath) / name
+                key = os.path.realpath(file)
+                if key not in seen_files:
+                    seen_files.add(key)
+                    found.append(file)
     return found
+
+
+def _one_class_per_file(src: Path, per_class: dict[str, list[Path]]) -> None:
+    """Refuse a file that two class folders both reach (a link in one to the other's
+    file): it would be labelled twice, and could land in train and test at once."""
+    owner: dict[str, str] = {}
+    problems = []
+    for c, files in per_class.items():
+        for f in files:
+            key = os.path.realpath(f)
+            if key in owner and owner[key] != c:
+                problems.append(Problem(str(f), 0, f"is {key}, which both {owner[key]}/ and {c}/ hold (through a "
+                                        "link): one file cannot have two labels; keep it in one class folder"))
+            owner.setdefault(key, c)
+    if problems:
+        raise DatasetError(src, problems)
 
 
 def _channels(path: Path) -> int | None:
@@ -117,6 +156,7 @@ def dataset_from_folder(
     if not classes:
         raise DatasetError(src, [Problem(str(src), 0, "no class sub-folders (expected SRC/<class>/<image>)")])
     per_class = {c: _files(src / c, extensions) for c in classes}
+    _one_class_per_file(src, per_class)
     empty = [c for c, files in per_class.items() if not files]
     if empty:
         raise DatasetError(src, [Problem(f"{c}/", 0, "class folder holds no images with extensions "

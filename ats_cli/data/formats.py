@@ -21,7 +21,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 __all__ = ["BACKENDS", "INPUT_SUFFIXES", "LAZY_BACKENDS", "OPENSLIDE", "PILLOW", "TIFFFILE", "backend",
-           "is_input_file"]
+           "is_input_file", "is_lazy"]
 
 PILLOW, TIFFFILE, OPENSLIDE = "pillow", "tifffile", "openslide"
 LAZY_BACKENDS = (TIFFFILE, OPENSLIDE)  # read tile by tile, never decoded whole
@@ -47,3 +47,13 @@ def backend(path: str | os.PathLike[str]) -> str | None:
 def is_input_file(path: str | os.PathLike[str]) -> bool:
     """Whether a file found in a directory is an input: a listed suffix, not hidden."""
     return backend(path) is not None and not Path(path).name.startswith(".")
+
+
+def is_lazy(path: str | os.PathLike[str], reader: str | None = None, level: int | None = None,
+            mpp: float | None = None) -> bool:
+    """Whether ``path`` is read through the lazy slide readers (a lazy backend: TIFFs and
+    slide formats, or any file when a reader, level or mpp is asked for) rather than
+    decoded whole. Here, with the suffix table it reads, rather than in
+    :mod:`ats_cli.data.inputs`: the magnification module asks it too, and inputs imports
+    that module, so neither needs the other for it."""
+    return reader not in (None, "auto") or level is not None or mpp is not None or backend(path) in LAZY_BACKENDS

@@ -15,6 +15,15 @@ Memory is bounded by a pixel budget (:func:`max_pixels_limit`: ``--max-pixels``,
 anything is decoded: a PNG or JPEG is decoded whole, so one larger than the budget is
 refused by name (it replaces PIL's decompression-bomb guard, which raised an exception
 of its own). The slide readers apply the same budget to what they decode at once.
+
+What is decoded is the image as a viewer shows it, once: the EXIF orientation of a
+phone or camera JPEG is applied (a portrait photo stored sideways is read upright, as
+every photo viewer and the user's own eye see it; the low-res view and the patches both
+come from that one decoded array, so they agree). A file of several frames (an animated
+GIF, APNG or WebP, a multi-page image) is refused by name rather than read as its first
+frame: which frame is "the image" is the user's call, and a silent first frame answers
+for a picture nobody chose. A camera's MPO JPEG is the exception (its extra frame is a
+preview of the same photo). A directory given as an image is named as a directory.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
 if TYPE_CHECKING:
     import torch
@@ -54,6 +63,9 @@ PIL_MODES: dict[str, str | None] = {
     "I": None, "I;16": None, "I;16B": None, "I;16L": None, "I;16N": None, "F": None,
 }
 _CHANNELS = {"L": 1, "RGB": 3}
+# Formats whose extra frames are not more images: a camera's MPO JPEG holds the photo and
+# a preview (or the second view of a stereo pair); the first frame is the photo.
+SINGLE_IMAGE_FORMATS = frozenset({"MPO"})
 
 
 class ImageReadError(ValueError):
@@ -139,11 +151,18 @@ def decode_pil(path: str | os.PathLike[str], max_pixels: int | None = None) -> n
     path = Path(path)
     if not path.exists():
         raise ImageReadError(path, "file not found")
+    if path.is_dir():
+        raise ImageReadError(path, "is a directory, not an image file")
     try:
         with open_pil(path, max_pixels) as im:
             target = _target_mode(path, im.mode)  # a refused mode is refused before decoding
+            frames = getattr(im, "n_frames", 1)
+            if frames > 1 and im.format not in SINGLE_IMAGE_FORMATS:
+                raise ImageReadError(path, f"has {frames} frames (an animation or a multi-page file); ats reads one "
+                                     "image per file: save the frame you mean as its own image")
             im.load()
-            arr = np.array(im if im.mode == target else im.convert(target))  # a writable copy
+            shown = ImageOps.exif_transpose(im)  # as a photo viewer shows it (module docstring)
+            arr = np.array(shown if shown.mode == target else shown.convert(target))  # a writable copy
     except ImageReadError:
         raise
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:

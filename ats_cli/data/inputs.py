@@ -14,18 +14,10 @@ import torch
 
 from ats_cli.core.geometry import low_res_size
 from ats_cli.core.source import PatchSource, TensorSource
-from ats_cli.data.formats import LAZY_BACKENDS, backend
+from ats_cli.data.formats import is_lazy  # importable from here as before
 from ats_cli.data.images import ImageReadError, read_image, resize_in_bands
 
 __all__ = ["OpenedImage", "open_input", "is_lazy", "batch_sources", "batch_support"]
-
-
-def is_lazy(path: str | os.PathLike[str], reader: str | None = None, level: int | None = None,
-            mpp: float | None = None) -> bool:
-    """Whether ``path`` is read through the lazy slide readers (a lazy backend in
-    :mod:`ats_cli.data.formats`: TIFFs and slide formats, or any file when a reader, level
-    or mpp is asked for) rather than decoded whole."""
-    return reader not in (None, "auto") or level is not None or mpp is not None or backend(path) in LAZY_BACKENDS
 
 
 @dataclass
@@ -68,6 +60,9 @@ def open_input(path: str | os.PathLike[str], *, channels: int, scale: float,
     the Otsu tissue mask. Other files are read whole with :func:`read_image`, as before.
     ``max_pixels`` is the pixel budget of :mod:`ats_cli.data.slides` (default
     ``ATS_MAX_PIXELS``, else 64 M): larger reads are refused from the file's header.
+    ``mpp`` 0 means off, as ``--mpp 0`` does in training: no physical scale is matched and
+    the file is read at ``level`` as it is (the way to read a file whose metadata gives
+    an implausible scale, which matching refuses: :mod:`ats_cli.data.scale_bounds`).
 
     An image smaller than a patch in either dimension is refused: zero padding would make
     it run, but every patch would then be mostly padding the model never saw in training,
@@ -77,6 +72,8 @@ def open_input(path: str | os.PathLike[str], *, channels: int, scale: float,
     from ats_cli.data.magnification import describe_reading
     from ats_cli.data.slides import open_image, tissue_mask
 
+    if not mpp:  # --mpp 0 (and a model that records none): off, read by level as it is
+        mpp = None
     lazy = is_lazy(path, reader, level, None if resample else mpp)
     note = None
     if lazy:

@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ats_cli.config import TrainConfig
     from ats_cli.data.dataset import Record
-    from ats_cli.data.inputs import OpenedImage
     from ats_cli.data.slides import SlideReader
 
 __all__ = ["describe_reading", "announce_readings", "file_mpp", "settle_physical_scale"]
@@ -72,13 +71,13 @@ def describe_reading(slide: SlideReader, target: float | None) -> str:
     return f"{here} upsampled {1 / f:.3g}x to {_um(target)} (the file has nothing finer)"
 
 
-def announce_readings(opener: Callable[..., OpenedImage], say: Callable[[str], None]) -> Callable[..., OpenedImage]:
+def announce_readings(opener: Callable[..., Any], say: Callable[[str], None]) -> Callable[..., Any]:
     """``opener`` that also says how a slide was read (:func:`describe_reading`), on one
     line naming the file, the first time each way of reading occurs: one line for a folder
     of slides from one scanner, another for the one that differs."""
     seen: set[str] = set()
 
-    def read(path: Any, *args: Any, **kwargs: Any) -> OpenedImage:
+    def read(path: Any, *args: Any, **kwargs: Any) -> Any:  # ats_cli.data.inputs.OpenedImage
         opened = opener(path, *args, **kwargs)
         note = getattr(opened, "reading", None)
         if note and note not in seen:
@@ -93,19 +92,23 @@ def file_mpp(path: str | Path, *, reader: str | None = None, level: int | None =
              max_pixels: int | None = None) -> float | None:
     """Microns per pixel of ``level`` (0 by default) of the file at ``path`` (its header
     only), or None when it records none, is not read lazily, or cannot be opened (the
-    training loader names unreadable files when it reaches them)."""
-    from ats_cli.data.inputs import is_lazy
+    training loader names unreadable files when it reaches them). Raises
+    :class:`~ats_cli.data.slides.SlideReadError` when the recorded value is out of the
+    plausible range (:mod:`ats_cli.data.scale_bounds`): a model trained at it would
+    record a scale that resamples every slide it reads by hundreds."""
+    from ats_cli.data.formats import is_lazy
     from ats_cli.data.slides import open_image
 
     if not is_lazy(path, reader, level, None):
         return None
     try:
-        with open_image(path, reader=reader or "auto", max_pixels=max_pixels) as slide:
-            mpps = slide.level_mpps
-            lv = level or 0
-            return None if mpps is None or lv >= len(mpps) else mpps[lv]
+        slide = open_image(path, reader=reader or "auto", max_pixels=max_pixels)
     except Exception:  # noqa: BLE001 - reported by name when training reads the file
         return None
+    with slide:
+        mpps = slide.plausible_mpps()  # a scale no microscope has is refused by name (scale_bounds)
+        lv = level or 0
+        return None if mpps is None or lv >= len(mpps) else mpps[lv]
 
 
 def settle_physical_scale(cfg: TrainConfig, records: Sequence[Record], log: Callable[[str], None]) -> float | None:
@@ -116,11 +119,13 @@ def settle_physical_scale(cfg: TrainConfig, records: Sequence[Record], log: Call
     when a setting in microns has no mpp to be converted with, or when the two forms of
     one setting disagree."""
     from ats_cli.config import ConfigError
+    from ats_cli.data.scale_bounds import check_mpp_flag, patch_pixels
     from ats_cli.data.slides import MPP_TOLERANCE
 
     opts = cfg.input_options()
     mpps = [file_mpp(r.path, reader=opts["reader"], level=opts["level"]) for r in records]
     known = [m for m in mpps if m is not None]
+    check_mpp_flag(cfg.mpp)  # outside the plausible range: one line naming --mpp (scale_bounds)
     if cfg.mpp:
         missing = [r.path for r, m in zip(records, mpps, strict=True) if m is None]
         if missing:
@@ -143,7 +148,7 @@ def settle_physical_scale(cfg: TrainConfig, records: Sequence[Record], log: Call
         if mpp is None:
             raise ConfigError(f"--patch-um {cfg.patch_um:g} needs the microns per pixel: give --mpp, or train on "
                               "slides that all record the same one")
-        size = max(1, round(cfg.patch_um / mpp))
+        size = patch_pixels(cfg.patch_um, mpp)  # < 1 px or over the pixel budget: refused (scale_bounds)
         if cfg.patch_size and cfg.patch_size != size:
             raise ConfigError(f"--patch-um {cfg.patch_um:g} is {size} pixels at {_um(mpp)}, --patch-size is "
                               f"{cfg.patch_size}: give one of them")

@@ -27,9 +27,12 @@ unless ``reader=`` forces one:
 Bounded memory: every reader has a pixel budget (``max_pixels``: ``--max-pixels``, else
 ``ATS_MAX_PIXELS``, else 64 M pixels; :func:`ats_cli.data.images.max_pixels_limit`)
 checked from the header before decoding: a PNG/JPEG decoded whole, the pyramid level
-the low-res view is made from, and one TIFF strip or tile must each fit in it, or the
-read is refused with a message naming the file, the size, the limit and how to raise
-it. The level read for the low-res view is decoded and resized band by band, so it is
+the low-res view is made from, the view itself (a level resampled to the model's
+microns per pixel can ask for a view larger than any level of the file), one resampled
+patch's footprint and one TIFF strip or tile must each fit in it, or the read is refused
+with a message naming the file, the size, the limit and how to raise it. The microns
+per pixel that sizes a resampled level is checked first
+(:mod:`ats_cli.data.scale_bounds`). The level read for the low-res view is decoded and resized band by band, so it is
 never held in float whole.
 """
 
@@ -54,6 +57,7 @@ from ats_cli.data.images import (
     over_budget,
     resize_in_bands,
 )
+from ats_cli.data.scale_bounds import mpp_problem
 from ats_cli.data.tiff_meta import (
     APERIO_JP2K_YCBCR,
     aperio_ycbcr_to_rgb,
@@ -61,7 +65,7 @@ from ats_cli.data.tiff_meta import (
     codec_problem,
     colour_samples,
     level_pages,
-    tiff_mpp,
+    tiff_mpp_source,
 )
 
 __all__ = ["SlideReadError", "SlideInfo", "SlideReader", "open_image", "tissue_mask", "choose_level", "READERS",
@@ -113,6 +117,7 @@ class SlideReader:
         self._channels = channels
         self.vendor = vendor
         self.mpp = mpp
+        self.mpp_source = "its metadata"  # where ``mpp`` was read (a tag, a property), for messages
         self.level = 0  # level read_patches reads from (set by --level / --mpp)
         self.factor = 1.0  # pixels of that level per pixel handed out (match_mpp): 1 = read as it is
         self._out_channels = channels
@@ -193,12 +198,28 @@ class SlideReader:
         mpps = self.level_mpps
         return None if mpps is None else mpps[self.level] * self.factor
 
+    def plausible_mpps(self) -> list[float] | None:
+        """:attr:`level_mpps`, once the file's microns per pixel is known to be a
+        microscope's (:mod:`ats_cli.data.scale_bounds`): the resampling factor and every
+        size after it follow from it. Raises :class:`SlideReadError` naming the value and
+        where it was read (tag, property) when it is not."""
+        mpps = self.level_mpps
+        if self.mpp is not None and (problem := mpp_problem((self.mpp[0] + self.mpp[1]) / 2)):
+            value = (self.mpp[0] + self.mpp[1]) / 2
+            raise SlideReadError(self.path, f"records {value:.4g} µm/px ({self.mpp_source}), {problem}; correct the "
+                                 "file's metadata (ats predict/visualize: --mpp 0 reads it as it is)")
+        return mpps
+
     def match_mpp(self, mpp: float) -> None:
         """Hand out pixels of ``mpp`` microns: read from the coarsest level at or below
         ``mpp`` (:func:`choose_level`) and resample patches (and the low-res view, made
         from ``size``) by the remaining factor, so that a patch covers the same tissue on
-        a 40x and a 20x scan. Raises :class:`SlideReadError` when the file records no mpp."""
-        mpps = self.level_mpps
+        a 40x and a 20x scan. Raises :class:`SlideReadError` when the file records no mpp,
+        or when its mpp or ``mpp`` (the model's, or --mpp) is out of the plausible range
+        (:mod:`ats_cli.data.scale_bounds`), before anything is read."""
+        if problem := mpp_problem(mpp):
+            raise SlideReadError(self.path, f"cannot be read at {mpp:.4g} µm/px (the model's or --mpp): {problem}")
+        mpps = self.plausible_mpps()
         if mpps is None:
             raise SlideReadError(self.path, "the file records no microns per pixel, so it cannot be read at "
                                  f"{mpp:g} µm/px")
@@ -212,6 +233,7 @@ class SlideReader:
         if mpp is not None:
             if self.mpp is None:
                 raise SlideReadError(self.path, "the file records no microns per pixel, so --mpp cannot be used")
+            self.plausible_mpps()
             base = (self.mpp[0] + self.mpp[1]) / 2
             level = int(np.argmin([abs(np.log(base * d / mpp)) for d in self.downsamples]))
         level = 0 if level is None else int(level)
@@ -248,6 +270,13 @@ class SlideReader:
         if H * W > self.max_pixels:
             raise _too_big(self.path, f"level {level} ({W}x{H}, the smallest the {tw}x{th} low-res view can be made "
                            "from)", H * W, self.max_pixels)
+        # the view itself, and the band resize's intermediate (the level's rows at the
+        # view's width), are allocated too: a resampled level (match_mpp) may ask for a
+        # view larger than any level of the file
+        for what, pixels in ((f"the {tw}x{th} low-res view", th * tw),
+                             (f"the {tw}x{th} low-res view (resized from level {level}, {W}x{H})", H * tw)):
+            if pixels > self.max_pixels:
+                raise _too_big(self.path, what, pixels, self.max_pixels)
         if (H, W) == (th, tw):
             return np.require(self.read_region(0, 0, H, W, level), requirements="W")
 
@@ -411,8 +440,9 @@ class TiffReader(SlideReader):
         self._fd = fh.fileno() if getattr(fh, "is_file", False) and not getattr(fh, "_offset", 0) \
             and hasattr(os, "pread") else None
         vendor = "ome" if self._tif.is_ome else ("aperio" if self._tif.is_svs else "generic-tiff")
-        mpp = tiff_mpp(self._tif, pages[0])
+        mpp, source = tiff_mpp_source(self._tif, pages[0])
         super().__init__(path, [(p.imagelength, p.imagewidth) for p in pages], channels, vendor, mpp)
+        self.mpp_source = source or self.mpp_source
         self.max_pixels = max_pixels_limit(max_pixels)
         self._probe_codec()
 
@@ -525,6 +555,7 @@ class OpenSlideReader(SlideReader):
         mpp = (float(my), float(mx)) if mx and my else None
         levels = [(h, w) for w, h in self._slide.level_dimensions]
         super().__init__(path, levels, 3, props.get(openslide.PROPERTY_NAME_VENDOR, "unknown"), mpp)
+        self.mpp_source = "OpenSlide's openslide.mpp-x/y"
 
     @property
     def downsamples(self) -> list[float]:
@@ -565,6 +596,8 @@ def open_image(
         raise ValueError(f"unknown reader {reader!r}; choose from {', '.join(READERS)}")
     if not path.exists():
         raise SlideReadError(path, "file not found")
+    if path.is_dir():
+        raise SlideReadError(path, "is a directory, not an image file")
     max_pixels = max_pixels_limit(max_pixels)
     if reader != "auto":
         return _READER_CLASSES[reader](path, max_pixels)
@@ -638,7 +671,7 @@ def choose_level(mpps: list[float], mpp: float) -> tuple[int, float]:
     is read as it is. When every level is coarser than ``mpp`` (a 20x scan for a model
     trained at 40x), the finest is upsampled (factor < 1): the best the file can give."""
     if not mpp > 0:
-        raise ValueError(f"mpp must be > 0, got {mpp}")
+        raise ValueError(f"mpp must be > 0, got {mpp}")  # 0 = off is settled by the callers (open_input)
     fine = [i for i, m in enumerate(mpps) if m <= mpp * (1 + MPP_TOLERANCE)]
     level = max(fine, key=lambda i: mpps[i]) if fine else min(range(len(mpps)), key=lambda i: mpps[i])
     factor = mpp / mpps[level]

@@ -20,7 +20,7 @@ import re
 import numpy as np
 
 __all__ = ["APERIO_JP2K_YCBCR", "aperio_ycbcr_to_rgb", "codec_message", "codec_problem", "colour_samples",
-           "level_pages", "tiff_mpp"]
+           "level_pages", "tiff_mpp", "tiff_mpp_source"]
 
 # OME UnitsLength values in micrometres. "pixel" and "reference frame" are not lengths.
 _MICRONS = {"m": 1e6, "dm": 1e5, "cm": 1e4, "mm": 1e3, "µm": 1.0, "μm": 1.0, "um": 1.0, "nm": 1e-3, "pm": 1e-6,
@@ -92,29 +92,38 @@ def _ome_mpp(xml: str) -> tuple[float, float] | None:
 
 
 def tiff_mpp(tif, page) -> tuple[float, float] | None:
-    """(y, x) microns per pixel of ``page`` (level 0) of ``tif``: from the OME-XML, else an
-    Aperio description's ``MPP =``, else the resolution tags (per inch or centimetre;
-    libvips writes per centimetre). Per axis, since x and y may differ. None when the file
-    records no pixel size. The tags hold whatever the writer put there: a tool's default of
-    72 dpi reads as 352.8 um/px."""
+    """(y, x) microns per pixel of ``page`` (level 0) of ``tif``: :func:`tiff_mpp_source`
+    without the source."""
+    return tiff_mpp_source(tif, page)[0]
+
+
+def tiff_mpp_source(tif, page) -> tuple[tuple[float, float] | None, str]:
+    """((y, x) microns per pixel of ``page`` (level 0) of ``tif``, where it was read):
+    from the OME-XML, else an Aperio description's ``MPP =``, else the resolution tags
+    (per inch or centimetre; libvips writes per centimetre). Per axis, since x and y may
+    differ. None when the file records no pixel size. The tags hold whatever the writer
+    put there: a tool's default of 72 dpi reads as 352.8 um/px, so the source is named
+    for the range check of :mod:`ats_cli.data.scale_bounds` to say which value it refuses."""
     if tif.is_ome and (mpp := _ome_mpp(tif.ome_metadata or "")):
-        return mpp
+        return mpp, "OME-XML PhysicalSizeX/Y"
     if tif.is_svs:
         found = re.search(r"\|\s*MPP\s*=\s*([0-9.eE+-]+)", page.description or "")
         try:
             mpp = _positive(float(found.group(1))) if found else None
         except ValueError:
             mpp = None
-        return (mpp, mpp) if mpp else None
+        return ((mpp, mpp) if mpp else None), "the Aperio description's MPP"
     unit, xr, yr = (page.tags.get(name) for name in ("ResolutionUnit", "XResolution", "YResolution"))
     per_unit = _PER_UNIT.get(int(unit.value) if unit else 0)  # no unit written: no physical size assumed
     if not (per_unit and xr and yr):
-        return None
+        return None, ""
     try:
         y, x = (_positive(per_unit * tag.value[1] / tag.value[0]) for tag in (yr, xr))
+        per = xr.value[0] / xr.value[1]
     except (ZeroDivisionError, TypeError, IndexError):
-        return None
-    return (y, x) if y and x else None
+        return None, ""
+    name = "inch" if per_unit == _PER_UNIT[2] else "centimetre"
+    return ((y, x) if y and x else None), f"the TIFF resolution tags: {per:.6g} pixels per {name}"
 
 
 def colour_samples(series, page) -> tuple[int, str | None]:
