@@ -27,9 +27,11 @@ def pretrain(
     data: Path = typer.Argument(..., help="A dataset directory whose CSV rows record regions (see --regions).",
                                 show_default=False),
     out: Path = typer.Option(..., "--out", "-o", help="The checkpoint to write.", show_default=False),
-    regions: str = typer.Option("digits", help="The CSV column holding each row's regions: a JSON list of "
+    regions: str = typer.Option("digits", help="The CSV column naming each row's regions: a JSON list of "
                                 "\\[class, top, left, height, width] in level-0 pixels (ats make-dataset "
-                                "megapixel-mnist writes it as 'digits')."),
+                                "megapixel-mnist writes it as 'digits', synthetic-slides as 'boxes'), or the path "
+                                "of a QuPath GeoJSON annotation export (relative to DATA; classified polygons "
+                                "become their bounding boxes, unclassified ones are skipped)."),
     images: int = typer.Option(12000, min=1, help="Training images patches are cut from (the first N rows)."),
     test_images: int = typer.Option(300, min=1, help="Test images whose patches are scored after each epoch."),
     epochs: int = typer.Option(3, min=0, help="Stage 1: epochs training the feature net and its patch head.",
@@ -58,12 +60,14 @@ def pretrain(
     workers: int = typer.Option(2, min=0, help="Processes reading images."),
     device: str = config_option("device", "auto"),
 ) -> None:
-    """Teach a model from the regions a dataset records: the feature net on patches holding
-    one whole object (its class) or none ("none"), the attention on the objects' cells.
+    """Teach a model from the regions a dataset records, not only its image labels.
 
-    Writes a checkpoint of the model ats train builds with the same network flags: ats
-    export makes it a model to predict with, ats train --init fine-tunes it on the image
-    labels. The defaults are the recipe of models/megapixel-mnist-ats.pt.
+    Stage 1 trains the feature net on patches holding one whole object (labelled with its
+    class) or no part of one ("none"); stage 1b fits the attention to give each object the
+    same mass. The checkpoint is the model ats train builds with the same network flags:
+    [bold]ats export[/] makes it a model to predict with, [bold]ats train --init[/] fine-tunes it.
+    The defaults are the recipe of models/megapixel-mnist-ats.pt; RGB images (slides) need
+    --shrunken 0.
     """
     from rich.markup import escape
 

@@ -35,7 +35,8 @@ def attention_example(image, boxes: list[list[int]], size: int, scale: float, at
     corners = positions_to_offsets(cells, att_shape, tuple(image.shape[-2:]), (size, size),
                                    low_size=tuple(low.shape[-2:]), margin=margin)[0].numpy()
     whole = box_fractions(corners, [b[1:] for b in boxes], (size, size)) >= 1.0  # [cells, digits]
-    return low[0].numpy().astype(np.float16), [np.flatnonzero(whole[:, j]) for j in range(len(boxes))]
+    view = low[0] if low.shape[0] == 1 else low  # [h, w] for one channel, else [C, h, w]
+    return view.numpy().astype(np.float16), [np.flatnonzero(whole[:, j]) for j in range(len(boxes))]
 
 
 def attention_targets(model, views: np.ndarray, digit_cells: list[list[np.ndarray]], att_shape: tuple[int, int]
@@ -50,7 +51,7 @@ def attention_targets(model, views: np.ndarray, digit_cells: list[list[np.ndarra
 
     out = []
     for i in range(0, len(views), 64):
-        low = torch.from_numpy(views[i : i + 64].astype(np.float32))[:, None]
+        low = _batch(views[i : i + 64])
         keep = model.support(low, att_shape)
         keep = (torch.ones(len(low), att_shape[0] * att_shape[1], dtype=torch.bool) if keep is None
                 else keep.flatten(1)).numpy()
@@ -66,6 +67,14 @@ def attention_targets(model, views: np.ndarray, digit_cells: list[list[np.ndarra
     return out
 
 
+def _batch(views: np.ndarray):
+    """Views [B, h, w] (one channel) or [B, C, h, w] as a float tensor [B, C, h, w]."""
+    import torch
+
+    low = torch.from_numpy(views.astype(np.float32))
+    return low[:, None] if low.ndim == 3 else low
+
+
 def _targets_dense(targets, att_shape: tuple[int, int], device):
     """The targets as one dense [B, cells] tensor."""
     import torch
@@ -79,11 +88,10 @@ def _targets_dense(targets, att_shape: tuple[int, int], device):
 def _log_attention(model, views: np.ndarray, att_shape: tuple[int, int], device):
     """log a [B, cells] of the model's attention on these views (-inf off the support, as
     ats train samples it), and the support [B, cells] (None = every cell)."""
-    import torch
 
     from ats_cli.core.sampling import attention_distribution
 
-    low = torch.from_numpy(views.astype(np.float32))[:, None].to(device)
+    low = _batch(views).to(device)
     keep = model.support(low, att_shape)
     keep = None if keep is None else keep.flatten(1)
     return attention_distribution(attention_net(model)(low), support=keep, log=True), keep
@@ -137,11 +145,13 @@ def attention_masses(model, views: np.ndarray, targets, att_shape: tuple[int, in
 def attention_report(model, views: np.ndarray, targets, att_shape: tuple[int, int], device) -> str:
     """One line: the median mass on the objects, and the median largest/smallest object's mass."""
     mass, ratio = attention_masses(model, views, targets, att_shape, device)
+    if not len(mass):
+        return "no image with a region whole inside a cell's patch, nothing to measure"
     return (f"attention mass on the digits median {100 * np.median(mass):.0f}%, largest/smallest digit "
             f"{np.median(ratio):.1f}")
 
 
-def attention_shape(model, path: str, scale: float, device) -> tuple[int, int]:
+def attention_shape(model, path: str, scale: float, device, channels: int = 1) -> tuple[int, int]:
     """The attention map's shape on the views of a set (every Megapixel MNIST image of a set
     has one size)."""
     import torch
@@ -151,6 +161,6 @@ def attention_shape(model, path: str, scale: float, device) -> tuple[int, int]:
 
     with open_pil(path) as im:
         width, height = im.size
-    low = torch.zeros(1, 1, *low_res_size((height, width), scale), device=device)
+    low = torch.zeros(1, channels, *low_res_size((height, width), scale), device=device)
     with torch.no_grad():
         return tuple(attention_net(model)(low).shape[-2:])

@@ -29,6 +29,8 @@ SMALL_PATCHES = 3  # "none" patches holding shrunken digits of the image (see sh
 SMALL_SCALE = (0.3, 0.6)  # their size relative to the digits': a digit at half size is not a digit here
 SMALL_ADJACENT = 0.5  # chance that a second small digit is set right beside the first (see shrunken_digits)
 SMALL_GAP = (0.75, 1.1)  # then the distance of their centres over the sum of their ink radii (< 1: they touch)
+BRIGHT = 127  # an image whose median grey is above this has a bright background (lit_pixels) ...
+FOREGROUND = 220  # ... and its foreground is darker than this (glass is about 240)
 
 
 def patch_label(top: int, left: int, size: int, boxes: list[list[int]], none: int = 10) -> int | None:
@@ -48,16 +50,17 @@ def patch_label(top: int, left: int, size: int, boxes: list[list[int]], none: in
 
 def cut_patches(image: np.ndarray, boxes: list[list[int]], size: int, seed: int,
                 shrunken: int = SMALL_PATCHES, none: int = 10) -> tuple[np.ndarray, np.ndarray]:
-    """Labelled patches [n, size, size] (uint8) and labels [n] from one image [H, W] (uint8):
-    one per digit (placed at random so that the digit is whole inside), LIT_PATCHES centred
-    on lit pixels and RANDOM_PATCHES anywhere, each labelled by :func:`patch_label` (ambiguous
-    ones dropped), then ``shrunken`` "none" patches made by :func:`shrunken_digits`."""
-    height, width = image.shape
+    """Labelled patches [n, size, size] (uint8) and labels [n] from one image [H, W] (uint8),
+    or [n, C, size, size] from an image [C, H, W]: one per region (placed at random so that
+    it is whole inside), LIT_PATCHES centred on lit pixels (:func:`lit_pixels`) and
+    RANDOM_PATCHES anywhere, each labelled by :func:`patch_label` (ambiguous ones dropped),
+    then ``shrunken`` "none" patches made by :func:`shrunken_digits` (one channel only)."""
+    height, width = image.shape[-2:]
     rng = np.random.default_rng(seed)
     corners = []
     for _, r, col, h, w in boxes:
         corners.append((r - rng.integers(0, max(1, size - h + 1)), col - rng.integers(0, max(1, size - w + 1))))
-    lit = np.flatnonzero(image > 0)
+    lit = lit_pixels(image)
     for i in rng.choice(lit, size=min(LIT_PATCHES, lit.size), replace=False) if lit.size else []:
         corners.append((i // width - size // 2, i % width - size // 2))
     for _ in range(RANDOM_PATCHES):
@@ -67,14 +70,27 @@ def cut_patches(image: np.ndarray, boxes: list[list[int]], size: int, seed: int,
         top, left = int(np.clip(top, 0, height - size)), int(np.clip(left, 0, width - size))
         label = patch_label(top, left, size, boxes, none)
         if label is not None:
-            patches.append(image[top : top + size, left : left + size])
+            patches.append(image[..., top : top + size, left : left + size])
             labels.append(label)
     for _ in range(shrunken if boxes else 0):  # a base may be an earlier shrunken patch: up to 4 small digits
         nones = [p for p, y in zip(patches, labels, strict=True) if y == none]
         base = nones[int(rng.integers(len(nones)))] if nones else np.zeros((size, size), np.uint8)
         patches.append(shrunken_digits(image, boxes, base, rng))
         labels.append(none)
-    return np.array(patches, dtype=np.uint8).reshape(-1, size, size), np.array(labels, dtype=np.int64)
+    return (np.array(patches, dtype=np.uint8).reshape(-1, *image.shape[:-2], size, size),
+            np.array(labels, dtype=np.int64))
+
+
+def lit_pixels(image: np.ndarray) -> np.ndarray:
+    """Flat indices of the pixels that hold something, of an image [H, W] or [C, H, W]:
+    of one channel (Megapixel MNIST's black canvas) every pixel above 0; of several, on a
+    bright background (slides on white glass: the channels' mean has its median above
+    BRIGHT) those darker than FOREGROUND -- where the tissue, and the clutter that matters,
+    is -- else every pixel above 0."""
+    grey = image if image.ndim == 2 else image.mean(0)
+    if image.ndim == 2 or np.median(grey) <= BRIGHT:
+        return np.flatnonzero(grey > 0)
+    return np.flatnonzero(grey < FOREGROUND)
 
 
 def shrunken_digits(image: np.ndarray, boxes: list[list[int]], base: np.ndarray,

@@ -101,21 +101,27 @@ def pretrain(opts: PretrainOptions, log: Callable[[str], None] = print) -> dict:
     cfg.min_brightness = AUTO_MIN_BRIGHTNESS if cfg.min_brightness == -1 else cfg.min_brightness
     size = cfg.patch_size
     torch.manual_seed(opts.seed)
-    spec = model_spec(cfg, n_classes=data.num_classes, channels=1)
+    channels = int(data.hints.get("channels") or 1)
+    if channels != 1 and opts.shrunken:
+        raise PretrainError(f"{opts.data}: --shrunken pastes shrunken objects on a dark canvas, for one-channel "
+                            f"images (Megapixel MNIST); these have {channels} channels: give --shrunken 0")
+    spec = model_spec(cfg, n_classes=data.num_classes, channels=channels)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if opts.device == "auto" else opts.device)
     model = create_model(spec).to(device)
 
     t0 = time.time()
     view = None
     if opts.attention_epochs > 0 and len(data["train"]):  # stage 1b's views, read with the patches
-        view = (cfg.scale, attention_shape(model, str(data["train"][0].path), cfg.scale, device),
+        view = (cfg.scale, attention_shape(model, str(data["train"][0].path), cfg.scale, device, channels),
                 attention_margin(model))
     train_rows, test_rows = data["train"][: opts.images], data["test"][: opts.test_images]
     x, y, train_views, train_cells = read_all(train_rows, data.classes, size, opts.seed, opts.workers,
-                                              str(data.root / "train.csv"), opts.shrunken, view, opts.regions)
+                                              str(data.root / "train.csv"), opts.shrunken, view, opts.regions,
+                                              str(data.root), channels)
     xt, yt, test_views, test_cells = read_all(test_rows, data.classes, size, opts.seed + 1, opts.workers,
                                               str(data.root / "test.csv"), opts.shrunken,
-                                              view if len(test_rows) else None, opts.regions)
+                                              view if len(test_rows) else None, opts.regions, str(data.root),
+                                              channels)
     if not len(y) or not len(yt):
         raise PretrainError(f"{opts.data}: no readable training or test image gave a patch")
     n = data.num_classes

@@ -45,7 +45,8 @@ def uniform_loss(digit_logits: torch.Tensor) -> torch.Tensor:
 def train_features(model, x: np.ndarray, y: np.ndarray, xt: np.ndarray, yt: np.ndarray, *, n_classes: int,
                    epochs: int, batch_size: int, lr: float, seed: int, none_uniform: float, device,
                    log: Callable[[str], None] = print, t0: float | None = None) -> tuple[torch.nn.Linear, float]:
-    """Train the model's feature network and a new head on patches ``x`` [n, h, w] (uint8)
+    """Train the model's feature network and a new head on patches ``x`` [n, h, w] or
+    [n, C, h, w] (uint8)
     with labels ``y`` (``n_classes`` = none), one line per epoch with the accuracy on the
     test patches ``xt``, ``yt``; returns the head and the last epoch's test patch accuracy.
     The head is created here, from torch's global RNG: the caller seeds it."""
@@ -61,7 +62,8 @@ def train_features(model, x: np.ndarray, y: np.ndarray, xt: np.ndarray, yt: np.n
     X, Y = torch.from_numpy(x), torch.from_numpy(y)
 
     def forward(batch: torch.Tensor) -> torch.Tensor:
-        return head(patch_features(model, batch.to(device)[:, None].float() / 255.0))
+        batch = batch.to(device)
+        return head(patch_features(model, (batch[:, None] if batch.ndim == 3 else batch).float() / 255.0))
 
     pred = np.zeros(0, np.int64)
     for epoch in range(1, epochs + 1):
