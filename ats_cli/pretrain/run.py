@@ -66,6 +66,8 @@ class PretrainOptions:
         """Refuse impossible combinations in one line, before anything is read."""
         if self.none_class == "on" and self.pooling == "features":
             raise PretrainError("--none-class on needs --pooling votes or counts")
+        if not self.lr > 0:
+            raise PretrainError(f"--lr must be > 0 (got {self.lr})")
         if self.none_uniform < 0:
             raise PretrainError(f"--none-uniform must be >= 0 (got {self.none_uniform})")
         for name in ("images", "test_images", "epochs", "attention_epochs", "batch_size", "workers", "shrunken"):
@@ -82,7 +84,7 @@ def pretrain(opts: PretrainOptions, log: Callable[[str], None] = print) -> dict:
     import torch
 
     from ats_cli.checkpoint import save_checkpoint
-    from ats_cli.config import TrainConfig
+    from ats_cli.config import ConfigError, TrainConfig
     from ats_cli.data.dataset import DatasetError, load_dataset
     from ats_cli.models import create_model, model_spec
     from ats_cli.train import AUTO_MIN_BRIGHTNESS
@@ -95,6 +97,10 @@ def pretrain(opts: PretrainOptions, log: Callable[[str], None] = print) -> dict:
                       feature_net=opts.feature_net, feature_width=opts.feature_width,
                       feature_scale=opts.feature_scale, seed=opts.seed, patch_gain="off", scale=opts.scale,
                       pooling=opts.pooling, none_class=opts.none_class)
+    try:
+        cfg.validate()
+    except ConfigError as e:
+        raise PretrainError(str(e).splitlines()[0]) from None
     cfg.from_data(data.hints)
     # what ats train decides for Megapixel MNIST's black canvas: only bright cells are sampled,
     # so the attention is taught (and its mass on the objects measured) over those
@@ -107,7 +113,10 @@ def pretrain(opts: PretrainOptions, log: Callable[[str], None] = print) -> dict:
                             f"images (Megapixel MNIST); these have {channels} channels: give --shrunken 0")
     spec = model_spec(cfg, n_classes=data.num_classes, channels=channels)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if opts.device == "auto" else opts.device)
-    model = create_model(spec).to(device)
+    try:
+        model = create_model(spec).to(device)
+    except (KeyError, ValueError) as e:  # an unknown network name, a width it cannot take
+        raise PretrainError(str(e).splitlines()[0]) from None
 
     t0 = time.time()
     view = None
