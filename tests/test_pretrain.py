@@ -309,3 +309,13 @@ def test_none_class_keeps_the_none_row_so_noise_votes_little(tmp_path: Path) -> 
     assert np.median(vote[y == 10]) < 0.45 < 0.65 < np.median(vote[y < 10]), (vote[y == 10], vote[y < 10])
     with pytest.raises(PretrainError, match="--none-class on needs --pooling votes or counts"):
         pretrain(PretrainOptions(data=str(data), out=str(tmp_path / "x.pt"), pooling="features", none_class="on"))
+
+
+def test_options_the_model_cannot_take_are_refused_in_one_line(tmp_path: Path) -> None:
+    data = _data(tmp_path / "clean", n_noise=0)
+    for args, says, code in ((["--attention-net", "foo"], "unknown network 'foo'", 1),
+                             (["--lr", "0"], "--lr must be > 0", 2),
+                             (["--none-class", "maybe"], "--none-class must be one of", 2)):
+        result = runner.invoke(app, ["pretrain", str(data), "--out", str(tmp_path / "x.pt"), *args])
+        assert result.exit_code == code and says in result.output and "Traceback" not in result.output, args
+    assert not (tmp_path / "x.pt").exists()
