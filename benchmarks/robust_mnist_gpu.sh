@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Issue 19 on a GPU machine, in one call: stage 1 + 1b of the robust Megapixel MNIST recipe
-# (tools/pretrain_mnist_features.py, keeping its "none" row: --none-class on) at a scale a
+# (ats pretrain, keeping its "none" row: --none-class on, the default) at a scale a
 # 2-core CPU cannot reach, and the robustness table of the checkpoint it writes, read four
-# ways (the release recipe first: counts, none logit at the object prior 50/55, floor 0.02;
-# then without the prior, without the floor, as votes: benchmarks/README.md, "Votes and
+# ways by ats export (the release recipe first: counts, none logit at the object prior
+# 50/55, floor 0.02; then without the prior, without the floor, as votes: benchmarks/README.md, "Votes and
 # counts"), on fresh sets of every noise family (MNIST's test digits).
 #
 #   MNIST=.mnist/mnist.npz bash benchmarks/robust_mnist_gpu.sh      # results in $OUT/robust
@@ -14,8 +14,7 @@
 # BUDGET_S (default 400 s) so that what finished comes back. Environment (optional):
 # NTRAIN=12000 (training images, all used by stage 1) EPOCHS=4 ATT_EPOCHS=8 NFRESH=1000
 # JOBS=8 (sets predicted at once) TRAIN_NOISE=reference,strokes,fragments,grid,glyphs
-# (blobs, rings and waves are held out: only the table sees them; waves is not even in
-# stage 1's --check lines) PY=python3. Files back (at most 8): log.txt, stage1.log,
+# (blobs, rings and waves are held out: only the table sees them) PY=python3. Files back (at most 8): log.txt, stage1.log,
 # robustness_{prior-f0.02,counts-none-f0.02,counts-none,votes-none}.json (each table is
 # in log.txt), models.tar (the checkpoint and the releases).
 set -uo pipefail
@@ -52,14 +51,9 @@ echo "### robust_mnist_gpu: $(date -u +%FT%TZ) NTRAIN=$NTRAIN EPOCHS=$EPOCHS ATT
 
 boxed data "${ATS[@]}" make-dataset megapixel-mnist "$W/data" --n-train "$NTRAIN" --n-test 300 \
   --noise "$TRAIN_NOISE" --seed 0 --mnist "$MNIST" "${SIZE[@]}" >/dev/null
-CHECK=()
-for f in blobs rings; do  # held out: stage 1's --check lines (seed 777, not the table's)
-  "${ATS[@]}" make-dataset megapixel-mnist "$W/check/$f" --n-train 1 --n-test 150 --noise "$f" --seed 777 \
-    --mnist "$MNIST" "${SIZE[@]}" >/dev/null && CHECK+=("$W/check/$f")
-done
 
-boxed stage1 "$PY" tools/pretrain_mnist_features.py "$W/data" "$W/stage1.pt" --images "$NTRAIN" \
-  --epochs "$EPOCHS" --attention-epochs "$ATT_EPOCHS" "${NETS[@]}" --workers "$CPUS" ${CHECK[@]:+--check "${CHECK[@]}"} \
+boxed stage1 "${ATS[@]}" pretrain "$W/data" --out "$W/stage1.pt" --images "$NTRAIN" \
+  --epochs "$EPOCHS" --attention-epochs "$ATT_EPOCHS" "${NETS[@]}" --workers "$CPUS" \
   --pooling counts --none-class on 2>&1 | tee "$RES/stage1.log"
 
 # the same checkpoint read four ways, the most promising first (the budget may end the list)
@@ -68,7 +62,7 @@ for way in "prior-f0.02 --pooling counts --count-floor 0.02 --none-prior 50/55" 
            "votes-none --pooling votes"; do
   read -r name flags <<< "$way"
   [[ -f "$W/stage1.pt" ]] || break
-  "$PY" tools/release_model.py "$W/stage1.pt" "$W/stage1-$name.pt" --eval-n-patches 80 $flags
+  "${ATS[@]}" export "$W/stage1.pt" "$W/stage1-$name.pt" --eval-n-patches 80 $flags
   boxed "robustness-$name" "$PY" benchmarks/noise_robustness.py --model "$W/stage1-$name.pt" --n "$NFRESH" \
     --families all --mnist "$MNIST" --work "$W/fresh" --jobs "$JOBS" --json "$RES/robustness_$name.json" \
     "${SIZE[@]}"

@@ -1,0 +1,71 @@
+"""`ats export`: parse flags, set a checkpoint's evaluation options (ats_cli.export)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from ats_cli.cli import OutputConsole, app
+
+
+def _share(text: str | None) -> float | None:
+    if text is None:
+        return None
+    from ats_cli.export import parse_share
+
+    try:
+        return parse_share(text)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
+@app.command()
+def export(
+    src: Path = typer.Argument(..., help="A checkpoint: ats pretrain's, or a run's best.pt / last.pt.",
+                               show_default=False),
+    dst: Path = typer.Argument(..., help="The model file to write (replaced in one step).", show_default=False),
+    eval_n_patches: int = typer.Option(None, "--eval-n-patches", min=0, show_default=False,
+                                       help="Patches prediction draws by default \\[default: as in SRC]."),
+    pooling: str = typer.Option(None, "--pooling", show_default=False,
+                                help="What the model pools: features | votes | counts \\[default: as in SRC]."),
+    count_floor: float = typer.Option(None, "--count-floor", min=0.0, max=1.0, show_default=False,
+                                      help="The floor of a counts pooling \\[default: as in SRC]."),
+    none_class: str = typer.Option(None, "--none-class", show_default=False,
+                                   help="off: drop the model's 'no class here' logit."),
+    none_prior: str = typer.Option(None, "--none-prior", callback=_share, show_default=False,
+                                   help="Share of 'none' among the objects the model will count, e.g. 50/55 (50 "
+                                   "noise objects, 5 digits): the none logit is moved from the share it was "
+                                   "trained on to this one by Bayes' rule. Once per model."),
+    trained_none_share: str = typer.Option(None, "--trained-none-share", callback=_share, show_default=False,
+                                           help="The share of 'none' SRC was trained on, for a checkpoint that "
+                                           "does not record it \\[default: SRC's pretrain.none_share]."),
+    mpp: float = typer.Option(None, "--mpp", show_default=False,
+                              help="Record that the model was trained at this many microns per pixel."),
+) -> None:
+    """Make a checkpoint a model to predict with: set its evaluation options, drop the
+    optimizer state, record what was done in the file.
+    """
+    from rich.markup import escape
+
+    from ats_cli.config import allowed_values
+    from ats_cli.export import ExportError, export_checkpoint
+
+    console = OutputConsole(highlight=False, soft_wrap=True)
+    err = OutputConsole(stderr=True, highlight=False, soft_wrap=True)
+    if pooling is not None and pooling not in allowed_values()["pooling"]:
+        err.print(f"[red]error:[/] --pooling must be one of {', '.join(allowed_values()['pooling'])} (got {pooling!r})")
+        raise typer.Exit(2)
+    if none_class not in (None, "off"):
+        err.print(f"[red]error:[/] --none-class takes only off (got {none_class!r})")
+        raise typer.Exit(2)
+    try:
+        done = export_checkpoint(src, dst, mpp=mpp, eval_n_patches=eval_n_patches, pooling=pooling,
+                                 none_class=none_class, count_floor=count_floor, none_prior=none_prior,
+                                 trained_none_share=trained_none_share)
+    except ExportError as e:
+        err.print(f"[red]error:[/] {escape(str(e))}")
+        raise typer.Exit(1) from None
+    size = dst.stat().st_size / 1e3
+    settings = ", ".join(f"{k} {v}" for k, v in done.items() if k != "source") or "options as trained"
+    console.print(f"wrote {escape(str(dst))} ({size:.0f} kB) from {escape(str(src))}: {escape(settings)}")

@@ -1,0 +1,167 @@
+"""``ats export``: a checkpoint made a model to predict with -- its evaluation options set,
+its optimizer state dropped, what was done recorded in the file.
+
+Keeps what prediction and a model card need (spec, classes, weights, the training
+configuration and the per-epoch history, ``pretrain``'s record) and drops the optimizer and
+scaler state, so the file is a few hundred kB; loadable with ``torch.load(weights_only=True)``
+like any ats checkpoint, and ``ats train --init`` still takes it.
+
+Options, each a field of the spec (``export`` in the file lists those set):
+
+``mpp``: the model was trained at this many microns per pixel, for a checkpoint written
+before models recorded it; predict then reads slides that record their mpp at that scale.
+
+``eval_n_patches``: the patches prediction draws by default (e.g. 80 where training drew 10).
+
+``pooling``: what the model pools, for a checkpoint whose classifier reads one patch as well
+as the pooled features (that of ``ats pretrain``, trained on single patches, reads either
+way); ``none_class="off"`` drops its "no class here" logit; ``count_floor`` the floor of a
+counts pooling.
+
+``none_prior`` P: the share of "none" among the objects the model will count, for a
+checkpoint whose "no class here" logit was trained on single patches in another proportion
+Q (``ats pretrain`` records it as ``pretrain.none_share``; ``trained_none_share`` gives it
+for one that does not). Why: a classifier trained under class prior pi_train outputs
+p_train(y|x), and under another prior pi_test the posterior is
+
+    p_test(y|x) = p_train(y|x) pi_test(y) / pi_train(y) / Z(x)
+
+(Bayes' rule with the likelihood p(x|y) unchanged: Saerens, Latinne & Decaestecker, Neural
+Computation 2002). With a softmax, p(y|x) ∝ exp(l_y), so the correction adds
+log(pi_test(y) / pi_train(y)) to logit y; Z(x) is the softmax's own normalisation. With the
+classes sharing the non-none mass alike in both priors, every class logit gains the same
+log((1-P)/(1-Q)) -- which the softmax ignores -- and the none logit gains log(P/Q); moving
+only the none logit by the difference, ``log(P/Q) - log((1-P)/(1-Q))`` (:func:`none_shift`),
+gives the same posterior. So only the none logit's bias moves; the estimate pooled from the
+patches stays an expectation of a function of each patch alone. Counts pool one vote per
+object, and on a paper-spec Megapixel MNIST image 50 of the 55 objects are noise
+(P = 50/55) where stage 1 trained on about two "none" patches per object patch (Q ≈ 0.67):
+read at Q, every noise object is taken as about 5 times likelier to be a digit than it is,
+and 50 of them add up. Shifting twice would take the first shift's prior for the training
+one, so a checkpoint that records a shift is refused.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ExportError", "export_checkpoint", "none_shift", "parse_share"]
+
+
+class ExportError(ValueError):
+    """A checkpoint or option combination ``ats export`` refuses; one line naming the file."""
+
+
+def none_shift(prior: float, trained: float) -> float:
+    """What the none logit gains when the share of "none" goes from ``trained`` to ``prior``
+    (both in (0, 1)), the classes sharing the rest alike before and after (module
+    docstring): ``log(prior / trained) - log((1 - prior) / (1 - trained))``."""
+    return math.log(prior / trained) - math.log((1.0 - prior) / (1.0 - trained))
+
+
+def parse_share(text: str) -> float:
+    """``"0.9"`` or ``"50/55"`` (noise objects over all objects) -> a float; ValueError otherwise."""
+    num, _, den = str(text).partition("/")
+    try:
+        return float(num) / float(den) if den else float(num)
+    except (ValueError, ZeroDivisionError):
+        raise ValueError(f"expected a share like 0.9 or 50/55, got {text!r}") from None
+
+
+def export_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, mpp: float | None = None,
+                      eval_n_patches: int | None = None, pooling: str | None = None, none_class: str | None = None,
+                      count_floor: float | None = None, none_prior: float | None = None,
+                      trained_none_share: float | None = None) -> dict[str, Any]:
+    """Write ``dst``, the model of ``src`` with the given evaluation options (module
+    docstring), atomically; returns the ``export`` record written in it. Raises
+    :class:`ExportError` (one line) for a file that is not a checkpoint, a second prior
+    shift, or options the model cannot take, before anything is written."""
+    from ats_cli.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from ats_cli.models import create_model
+    from ats_cli.pretrain.internals import NONE_BIAS_KEY, NONE_PREFIX
+
+    _check_values(mpp, eval_n_patches, count_floor)
+    try:
+        ckpt = load_checkpoint(src)
+    except CheckpointError as e:
+        raise ExportError(str(e)) from None
+    release = dict(ckpt.get("release") or {})
+    if none_prior is not None:
+        if "none_prior" in release:  # shifting twice would count the first shift as the training prior
+            raise ExportError(f"{src}: its none logit is already read at prior {release['none_prior']}; "
+                              "export from the checkpoint it came from")
+        trained = trained_none_share
+        if trained is None:
+            trained = (ckpt.get("pretrain") or {}).get("none_share")
+        if trained is None:
+            raise ExportError(f"{src}: does not record the share of 'none' patches it was trained on; "
+                              "give it with --trained-none-share")
+        if not (0 < none_prior < 1 and 0 < trained < 1):
+            raise ExportError(f"--none-prior and the trained share must be in (0, 1), got {none_prior} and {trained}")
+        if none_class == "off" or NONE_BIAS_KEY not in ckpt["model"]:
+            raise ExportError(f"{src}: --none-prior needs the checkpoint's none logit (--none-class on)")
+        shift = none_shift(none_prior, float(trained))
+        ckpt["model"] = {**ckpt["model"], NONE_BIAS_KEY: ckpt["model"][NONE_BIAS_KEY] + shift}
+        release.update(none_prior=float(none_prior), trained_none_share=float(trained), none_shift=shift)
+    elif trained_none_share is not None:
+        raise ExportError("--trained-none-share goes with --none-prior")
+    if mpp is not None:
+        ckpt["spec"]["input"] = {**ckpt["spec"]["input"], "mpp": float(mpp), "level": None, "resample": True}
+    changes: dict[str, Any] = {}
+    if eval_n_patches is not None:
+        changes["eval_n_patches"] = int(eval_n_patches)
+        ckpt["spec"]["eval_n_patches"] = int(eval_n_patches)
+    try:
+        pooling_spec = _pooling_spec(ckpt["spec"].get("pooling"), pooling, none_class, count_floor)
+    except ValueError as e:
+        raise ExportError(f"{src}: cannot be exported so ({e})") from None
+    if pooling_spec != ckpt["spec"].get("pooling"):
+        changes["pooling"] = pooling_spec
+        ckpt["spec"]["pooling"] = pooling_spec
+    if none_class == "off":
+        ckpt["model"] = {k: v for k, v in ckpt["model"].items() if not k.startswith(NONE_PREFIX)}
+    try:  # e.g. --pooling features on a checkpoint with a none logit: one line naming the file
+        model = create_model(ckpt["spec"])
+        model.load_state_dict(ckpt["model"])
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise ExportError(f"{src}: cannot be exported so ({str(e).splitlines()[0]})") from None
+    done = {**changes, **({"mpp": float(mpp)} if mpp is not None else {}),
+            **({k: release[k] for k in ("none_prior", "none_shift")} if none_prior is not None else {}),
+            "source": Path(src).name}
+    extra = {k: ckpt[k] for k in ("pretrain",) if k in ckpt}
+    save_checkpoint(dst, spec=ckpt["spec"], classes=ckpt["classes"], model=model, epoch=ckpt.get("epoch"),
+                    config=ckpt.get("config", {}), history=ckpt.get("history", []), export=done, **extra,
+                    **({"release": release} if release else {}))
+    return done
+
+
+def _pooling_spec(current: dict[str, Any] | None, name: str | None, none_class: str | None,
+                  floor: float | None) -> dict[str, Any]:
+    """The pooling extension's spec after the export options: ``name`` replaces the pooling
+    and keeps what the new one takes of the old one's options (its "none" logit, its floor);
+    ``none_class="off"`` and ``floor`` then set those options. An option the pooling does
+    not take (a floor on votes, a none logit on features) is refused when the model is built."""
+    spec = dict(current or {"name": "features"})
+    if name is not None and name != spec["name"]:
+        kept = {"votes": ("none_class",), "counts": ("none_class", "floor")}.get(name, ())
+        if spec.get("none_class") and "none_class" not in kept and none_class != "off":
+            raise ValueError(f"none_class needs pooling votes or counts (pooling {name} has no per-patch vote; "
+                             "--none-class off drops the none logit)")
+        spec = {"name": name, **{k: spec[k] for k in kept if k in spec}}
+    if none_class == "off" and spec.get("none_class"):
+        spec["none_class"] = False
+    if floor is not None:
+        spec["floor"] = float(floor)
+    return spec
+
+
+def _check_values(mpp: float | None, eval_n_patches: int | None, count_floor: float | None) -> None:
+    if mpp is not None and not mpp > 0:
+        raise ExportError(f"--mpp must be > 0, got {mpp}")
+    if eval_n_patches is not None and eval_n_patches < 0:
+        raise ExportError(f"--eval-n-patches must be >= 0, got {eval_n_patches}")
+    if count_floor is not None and not 0 <= count_floor <= 1:
+        raise ExportError(f"--count-floor must be in [0, 1], got {count_floor}")
