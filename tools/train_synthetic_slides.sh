@@ -12,11 +12,11 @@
 #   WORK=/tmp/slides   data and run;  WORKERS=1  DataLoader and generator workers
 #   NFRESH=200 FRESH_SEED=777   the fresh test set (the training data uses seed 0)
 #   SMOKE=1           a tiny end-to-end check of this script (8 + 8 slides of 512 px, 1 epoch)
-#   ATS=".venv/bin/ats"  PYTHON=".venv/bin/python"
+#   ATS=".venv/bin/ats"
 set -euo pipefail
 OUT_DIR=${1:?usage: $0 OUT_DIR}
 WORK=${WORK:-/tmp/slides}; WORKERS=${WORKERS:-1}; NFRESH=${NFRESH:-200}; FRESH_SEED=${FRESH_SEED:-777}
-ATS=${ATS:-.venv/bin/ats}; PYTHON=${PYTHON:-.venv/bin/python}
+ATS=${ATS:-.venv/bin/ats}
 DATA="$WORK/data"; FRESH="$WORK/fresh-$FRESH_SEED"; RUN="$WORK/run"
 SIZES=(); EPOCHS=()
 if [ -n "${SMOKE:-}" ]; then SIZES=(--size 512 --n-spots 2 --max-targets 1); EPOCHS=(--epochs 1); fi
@@ -34,7 +34,7 @@ if [ -f "$RUN/last.pt" ]; then WHAT=(--resume "$RUN"); else WHAT=("$DATA" --out 
 log "training with the defaults (${WHAT[*]})"
 $ATS train "${WHAT[@]}" --workers "$WORKERS" "${EPOCHS[@]}"
 
-$PYTHON tools/release_model.py "$RUN/best.pt" "$OUT_DIR/synthetic-slides-ats.pt"
+$ATS export "$RUN/best.pt" "$OUT_DIR/synthetic-slides-ats.pt"
 cp "$RUN/metrics.jsonl" "$OUT_DIR/metrics.jsonl"
 log "accuracy on the fresh test set (default ats predict)"
 $ATS predict "$FRESH/test.csv" --model "$OUT_DIR/synthetic-slides-ats.pt" --out "$OUT_DIR/fresh-predictions.csv" \
