@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> None:
     from ats_cli.config import TrainConfig
     from ats_cli.data.dataset import DatasetError, load_dataset
     from ats_cli.models import create_model, model_spec
-    from ats_cli.train import AUTO_MIN_BRIGHTNESS
+    from ats_cli.settle import AUTO_MIN_BRIGHTNESS, DataFacts, settle, usable_hints
 
     try:
         data = load_dataset(args.data)
@@ -484,11 +484,11 @@ def main(argv: list[str] | None = None) -> None:
     cfg = TrainConfig(data=args.data, attention_net=args.attention_net, attention_width=args.attention_width,
                       feature_net=args.feature_net, feature_width=args.feature_width,
                       feature_scale=args.feature_scale, seed=args.seed, patch_gain=args.patch_gain,
-                      scale=args.scale, pooling=args.pooling, none_class=args.none_class)
-    cfg.from_data(data.hints)
-    # what ats train decides for Megapixel MNIST's black canvas: only bright cells are sampled,
-    # so the attention is taught (and its mass on the digits measured) over those
-    cfg.min_brightness = AUTO_MIN_BRIGHTNESS if cfg.min_brightness == -1 else cfg.min_brightness
+                      scale=args.scale, pooling=args.pooling, none_class=args.none_class,
+                      # what ats train settles for Megapixel MNIST's black canvas: only bright cells are
+                      # sampled, so the attention is taught (and its mass on the digits measured) over those
+                      min_brightness=AUTO_MIN_BRIGHTNESS)
+    cfg = settle(cfg, DataFacts(hints=usable_hints(data.hints)))[0].config  # the dataset's sizes, as ats train
     size = cfg.patch_size
     torch.manual_seed(args.seed)
     spec = model_spec(cfg, n_classes=data.num_classes, channels=1)
