@@ -1,6 +1,7 @@
 """The training loop, readable top to bottom.
 
-One run directory holds everything: ``config.json`` (resolved configuration),
+One run directory holds everything: ``config.json`` (the settled configuration),
+``settled.json`` (what was left to the data, and why: :mod:`ats_cli.settle`),
 ``metrics.jsonl`` (one line per epoch), ``last.pt`` and ``best.pt`` (full checkpoints),
 ``epochs/epoch_NNN.pt`` (weights after each epoch, for the attention-evolution figure)
 and ``curves.png``; where the ``tensorboard`` package is installed, also ``tb/`` (the
@@ -316,8 +317,9 @@ def train(
     """Train per ``cfg``; returns the metrics of every epoch (also in metrics.jsonl).
 
     ``progress(phase, step, total, info)`` is called after every training step (the CLI
-    draws a progress bar with it); ``log`` receives one line per epoch. Both are called on
-    rank 0 only. Under torchrun (``WORLD_SIZE`` > 1) this joins the process group itself,
+    draws a progress bar with it); ``log`` receives the settled values with their reasons
+    at the start (:mod:`ats_cli.settle`), then one line per epoch. Both are called on rank
+    0 only. Under torchrun (``WORLD_SIZE`` > 1) this joins the process group itself,
     unless the caller already did.
     """
     # the run directory is this run's alone while it trains (ats_cli.rundir): rank 0 holds its lock
