@@ -204,8 +204,11 @@ def _baseline(flags: TrainConfig) -> str:
 
 
 def _looked(facts: DataFacts) -> str:
-    return (f"{facts.masked} of the first {facts.probed} training images have a tissue mask" if facts.probed
-            else "no training image was looked at")
+    """Slides or not, and what says so."""
+    if not facts.probed:
+        return "not slides: no training image was looked at"
+    kind = "slides" if facts.slides else "not slides"
+    return f"{kind}: a tissue mask on {facts.masked} of the first {facts.probed} training images"
 
 
 def _min_brightness(flags: TrainConfig, facts: DataFacts) -> tuple[float, str]:
@@ -217,11 +220,12 @@ def _min_brightness(flags: TrainConfig, facts: DataFacts) -> tuple[float, str]:
         return flags.min_brightness, "given"
     if _baseline(flags):
         return 0.0, _baseline(flags)
-    share = (f"{facts.dark:.0%} of the low-res pixels of the first {facts.probed} training images are dark "
-             "(median)") if facts.probed else "no training image was looked at"
+    if not facts.probed:
+        return 0.0, "no training image was looked at"
+    dark = f"{facts.dark:.0%} of the low-res pixels dark in the first {facts.probed} training images (median)"
     if facts.dark > 0.5:
-        return AUTO_MIN_BRIGHTNESS, f"a black background, only brighter cells are sampled: {share}"
-    return 0.0, f"no black background: {share}"
+        return AUTO_MIN_BRIGHTNESS, f"a black background, {dark}: only brighter cells are sampled"
+    return 0.0, f"no black background, {dark}"
 
 
 def _augment(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
@@ -233,9 +237,8 @@ def _augment(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
     if _baseline(flags):
         return "none", _baseline(flags)
     if facts.slides and facts.channels == 3:
-        return "colour+flips", f"RGB slides ({_looked(facts)}): stain, exposure and orientation vary"
-    kind = "grey slides" if facts.slides else "not slides"
-    return "none", f"{kind} ({_looked(facts)})"
+        return "colour+flips", f"RGB {_looked(facts)}; stain, exposure and orientation vary"
+    return "none", ("grey " if facts.slides else "") + _looked(facts)
 
 
 def _rarity_prior(flags: TrainConfig, facts: DataFacts) -> tuple[float, str]:
@@ -247,8 +250,8 @@ def _rarity_prior(flags: TrainConfig, facts: DataFacts) -> tuple[float, str]:
     if _baseline(flags):
         return 0.0, _baseline(flags)
     if facts.slides:
-        return AUTO_RARITY_PRIOR, f"slides ({_looked(facts)}): the attention starts on the unusual cells"
-    return 0.0, f"not slides ({_looked(facts)})"
+        return AUTO_RARITY_PRIOR, f"{_looked(facts)}; the attention starts on the unusual cells"
+    return 0.0, _looked(facts)
 
 
 def _patch_gain(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
@@ -260,8 +263,8 @@ def _patch_gain(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
     if _baseline(flags):
         return "off", _baseline(flags)
     if facts.slides:
-        return "on", f"slides ({_looked(facts)}): one region showing the class can outweigh the look-alikes"
-    return "off", f"not slides ({_looked(facts)}): each object weighs alike"
+        return "on", f"{_looked(facts)}; one region showing the class can outweigh the look-alikes"
+    return "off", f"{_looked(facts)}; each object weighs alike"
 
 
 # ---------------------------------------------------------------------------- reading and recording

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import builtins
 import copy
+import io
 import json
 
 import numpy as np
@@ -43,6 +44,7 @@ def test_settle_is_pure_and_leaves_no_auto_value(monkeypatch):
         raise AssertionError("settle read a file")
 
     monkeypatch.setattr(builtins, "open", no_io)
+    monkeypatch.setattr(io, "open", no_io)  # pathlib's
     first, second = settle(flags, facts), settle(flags, facts)
     monkeypatch.undo()
     assert (flags, facts) == before  # nothing mutated
@@ -82,7 +84,7 @@ def test_eval_n_patches_auto_is_twice_the_training_count():
 def test_min_brightness_auto_is_on_for_a_black_background_only():
     settled, reasons = settle(TrainConfig(), MNIST)
     assert settled.config.min_brightness == AUTO_MIN_BRIGHTNESS
-    assert "90% of the low-res pixels of the first 16 training images are dark" in _why(reasons)["min_brightness"]
+    assert "90% of the low-res pixels dark in the first 16 training images" in _why(reasons)["min_brightness"]
     light = DataFacts(probed=16, dark=0.1)
     assert settle(TrainConfig(), light)[0].config.min_brightness == 0.0
     assert settle(TrainConfig(method="uniform"), MNIST)[0].config.min_brightness == 0.0  # baselines: everywhere
@@ -109,7 +111,7 @@ def test_augment_auto_is_colour_and_flips_for_rgb_slides_only(facts, method, wan
 def test_patch_gain_and_rarity_prior_auto_are_on_for_slides_only(facts, method, gain, prior):
     settled, reasons = settle(TrainConfig(method=method), facts)
     assert (settled.config.patch_gain, settled.config.rarity_prior) == (gain, prior)
-    assert ("slides (12 of the first 12 training images have a tissue mask)" in _why(reasons)["patch_gain"]) == (
+    assert ("on: slides: a tissue mask on 12 of the first 12 training images" in _why(reasons)["patch_gain"]) == (
         facts is SLIDES and method == "ats")
 
 
