@@ -318,7 +318,8 @@ def gather_facts(flags: TrainConfig, data: Dataset, *, view_cache: Any = None) -
             continue
         dark.append(float((item[0].amax(0) <= DARK).float().mean()))
         masked += int(item[4] is not None)
-    return replace(facts, probed=len(dark), dark=sorted(dark)[len(dark) // 2] if dark else 0.0, masked=masked)
+    median = sorted(dark)[len(dark) // 2] if dark else 0.0
+    return replace(facts, probed=len(dark), dark=round(median, 4), masked=masked)
 
 
 def save_settled(run: str | Path, settled: Settled, reasons: list[Reason], facts: DataFacts) -> None:
