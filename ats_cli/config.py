@@ -1,7 +1,8 @@
 """Training configuration: plain values, overridable from a TOML file and the command line.
 
-Precedence: defaults < ``--config FILE`` < flags. The resolved values are written to
-``RUN_DIR/config.json`` so every run records exactly what it did.
+Precedence: defaults < ``--config FILE`` < flags. Values left to the data (0, -1, auto)
+are decided when the run starts (:mod:`ats_cli.settle`), and the settled values are written
+to ``RUN_DIR/config.json`` so every run records exactly what it did.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class TrainConfig:
     method: str = _key("ats", "{choices}", METHOD_PANEL, choices={
         "ats": "", "uniform": "fixed uniform attention", "deepmil": "gated attention over all grid patches",
         "cnn": "ResNet-18 on the low-res view"})
-    # 0 = the dataset's hint (dataset.json "hints"), else DATA_DEFAULTS (the paper's Megapixel MNIST)
+    # 0 = the dataset's hint (dataset.json "hints"), else ats_cli.settle.DATA_DEFAULTS (the paper's Megapixel MNIST)
     n_patches: int = _key(0, "Patches sampled per image", METHOD_PANEL)
     patch_size: int = _key(0, "Patch side, full-res pixels", METHOD_PANEL)
     scale: float = _key(0.0, "Scale of the low-res view", METHOD_PANEL)
@@ -66,7 +67,7 @@ class TrainConfig:
         "threshold": "", "sequential": "the thesis's, appendix B.3"})
     entropy: float = _key(0.01, "Entropy regulariser weight lambda", METHOD_PANEL)
     # > 0: the support extension "bright" (ats_cli.extensions.support_bright; black backgrounds);
-    # 0 = off; -1 = auto: AUTO_MIN_BRIGHTNESS when the training images have a black background (ats_cli.train)
+    # 0 = off; -1 = auto: AUTO_MIN_BRIGHTNESS when the training images have a black background (ats_cli.settle)
     min_brightness: float = _key(-1.0, "Never sample low-res cells darker than this; 0 = off; -1 = auto: 0.15 when "
                                  "the training images have a black background, else off", METHOD_PANEL, means="auto")
     # > 0: the prior extension "rarity", the attention starts where the image looks unusual
@@ -181,29 +182,10 @@ class TrainConfig:
             raise ConfigError("invalid configuration: " + "; ".join(problems))
         return self
 
-    def from_data(self, hints: dict[str, Any]) -> list[str]:
-        """Settle ``n_patches``, ``patch_size`` and ``scale`` left at 0 from the dataset's
-        hints (a generator knows its images: Megapixel MNIST's 0.12 and 50x50, synthetic
-        slides' 1/32 and 64x64), else from DATA_DEFAULTS; in place; then ``eval_n_patches``
-        left at auto (-1): twice ``n_patches``. Returns what was set, for the log.
-        ``image_size``-like hints are lists; the first value is taken."""
-        settled = []
-        for key, fallback in DATA_DEFAULTS.items():
-            if getattr(self, key):
-                continue
-            hint = hints.get(key)
-            hint = hint[0] if isinstance(hint, list) and hint else hint
-            usable = isinstance(hint, int | float) and not isinstance(hint, bool) and hint > 0
-            setattr(self, key, type(fallback)(hint) if usable else fallback)
-            settled.append(f"{key} {getattr(self, key)} ({'dataset.json' if usable else 'default'})")
-        if self.eval_n_patches == -1:  # auto: needs n_patches settled
-            self.eval_n_patches = self.settled_eval_n_patches
-            settled.append(f"eval_n_patches {self.eval_n_patches} (twice n_patches)")
-        return settled
-
     @property
     def settled_eval_n_patches(self) -> int:
-        """``eval_n_patches`` with auto (-1) read as twice ``n_patches``."""
+        """``eval_n_patches`` with auto (-1) read as twice ``n_patches``, as
+        :func:`ats_cli.settle.settle` settles it (a settled configuration has no -1)."""
         return 2 * self.n_patches if self.eval_n_patches == -1 else self.eval_n_patches
 
     def to_dict(self) -> dict[str, Any]:
@@ -218,10 +200,6 @@ class TrainConfig:
 def allowed_values() -> dict[str, tuple[str, ...]]:
     """The fields that take one of a few values, and those values (from the fields' metadata)."""
     return {f.name: tuple(f.metadata["choices"]) for f in fields(TrainConfig) if f.metadata.get("choices")}
-
-
-# what n_patches, patch_size and scale become when neither the user nor the dataset says
-DATA_DEFAULTS: dict[str, Any] = {"n_patches": 10, "patch_size": 50, "scale": 0.12}
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -244,7 +222,8 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 
 def resolve_config(file: str | Path | None = None, **overrides: Any) -> TrainConfig:
     """Defaults, then the file (a TOML file, or a run's config.json when it is resumed),
-    then the overrides that are not None."""
+    then the overrides that are not None: the flags of a run. What they leave to the data
+    is settled when the run starts (:mod:`ats_cli.settle`)."""
     values: dict[str, Any] = load_config_file(file) if file else {}
     values.update({k: v for k, v in overrides.items() if v is not None})
     types = {f.name: type(f.default) for f in fields(TrainConfig)}

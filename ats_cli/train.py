@@ -1,6 +1,7 @@
 """The training loop, readable top to bottom.
 
-One run directory holds everything: ``config.json`` (resolved configuration),
+One run directory holds everything: ``config.json`` (the settled configuration),
+``settled.json`` (what was left to the data, and why: :mod:`ats_cli.settle`),
 ``metrics.jsonl`` (one line per epoch), ``last.pt`` and ``best.pt`` (full checkpoints),
 ``epochs/epoch_NNN.pt`` (weights after each epoch, for the attention-evolution figure)
 and ``curves.png``; where the ``tensorboard`` package is installed, also ``tb/`` (the
@@ -41,8 +42,7 @@ from ats_cli.augment import Augmentation
 from ats_cli.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ats_cli.config import TrainConfig
 from ats_cli.data.dataset import load_dataset
-from ats_cli.data.loader import Batch, ImageDataset, Unreadable, collate, readable, single_thread_worker
-from ats_cli.data.magnification import settle_physical_scale
+from ats_cli.data.loader import Batch, ImageDataset, collate, readable, single_thread_worker
 from ats_cli.data.view_cache import view_cache_for
 from ats_cli.distributed import Dist, all_reduce, broadcast_buffers, from_main, process_group, shard_batches
 from ats_cli.inference import predict_probs
@@ -60,6 +60,7 @@ from ats_cli.rundir import (
     training_set_identity,
 )
 from ats_cli.runtime import Deferred, deferred_interrupts, peak_memory_mb, reset_peak_memory
+from ats_cli.settle import gather_facts, load_facts, save_settled, settle
 
 __all__ = ["train", "train_one_epoch", "evaluate", "loader_workers", "TrainingInterrupted"]
 
@@ -326,8 +327,9 @@ def train(
     """Train per ``cfg``; returns the metrics of every epoch (also in metrics.jsonl).
 
     ``progress(phase, step, total, info)`` is called after every training step (the CLI
-    draws a progress bar with it); ``log`` receives one line per epoch. Both are called on
-    rank 0 only. Under torchrun (``WORLD_SIZE`` > 1) this joins the process group itself,
+    draws a progress bar with it); ``log`` receives the settled values with their reasons
+    at the start (:mod:`ats_cli.settle`), then one line per epoch. Both are called on rank
+    0 only. Under torchrun (``WORLD_SIZE`` > 1) this joins the process group itself,
     unless the caller already did.
     """
     # the run directory is this run's alone while it trains (ats_cli.rundir): rank 0 holds its lock
@@ -358,73 +360,6 @@ def _init_from(model: torch.nn.Module, path: str, spec: dict[str, Any], classes:
         raise CheckpointError(f"{path}: weights do not fit this run's model ({str(e).splitlines()[0]})") from None
 
 
-AUTO_MIN_BRIGHTNESS = 0.15  # what --min-brightness auto sets on a black background (docs/training.md)
-AUTO_RARITY_PRIOR = 2.0  # what --rarity-prior auto sets on slides (docs/training.md)
-AUTO_PROBE_IMAGES = 16  # training images looked at to decide
-
-
-def _resolve_auto(cfg: TrainConfig, train_set: ImageDataset, log: Callable[[str], None]) -> None:
-    """Settle the configuration values left to the data (``-1`` = auto), in place, before
-    the model is built and ``config.json`` written (a resumed run reads them from there).
-
-    ``min_brightness``: a black background (most low-res pixels of the first training images
-    at or below 0.05, as in Megapixel MNIST, astronomy or fluorescence) gets a brightness
-    support of ``AUTO_MIN_BRIGHTNESS``, so the attention never wastes draws on empty canvas;
-    anything else (photographs, slides on white glass, which the tissue mask handles) none.
-
-    ``rarity_prior``: slides (the first training images carry a tissue mask) get
-    ``AUTO_RARITY_PRIOR``: on tissue, the few regions that decide a label are lost among
-    thousands of cells and uniform draws never meet them (ATSModel.prior); on a black
-    canvas the brightness support already does that job, and elsewhere it is off.
-
-    ``augment``: RGB slides get ``colour+flips`` (stain and exposure vary between slides
-    and tissue has no "up"); anything else ``none``: turning a patch would change what a
-    digit means (6 and 9), and other images have no stains to jitter.
-
-    ``patch_gain``: slides get ``on`` (a label decided by one small region, a tumour nest,
-    among look-alikes the attention cannot tell apart: ATSModel's docstring); anything else
-    ``off``, so that a label that counts objects weighs each alike.
-
-    Deterministic (the same first images), so every process of a run decides alike. The
-    baselines (``--method uniform`` and the others) sample as the thesis's did: everywhere."""
-    if cfg.min_brightness != -1 and cfg.rarity_prior != -1 and "auto" not in (cfg.augment, cfg.patch_gain):
-        return
-    if cfg.method != "ats":
-        cfg.min_brightness = max(cfg.min_brightness, 0.0)
-        cfg.rarity_prior = max(cfg.rarity_prior, 0.0)
-        cfg.augment = "none" if cfg.augment == "auto" else cfg.augment
-        cfg.patch_gain = "off" if cfg.patch_gain == "auto" else cfg.patch_gain
-        return
-    dark, masked = [], []
-    for i in range(min(AUTO_PROBE_IMAGES, len(train_set))):
-        item = train_set[i]
-        if isinstance(item, Unreadable):
-            continue
-        dark.append(float((item[0].amax(0) <= 0.05).float().mean()))
-        masked.append(item[4] is not None)
-    if cfg.min_brightness == -1:
-        median = sorted(dark)[len(dark) // 2] if dark else 0.0
-        cfg.min_brightness = AUTO_MIN_BRIGHTNESS if median > 0.5 else 0.0
-        if cfg.min_brightness:
-            log(f"black background (median {100 * median:.0f}% dark low-res pixels): "
-                f"sampling only cells brighter than {AUTO_MIN_BRIGHTNESS} (--min-brightness)")
-    slides = bool(masked) and sum(masked) * 2 > len(masked)
-    if cfg.augment == "auto":
-        cfg.augment = "colour+flips" if slides and train_set.channels == 3 else "none"
-        if cfg.augment != "none":
-            log(f"RGB slides: training with --augment {cfg.augment} (stain, exposure and orientation vary)")
-    if cfg.rarity_prior == -1:
-        cfg.rarity_prior = AUTO_RARITY_PRIOR if slides else 0.0
-        if slides:
-            log(f"slides (tissue mask): the attention starts on the tissue's unusual cells "
-                f"(--rarity-prior {AUTO_RARITY_PRIOR})")
-    if cfg.patch_gain == "auto":
-        cfg.patch_gain = "on" if slides else "off"
-        if slides:
-            log("slides (tissue mask): each patch's feature gets a learned gain, so one region that shows the "
-                "class can outweigh the look-alikes (--patch-gain on)")
-
-
 def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, board: _TensorBoard,
            progress: Callable[[str, int, int, dict], None] | None, log: Callable[[str], None]) -> list[dict[str, Any]]:
     run = Path(cfg.out)
@@ -437,24 +372,29 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
     # ---- data: every rank reads the dataset (same path on every node)
     data = load_dataset(cfg.data)
     train_identity = training_set_identity(data["train"], data.root)  # a resume must find the same (rundir)
-    mpp = settle_physical_scale(cfg, data["train"], log)  # before from_data: --patch-um settles patch_size
-    settled = cfg.from_data(data.hints)
-    if settled:
-        log("from the data: " + ", ".join(settled))
-    channels = int(data.hints.get("channels", 1))
-    # slides' low-res views and tissue masks: made once, then read from RUN/cache/views (ats_cli.data.view_cache)
-    reading = {"channels": channels, "scale": cfg.scale, "patch_size": (cfg.patch_size, cfg.patch_size),
-               "view_cache": view_cache_for(run), **cfg.input_options()}
+    cache = view_cache_for(run)  # slides' low-res views and tissue masks: made once (ats_cli.data.view_cache)
+    # ---- the values left to the data (ats_cli.settle); a resumed run's were settled when it started
+    saved = load_facts(run) if resume else None
+    facts = saved or gather_facts(cfg, data, view_cache=cache)
+    settled, reasons = settle(cfg, facts)
+    cfg = settled.config
+    if saved is None:
+        log(f"settled from the data ({run / 'settled.json'}):")
+        for reason in reasons:
+            log(f"  {reason}")
+        if ctx.is_main:
+            save_settled(run, settled, reasons, facts)
+    reading = {"channels": facts.channels, "scale": cfg.scale, "patch_size": (cfg.patch_size, cfg.patch_size),
+               "view_cache": cache, **cfg.input_options()}
     train_set = ImageDataset(data["train"], **reading)
     test_set = ImageDataset(data["test"], **reading)
-    _resolve_auto(cfg, train_set, log)
     # whole test batches, dealt round-robin to the ranks (evaluate() explains why whole ones)
     test_batches = shard_batches(range(len(test_set)), 0, cfg.batch_size, Dist())[ctx.rank::ctx.world_size]
     test_loader = _loader(test_set, test_batches, cfg, device)
 
     # ---- model, optimizer, state (the same initial weights on every rank: same seed)
     torch.manual_seed(cfg.seed)
-    spec = model_spec(cfg, n_classes=data.num_classes, channels=channels, mpp=mpp)
+    spec = model_spec(cfg, n_classes=data.num_classes, channels=facts.channels, mpp=settled.mpp)
     model = create_model(spec).to(device)
     opt = _optimizer(cfg, model)
     scaler = torch.amp.GradScaler("cuda", enabled=amp == "fp16")  # fp16 only: bf16 has float32's range

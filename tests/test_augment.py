@@ -22,7 +22,8 @@ from ats_cli.config import resolve_config
 from ats_cli.core.model import ATSModel
 from ats_cli.data.synthetic_slides import SyntheticSlidesConfig, fingerprint, render_slide
 from ats_cli.models import create_model, model_spec
-from ats_cli.train import TrainingInterrupted, _resolve_auto, train
+from ats_cli.settle import DataFacts, settle
+from ats_cli.train import TrainingInterrupted, train
 
 
 def _rgb(shape, seed=0, low=0.02):
@@ -223,37 +224,20 @@ def test_augment_none_trains_exactly_as_before(rgb_data, tmp_path, monkeypatch):
     cfg = _cfg(rgb_data, tmp_path / "auto", epochs=1)
     assert cfg.augment == "auto"
     train(cfg, log=lambda s: None)
-    assert cfg.augment == "none"  # RGB, but no tissue mask: not a slide
+    assert json.loads((tmp_path / "auto" / "config.json").read_text())["augment"] == "none"  # RGB, no tissue mask
     assert _same(_weights(tmp_path / "none"), _weights(tmp_path / "auto"))
 
 
-class _Probe:
-    """What _resolve_auto reads of a training set: items (low, source, label, index, mask)."""
-
-    def __init__(self, channels, masked):
-        self.channels, self.masked = channels, masked
-
-    def __len__(self):
-        return 4
-
-    def __getitem__(self, i):
-        low = torch.full((self.channels, 8, 8), 0.8)
-        return low, None, 0, i, torch.ones(8, 8, dtype=torch.bool) if self.masked else None
-
-
 @pytest.mark.parametrize("channels, masked, method, want", [
-    (3, True, "ats", "colour+flips"),  # RGB slides
-    (1, True, "ats", "none"),  # a grey tissue mask: no stains, and who knows what turning means
-    (3, False, "ats", "none"),  # photographs, digits: 6 and 9
-    (3, True, "uniform", "none"),  # the baselines train as the thesis's did
+    (3, 4, "ats", "colour+flips"),  # RGB slides
+    (1, 4, "ats", "none"),  # a grey tissue mask: no stains, and who knows what turning means
+    (3, 0, "ats", "none"),  # photographs, digits: 6 and 9
+    (3, 4, "uniform", "none"),  # the baselines train as the thesis's did
 ])
 def test_auto_augments_rgb_slides_only(channels, masked, method, want):
-    cfg = resolve_config(None, method=method)
-    _resolve_auto(cfg, _Probe(channels, masked), lambda s: None)
-    assert cfg.augment == want
-    explicit = resolve_config(None, method=method, augment="colour")
-    _resolve_auto(explicit, _Probe(channels, masked), lambda s: None)
-    assert explicit.augment == "colour"
+    facts = DataFacts(channels=channels, probed=4, masked=masked)  # of the first training images, with a tissue mask
+    assert settle(resolve_config(None, method=method), facts)[0].config.augment == want
+    assert settle(resolve_config(None, method=method, augment="colour"), facts)[0].config.augment == "colour"
 
 
 # ---------------------------------------------------------------------------- synthetic slides

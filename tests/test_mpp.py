@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -18,12 +19,12 @@ from typer.testing import CliRunner
 from ats_cli.checkpoint import save_checkpoint
 from ats_cli.cli import app
 from ats_cli.config import ConfigError, TrainConfig
-from ats_cli.data.dataset import Record
-from ats_cli.data.magnification import settle_physical_scale
+from ats_cli.data.dataset import load_dataset, write_dataset
 from ats_cli.data.slides import choose_level, open_image
 from ats_cli.data.synthetic_slides import SyntheticSlidesConfig, render_slide, write_pyramid
 from ats_cli.models import create_model, model_spec
 from ats_cli.predict import InputItem, load_predictor
+from ats_cli.settle import gather_facts, settle
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -170,34 +171,34 @@ def test_mpp_at_predict_overrides_the_models(scans, tmp_path):
     assert opened.source.size == (1024, 1024) and "downsampled 2x" in opened.reading
 
 
-def _records(paths):
-    return [Record(Path(p), 0, "normal") for p in paths]
+def _settle(tmp_path, paths, **flags):
+    """ats train's settling of ``flags`` on a dataset of these training files (nothing left
+    to the images: only their microns are read)."""
+    root = tmp_path / f"data{len(list(tmp_path.iterdir()))}"
+    root.mkdir()
+    shutil.copy(paths[0], root / "test.tif")
+    rows = {"train": [{"path": str(p), "label": "normal"} for p in paths], "test": [{"path": "test.tif",
+                                                                                     "label": "normal"}]}
+    write_dataset(root, CLASSES, rows, hints={"channels": 3})
+    cfg = TrainConfig(min_brightness=0.0, rarity_prior=0.0, augment="none", patch_gain="off", **flags)
+    settled, reasons = settle(cfg, gather_facts(cfg, load_dataset(root)))
+    return settled, {r.key: str(r) for r in reasons}
 
 
-def test_training_records_the_slides_microns_and_converts_microns_to_pixels(scans):
-    logged = []
-    cfg = TrainConfig(patch_um=32.0, low_res_um=8.0)
-    assert settle_physical_scale(cfg, _records([scans["x20"]] * 2), logged.append) == 0.5
-    assert (cfg.patch_size, cfg.scale) == (64, 1 / 16)
-    assert "0.5 µm/px (the training slides')" in logged[-1] and "patches 64 px = 32 µm" in logged[-1]
-    cfg = TrainConfig(mpp=1.0, patch_um=32.0)  # --mpp: the scale every slide is read at
-    assert settle_physical_scale(cfg, _records([scans["x20"], scans["x40"]]), logged.append) == 1.0
-    assert cfg.patch_size == 32
+def test_training_records_the_slides_microns_and_converts_microns_to_pixels(scans, tmp_path):
+    settled, why = _settle(tmp_path, [scans["x20"]], patch_um=32.0, low_res_um=8.0)
+    assert (settled.mpp, settled.config.patch_size, settled.config.scale) == (0.5, 64, 1 / 16)
+    assert why["mpp"] == "mpp 0.5 µm/px: the training slides' own (1 of 1 record it)"
+    assert why["patch_size"] == "patch_size 64: --patch-um 32 at 0.5 µm/px; 32 µm"
+    settled, _ = _settle(tmp_path, [scans["x20"], scans["x40"]], mpp=1.0, patch_um=32.0)  # --mpp: every slide at it
+    assert (settled.mpp, settled.config.patch_size) == (1.0, 32)
     # slides at two scales, no --mpp: the model records none, and says why
-    logged.clear()
-    assert settle_physical_scale(TrainConfig(), _records([scans["x20"], scans["x40"]]), logged.append) is None
-    assert "range from 0.25 µm/px to 0.5 µm/px" in logged[0] and "--mpp" in logged[0]
+    settled, why = _settle(tmp_path, [scans["x20"], scans["x40"]])
+    assert settled.mpp is None and "range from 0.25 µm/px to 0.5 µm/px" in why["mpp"] and "--mpp" in why["mpp"]
     with pytest.raises(ConfigError, match="--patch-um 32 needs the microns per pixel"):
-        settle_physical_scale(TrainConfig(patch_um=32.0), _records([scans["x20"], scans["x40"]]), print)
+        _settle(tmp_path, [scans["x20"], scans["x40"]], patch_um=32.0)
     with pytest.raises(ConfigError, match=r"nompp.tif: records no microns per pixel, so it cannot be read at --mpp"):
-        settle_physical_scale(TrainConfig(mpp=0.5), _records([scans["x20"], scans["nompp"]]), print)
-    with pytest.raises(ConfigError, match="64 pixels at 0.5 µm/px, --patch-size is 50: give one"):
-        settle_physical_scale(TrainConfig(patch_um=32.0, patch_size=50), _records([scans["x20"]]), print)
-    with pytest.raises(ConfigError, match="finer than the patches"):
-        settle_physical_scale(TrainConfig(low_res_um=0.25), _records([scans["x20"]]), print)
-    # a resumed run's config.json holds both forms, in agreement: accepted
-    cfg = TrainConfig(patch_um=32.0, patch_size=64, low_res_um=8.0, scale=1 / 16)
-    assert settle_physical_scale(cfg, _records([scans["x20"]]), print) == 0.5
+        _settle(tmp_path, [scans["x20"], scans["nompp"]], mpp=0.5)
 
 
 def test_ats_train_with_microns_records_them_in_the_model(tmp_path):
@@ -211,7 +212,8 @@ def test_ats_train_with_microns_records_them_in_the_model(tmp_path):
                                  "--batch-size", "2", "--n-patches", "2", "--patch-um", "16", "--low-res-um", "16",
                                  "--feature-width", "8"])
     assert result.exit_code == 0, result.output
-    assert "physical scale recorded in the model: 0.5 µm/px" in result.output
+    assert "mpp 0.5 µm/px: the training slides' own" in result.output
+    assert "patch_size 32: --patch-um 16 at 0.5 µm/px" in result.output
     ckpt = torch.load(run / "best.pt", weights_only=True)
     spec, config = ckpt["spec"], json.loads((run / "config.json").read_text())
     assert spec["input"]["mpp"] == 0.5 and spec["input"]["resample"] is True

@@ -9,8 +9,7 @@ import torch
 
 from ats_cli.config import resolve_config
 from ats_cli.models import create_model, model_spec
-from ats_cli.train import _resolve_auto
-from tests.test_augment import _Probe
+from ats_cli.settle import DataFacts, settle
 
 
 def _spec(**kw):
@@ -51,18 +50,16 @@ def test_one_patch_with_a_large_gain_outweighs_many_with_more_attention():
 
 
 @pytest.mark.parametrize("channels, masked, method, want", [
-    (3, True, "ats", "on"),  # slides: one nest among look-alikes decides
-    (1, True, "ats", "on"),  # grey slides too: the reason is the label, not the stain
-    (3, False, "ats", "off"),  # photographs, digits: a count weighs each object alike
-    (3, True, "uniform", "off"),  # the baselines pool as the thesis did
+    (3, 4, "ats", "on"),  # slides: one nest among look-alikes decides
+    (1, 4, "ats", "on"),  # grey slides too: the reason is the label, not the stain
+    (3, 0, "ats", "off"),  # photographs, digits: a count weighs each object alike
+    (3, 4, "uniform", "off"),  # the baselines pool as the thesis did
 ])
 def test_auto_turns_the_gain_on_for_slides_only(channels, masked, method, want):
-    cfg = resolve_config(None, method=method)
-    _resolve_auto(cfg, _Probe(channels, masked), lambda s: None)
-    assert cfg.patch_gain == want
+    facts = DataFacts(channels=channels, probed=4, masked=masked)  # of the first training images, with a tissue mask
+    assert settle(resolve_config(None, method=method), facts)[0].config.patch_gain == want
     explicit = resolve_config(None, method=method, patch_gain="off" if want == "on" else "on")
-    _resolve_auto(explicit, _Probe(channels, masked), lambda s: None)
-    assert explicit.patch_gain != want
+    assert settle(explicit, facts)[0].config.patch_gain != want
 
 
 def test_a_model_without_the_gain_holds_no_gain_weights():

@@ -201,13 +201,14 @@ def test_attention_targets_weigh_each_digit_alike(tmp_path: Path) -> None:
     may sample whose patch (cut where ats train would cut it) holds that digit whole."""
     from ats_cli.core.geometry import positions_to_offsets
     from ats_cli.data.megapixel_mnist import box_fractions
-    from ats_cli.render.records import parse_boxes
     from ats_cli.models import create_model, model_spec
+    from ats_cli.render.records import parse_boxes
+    from ats_cli.settle import DataFacts, settle, usable_hints
 
     data = load_dataset(_data(tmp_path / "mix", n_noise=6))
     cfg = TrainConfig(data=str(data.root), attention_net="block-attention", attention_width=16, feature_width=16,
                       scale=0.2, min_brightness=0.15)
-    cfg.from_data(data.hints)
+    cfg = settle(cfg, DataFacts(hints=usable_hints(data.hints)))[0].config  # the dataset's sizes, as ats train
     model = create_model(model_spec(cfg, n_classes=10, channels=1))
     views, cells = read_all(data["train"], data.classes, 50, 0, 1, "train", 0, (0.2, (60, 60), 0))[2:]
     assert views.shape == (12, 60, 60)

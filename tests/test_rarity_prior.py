@@ -12,10 +12,9 @@ from ats_cli.config import resolve_config
 from ats_cli.core.geometry import low_res_view
 from ats_cli.core.model import ATSModel
 from ats_cli.data.dataset import load_dataset, write_dataset
-from ats_cli.data.loader import ImageDataset
 from ats_cli.extensions.prior_rarity import rarity
 from ats_cli.nets import create
-from ats_cli.train import AUTO_RARITY_PRIOR, _resolve_auto
+from ats_cli.settle import AUTO_RARITY_PRIOR, gather_facts, settle
 
 
 def _tissue(seed=0, size=32) -> torch.Tensor:
@@ -65,7 +64,7 @@ def test_the_prior_points_the_untrained_attention_at_the_unusual_cell():
             assert torch.allclose(att, torch.full_like(att, 1 / att.numel()))
 
 
-def _dataset(tmp_path, background: int) -> ImageDataset:
+def _dataset(tmp_path, background: int):
     rng = np.random.default_rng(0)
     rows = {}
     for split in ("train", "test"):
@@ -75,20 +74,17 @@ def _dataset(tmp_path, background: int) -> ImageDataset:
             pixels = (background + 40 * rng.random((64, 64, 3))).clip(0, 255).astype(np.uint8)
             Image.fromarray(pixels).save(tmp_path / split / f"{i}.png")
             rows[split].append({"path": f"{split}/{i}.png", "label": "a"})
-    write_dataset(tmp_path, ["a"], rows, hints={"channels": 3})
-    return load_dataset(tmp_path)["train"]
+    write_dataset(tmp_path, ["a"], rows, hints={"channels": 3, "scale": 0.25})
+    return load_dataset(tmp_path)
 
 
 def test_auto_turns_the_prior_on_for_slides_and_off_for_plain_images(tmp_path):
-    records = _dataset(tmp_path, background=180)
-    for tissue, expected in ((True, AUTO_RARITY_PRIOR), (None, 0.0)):  # tissue mask on (a slide) / a PNG
-        cfg = resolve_config(None, data=str(tmp_path), out="o")
+    data = _dataset(tmp_path, background=180)
+    for tissue, expected in (("on", AUTO_RARITY_PRIOR), ("auto", 0.0)):  # a tissue mask (as on a slide) / a PNG
+        cfg = resolve_config(None, data=str(tmp_path), out="o", tissue_mask=tissue)
         assert cfg.rarity_prior == -1
-        _resolve_auto(cfg, ImageDataset(records, channels=3, scale=0.25, tissue=tissue), lambda s: None)
-        assert cfg.rarity_prior == expected
-    cfg = resolve_config(None, data=str(tmp_path), out="o", rarity_prior=0.5)  # a value given is kept
-    _resolve_auto(cfg, ImageDataset(records, channels=3, scale=0.25, tissue=True), lambda s: None)
-    assert cfg.rarity_prior == 0.5
-    cfg = resolve_config(None, data=str(tmp_path), out="o", method="uniform")  # baselines sample as the thesis's
-    _resolve_auto(cfg, ImageDataset(records, channels=3, scale=0.25, tissue=True), lambda s: None)
-    assert cfg.rarity_prior == 0.0
+        assert settle(cfg, gather_facts(cfg, data))[0].config.rarity_prior == expected
+    cfg = resolve_config(None, data=str(tmp_path), out="o", tissue_mask="on", rarity_prior=0.5)  # a value given
+    assert settle(cfg, gather_facts(cfg, data))[0].config.rarity_prior == 0.5
+    cfg = resolve_config(None, data=str(tmp_path), out="o", tissue_mask="on", method="uniform")  # as the thesis's
+    assert settle(cfg, gather_facts(cfg, data))[0].config.rarity_prior == 0.0

@@ -252,6 +252,30 @@ def test_config_file_then_flags(tmp_path):
     assert resolve_config(cfg_file).estimator == "sequential"
 
 
+def test_cli_train_says_what_it_settled_and_resume_keeps_it_as_it_is(squares, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    args = ["--n-patches", "2", "--patch-size", "16", "--feature-width", "8", "--batch-size", "8", "--workers", "0"]
+    first = CliRunner().invoke(app, ["train", str(squares), "--out", str(run), "--epochs", "1", *args])
+    assert first.exit_code == 0, first.output
+    assert "settled from the data" in first.output
+    for line in ("n_patches 2: given", "scale 0.12: default (the paper's Megapixel MNIST)",
+                 "eval_n_patches 4: twice n_patches", "min_brightness 0.15: a black background"):
+        assert line in first.output
+    config, settled = (json.loads((run / name).read_text()) for name in ("config.json", "settled.json"))
+    assert (config["scale"], config["min_brightness"], config["augment"]) == (0.12, 0.15, "none")
+    assert "min_brightness 0.15: a black background" in " ".join(settled["reasons"])
+
+    def look_again(*args, **kwargs):
+        raise AssertionError("--resume looked at the data again")
+
+    monkeypatch.setattr("ats_cli.train.gather_facts", look_again)
+    again = CliRunner().invoke(app, ["train", "--resume", str(run), "--epochs", "2"])
+    assert again.exit_code == 0, again.output
+    assert "settled from the data" not in again.output
+    assert json.loads((run / "config.json").read_text()) == {**config, "epochs": 2}
+    assert json.loads((run / "settled.json").read_text()) == settled
+
+
 def test_cli_train_runs_and_reports(squares, tmp_path, monkeypatch):
     # CliRunner's output is not a terminal, like a batch job's log: progress comes as lines
     monkeypatch.setattr(cli_train, "LOG_EVERY_S", 0.0)

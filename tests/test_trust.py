@@ -29,7 +29,6 @@ from ats_cli.data import dataset_from_folder
 from ats_cli.data.dataset import DatasetError, Record, load_dataset, write_dataset
 from ats_cli.data.images import ImageReadError, read_image
 from ats_cli.data.inputs import open_input
-from ats_cli.data.magnification import settle_physical_scale
 from ats_cli.data.slides import SlideReadError, open_image
 from ats_cli.data.view_cache import ViewCache, view_cache_for
 from ats_cli.models import create_model, model_spec
@@ -37,6 +36,20 @@ from ats_cli.rundir import RunDirError
 from ats_cli.train import train
 
 runner = CliRunner(env={"COLUMNS": "1000"})
+
+
+def settle_physical_scale(cfg: TrainConfig, records: list[Record], _log=None) -> float | None:
+    """The microns per pixel ats train settles for these training files (ats_cli.settle), by the
+    same two steps: the files' facts, then the pure settling."""
+    from ats_cli.settle import gather_facts, settle
+
+    class Training:
+        hints: dict = {}
+
+        def __getitem__(self, split: str) -> list[Record]:
+            return records
+
+    return settle(cfg, gather_facts(cfg, Training()))[0].mpp
 SLIDES_MODEL = Path(__file__).resolve().parents[1] / "models" / "synthetic-slides-ats.pt"
 
 

@@ -56,8 +56,11 @@ def train(
 ) -> None:
     """Train an attention-sampling model on a dataset directory.
 
-    Every flag can also be set in a TOML --config file; the resolved configuration is
-    saved as RUN_DIR/config.json. Ctrl-C saves the state; --resume RUN_DIR continues.
+    Every flag can also be set in a TOML --config file. What the flags leave to the data
+    (0, -1, auto) is settled from it at the start, one printed line per value saying why;
+    the settled configuration is saved as RUN_DIR/config.json and the reasons as
+    RUN_DIR/settled.json. Ctrl-C saves the state; --resume RUN_DIR continues with the
+    settled configuration as it is.
     A RUN_DIR that holds a run is refused unless --resume or --overwrite is given, and
     one that another ats train is writing is always refused (docs/runs-and-inputs.md).
     Several GPUs or nodes: --devices N, or run this same command under torchrun.

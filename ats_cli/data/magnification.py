@@ -29,21 +29,21 @@ read at that scale:
   model's mpp; ``--level`` reads that level as it is.
 
 :func:`describe_reading` is that one-line note (``ats predict`` and ``ats visualize`` print
-it); :func:`settle_physical_scale` is training's part.
+it); :func:`file_mpp` reads a file's microns per pixel. Training's part, the rule above and
+the conversion of microns into pixels, is settled with the rest of the configuration
+(:mod:`ats_cli.settle`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ats_cli.config import TrainConfig
-    from ats_cli.data.dataset import Record
     from ats_cli.data.slides import SlideReader
 
-__all__ = ["describe_reading", "announce_readings", "file_mpp", "settle_physical_scale"]
+__all__ = ["describe_reading", "announce_readings", "file_mpp"]
 
 
 def _um(v: float) -> str:
@@ -109,67 +109,3 @@ def file_mpp(path: str | Path, *, reader: str | None = None, level: int | None =
         mpps = slide.plausible_mpps()  # a scale no microscope has is refused by name (scale_bounds)
         lv = level or 0
         return None if mpps is None or lv >= len(mpps) else mpps[lv]
-
-
-def settle_physical_scale(cfg: TrainConfig, records: Sequence[Record], log: Callable[[str], None]) -> float | None:
-    """The microns per pixel the model's patches are read at (None: unknown), and
-    ``--patch-um`` / ``--low-res-um`` turned into ``patch_size`` / ``scale`` at it, in
-    place. See the module docstring for the rule. Raises ConfigError when ``--mpp`` is given
-    but a training file records no mpp (it would be read at another scale than the rest),
-    when a setting in microns has no mpp to be converted with, or when the two forms of
-    one setting disagree."""
-    from ats_cli.config import ConfigError
-    from ats_cli.data.scale_bounds import check_mpp_flag, patch_pixels
-    from ats_cli.data.slides import MPP_TOLERANCE
-
-    opts = cfg.input_options()
-    mpps = [file_mpp(r.path, reader=opts["reader"], level=opts["level"]) for r in records]
-    known = [m for m in mpps if m is not None]
-    check_mpp_flag(cfg.mpp)  # outside the plausible range: one line naming --mpp (scale_bounds)
-    if cfg.mpp:
-        missing = [r.path for r, m in zip(records, mpps, strict=True) if m is None]
-        if missing:
-            raise ConfigError(f"{missing[0]}: records no microns per pixel, so it cannot be read at --mpp {cfg.mpp:g} "
-                              f"({len(missing)} of {len(records)} training files do not)")
-        mpp: float | None = float(cfg.mpp)
-        how = "--mpp"
-    elif known and len(known) == len(records) and max(known) <= min(known) * (1 + MPP_TOLERANCE):
-        mpp = sorted(known)[len(known) // 2]
-        how = "the training slides'"
-    else:
-        mpp, how = None, ""
-        if known and len(known) == len(records):
-            log(f"warning: the training slides range from {_um(min(known))} to {_um(max(known))}: the model records "
-                "no microns per pixel (give --mpp to train at one physical scale; slides are resampled to it)")
-        elif known:
-            log(f"warning: {len(records) - len(known)} of {len(records)} training files record no microns per pixel: "
-                "the model records none (predict reads slides by level, as it is)")
-    if cfg.patch_um:
-        if mpp is None:
-            raise ConfigError(f"--patch-um {cfg.patch_um:g} needs the microns per pixel: give --mpp, or train on "
-                              "slides that all record the same one")
-        size = patch_pixels(cfg.patch_um, mpp)  # < 1 px or over the pixel budget: refused (scale_bounds)
-        if cfg.patch_size and cfg.patch_size != size:
-            raise ConfigError(f"--patch-um {cfg.patch_um:g} is {size} pixels at {_um(mpp)}, --patch-size is "
-                              f"{cfg.patch_size}: give one of them")
-        cfg.patch_size = size
-    if cfg.low_res_um:
-        if mpp is None:
-            raise ConfigError(f"--low-res-um {cfg.low_res_um:g} needs the microns per pixel: give --mpp, or train on "
-                              "slides that all record the same one")
-        scale = mpp / cfg.low_res_um
-        if scale > 1:
-            raise ConfigError(f"--low-res-um {cfg.low_res_um:g} is finer than the patches' {_um(mpp)}: the low-res "
-                              "view cannot have more detail than the patches")
-        if cfg.scale and abs(cfg.scale - scale) > 1e-6 * scale:
-            raise ConfigError(f"--low-res-um {cfg.low_res_um:g} is a scale of {scale:.6g} at {_um(mpp)}, --scale is "
-                              f"{cfg.scale:g}: give one of them")
-        cfg.scale = scale
-    if mpp is not None:
-        parts = [f"{_um(mpp)} ({how})"]
-        if cfg.patch_size:
-            parts.append(f"patches {cfg.patch_size} px = {cfg.patch_size * mpp:.3g} µm")
-        if cfg.scale:
-            parts.append(f"low-res view {_um(mpp / cfg.scale)}")
-        log("physical scale recorded in the model: " + ", ".join(parts))
-    return mpp

@@ -87,7 +87,7 @@ def pretrain(opts: PretrainOptions, log: Callable[[str], None] = print) -> dict:
     from ats_cli.config import ConfigError, TrainConfig
     from ats_cli.data.dataset import DatasetError, load_dataset
     from ats_cli.models import create_model, model_spec
-    from ats_cli.train import AUTO_MIN_BRIGHTNESS
+    from ats_cli.settle import gather_facts, settle
 
     try:
         data = load_dataset(opts.data)
@@ -99,12 +99,12 @@ def pretrain(opts: PretrainOptions, log: Callable[[str], None] = print) -> dict:
                       pooling=opts.pooling, none_class=opts.none_class)
     try:
         cfg.validate()
+        # sizes, support and the rest settled as ats train settles them on this data (a black
+        # canvas: only bright cells are sampled), so the attention is taught over the cells
+        # that ats train and ats predict draw from
+        cfg = settle(cfg, gather_facts(cfg, data))[0].config
     except ConfigError as e:
         raise PretrainError(str(e).splitlines()[0]) from None
-    cfg.from_data(data.hints)
-    # what ats train decides for Megapixel MNIST's black canvas: only bright cells are sampled,
-    # so the attention is taught (and its mass on the objects measured) over those
-    cfg.min_brightness = AUTO_MIN_BRIGHTNESS if cfg.min_brightness == -1 else cfg.min_brightness
     size = cfg.patch_size
     torch.manual_seed(opts.seed)
     channels = int(data.hints.get("channels") or 1)

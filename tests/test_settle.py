@@ -1,0 +1,181 @@
+"""Settling a run's configuration: one rule per value left to the data, given values win,
+every value says why, and the decision is a pure function of the flags and the facts."""
+
+from __future__ import annotations
+
+import builtins
+import copy
+import io
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from ats_cli.config import ConfigError, TrainConfig
+from ats_cli.data.dataset import load_dataset, write_dataset
+from ats_cli.settle import (
+    AUTO_MIN_BRIGHTNESS,
+    AUTO_RARITY_PRIOR,
+    DATA_DEFAULTS,
+    DataFacts,
+    gather_facts,
+    load_facts,
+    save_settled,
+    settle,
+)
+
+SETTLED = ("n_patches", "patch_size", "scale", "eval_n_patches", "min_brightness", "augment", "rarity_prior",
+           "patch_gain")
+MNIST = DataFacts(hints={"n_patches": 10, "patch_size": 50, "scale": 0.12}, channels=1, files=40, probed=16, dark=0.9)
+SLIDES = DataFacts(hints={"n_patches": 12, "patch_size": 64, "scale": 1 / 32}, channels=3, files=12,
+                   mpps=(0.5,) * 12, mpps_agree=True, probed=12, masked=12)
+
+
+def _why(reasons) -> dict[str, str]:
+    return {r.key: str(r) for r in reasons}
+
+
+def test_settle_is_pure_and_leaves_no_auto_value(monkeypatch):
+    flags, facts = TrainConfig(data="d", out="o"), SLIDES
+    before = (copy.deepcopy(flags), copy.deepcopy(facts))
+
+    def no_io(*args, **kwargs):
+        raise AssertionError("settle read a file")
+
+    monkeypatch.setattr(builtins, "open", no_io)
+    monkeypatch.setattr(io, "open", no_io)  # pathlib's
+    first, second = settle(flags, facts), settle(flags, facts)
+    monkeypatch.undo()
+    assert (flags, facts) == before  # nothing mutated
+    assert first == second and first[0].config is not flags
+    config = first[0].config
+    assert config.eval_n_patches >= 0 and config.min_brightness >= 0 and config.rarity_prior >= 0
+    assert "auto" not in (config.augment, config.patch_gain) and config.n_patches and config.patch_size and config.scale
+    assert [r.key for r in first[1]] == ["mpp", *SETTLED]  # one reason per value, the microns first
+
+
+def test_values_given_by_the_user_always_win():
+    given = dict(n_patches=7, patch_size=32, scale=0.25, eval_n_patches=0, min_brightness=0.3, augment="colour",
+                 rarity_prior=0.5, patch_gain="off")
+    for facts in (MNIST, SLIDES):  # facts that would decide otherwise
+        settled, reasons = settle(TrainConfig(**given), facts)
+        assert {k: getattr(settled.config, k) for k in given} == given
+        assert all(r.why.startswith("given") for r in reasons if r.key in given)
+
+
+def test_sizes_come_from_the_dataset_hints_then_the_papers_defaults():
+    settled, reasons = settle(TrainConfig(n_patches=7), SLIDES)
+    assert (settled.config.n_patches, settled.config.patch_size, settled.config.scale) == (7, 64, 1 / 32)
+    why = _why(reasons)
+    assert why["n_patches"] == "n_patches 7: given"
+    assert why["patch_size"] == "patch_size 64: dataset.json hint; 32 µm"  # the slides' microns say what it covers
+    bare, reasons = settle(TrainConfig(), DataFacts())
+    assert tuple(getattr(bare.config, k) for k in DATA_DEFAULTS) == tuple(DATA_DEFAULTS.values())
+    assert _why(reasons)["scale"] == "scale 0.12: default (the paper's Megapixel MNIST)"
+
+
+def test_eval_n_patches_auto_is_twice_the_training_count():
+    assert _why(settle(TrainConfig(), MNIST)[1])["eval_n_patches"] == "eval_n_patches 20: twice n_patches"
+    assert settle(TrainConfig(n_patches=3), MNIST)[0].config.eval_n_patches == 6
+    assert settle(TrainConfig(eval_n_patches=0), MNIST)[0].config.eval_n_patches == 0  # 0: as many as in training
+
+
+def test_min_brightness_auto_is_on_for_a_black_background_only():
+    settled, reasons = settle(TrainConfig(), MNIST)
+    assert settled.config.min_brightness == AUTO_MIN_BRIGHTNESS
+    assert "90% of the low-res pixels dark in the first 16 training images" in _why(reasons)["min_brightness"]
+    light = DataFacts(probed=16, dark=0.1)
+    assert settle(TrainConfig(), light)[0].config.min_brightness == 0.0
+    assert settle(TrainConfig(method="uniform"), MNIST)[0].config.min_brightness == 0.0  # baselines: everywhere
+
+
+@pytest.mark.parametrize("facts, method, want", [
+    (SLIDES, "ats", "colour+flips"),  # RGB slides: stain, exposure and orientation vary
+    (DataFacts(channels=1, probed=4, masked=4), "ats", "none"),  # grey slides: no stain to jitter
+    (DataFacts(channels=3, probed=4, masked=1), "ats", "none"),  # photographs, digits: a turned 6 is a 9
+    (SLIDES, "uniform", "none"),  # the baselines train as the thesis's did
+])
+def test_augment_auto_is_colour_and_flips_for_rgb_slides_only(facts, method, want):
+    settled, reasons = settle(TrainConfig(method=method), facts)
+    assert settled.config.augment == want
+    assert _why(reasons)["augment"].startswith(f"augment {want}: ")
+
+
+@pytest.mark.parametrize("facts, method, gain, prior", [
+    (SLIDES, "ats", "on", AUTO_RARITY_PRIOR),
+    (DataFacts(channels=1, probed=4, masked=4), "ats", "on", AUTO_RARITY_PRIOR),  # the label decides, not the stain
+    (MNIST, "ats", "off", 0.0),  # a count weighs each object alike; the black canvas needs no prior
+    (SLIDES, "uniform", "off", 0.0),  # the baselines pool and sample as the thesis's did
+])
+def test_patch_gain_and_rarity_prior_auto_are_on_for_slides_only(facts, method, gain, prior):
+    settled, reasons = settle(TrainConfig(method=method), facts)
+    assert (settled.config.patch_gain, settled.config.rarity_prior) == (gain, prior)
+    assert ("on: slides: a tissue mask on 12 of the first 12 training images" in _why(reasons)["patch_gain"]) == (
+        facts is SLIDES and method == "ats")
+
+
+def test_the_models_microns_and_sizes_in_microns():
+    settled, reasons = settle(TrainConfig(patch_um=32.0, low_res_um=8.0), SLIDES)
+    assert (settled.mpp, settled.config.patch_size, settled.config.scale) == (0.5, 64, 1 / 16)
+    why = _why(reasons)
+    assert why["mpp"] == "mpp 0.5 µm/px: the training slides' own (12 of 12 record it)"
+    assert why["patch_size"] == "patch_size 64: --patch-um 32 at 0.5 µm/px; 32 µm"
+    assert settle(TrainConfig(mpp=1.0, patch_um=32.0), SLIDES)[0].config.patch_size == 32  # --mpp: read at it
+    # a resumed run's config.json holds both forms of a setting, in agreement: accepted
+    assert settle(TrainConfig(patch_um=32.0, patch_size=64, low_res_um=8.0, scale=1 / 16), SLIDES)[0].mpp == 0.5
+    two_scans = DataFacts(files=2, mpps=(0.25, 0.5))
+    settled, reasons = settle(TrainConfig(), two_scans)
+    assert settled.mpp is None and "range from 0.25 µm/px to 0.5 µm/px (give --mpp" in _why(reasons)["mpp"]
+    assert settle(TrainConfig(), MNIST)[1][0].key == "n_patches"  # images without microns: nothing to say
+    with pytest.raises(ConfigError, match="--patch-um 32 needs the microns per pixel"):
+        settle(TrainConfig(patch_um=32.0), two_scans)
+    with pytest.raises(ConfigError, match=r"b.tif: records no microns per pixel, so it cannot be read at --mpp 0.5 "
+                                          r"\(1 of 2 training files"):
+        settle(TrainConfig(mpp=0.5), DataFacts(files=2, mpps=(0.5,), no_mpp="b.tif"))
+    with pytest.raises(ConfigError, match="64 pixels at 0.5 µm/px, --patch-size is 50: give one"):
+        settle(TrainConfig(patch_um=32.0, patch_size=50), SLIDES)
+    with pytest.raises(ConfigError, match="finer than the patches"):
+        settle(TrainConfig(low_res_um=0.25), SLIDES)
+
+
+def _pngs(root, background: int, channels: int = 1):
+    rng = np.random.default_rng(0)
+    rows = {}
+    for split in ("train", "test"):
+        (root / split).mkdir(parents=True)
+        rows[split] = []
+        for i in range(4):
+            shape = (64, 64) if channels == 1 else (64, 64, 3)
+            pixels = (background + 10 * rng.random(shape)).clip(0, 255).astype(np.uint8)  # 0: all dark
+            Image.fromarray(pixels).save(root / split / f"{i}.png")
+            rows[split].append({"path": f"{split}/{i}.png", "label": "a"})
+    write_dataset(root, ["a"], rows, hints={"channels": channels, "scale": 0.25, "patch_size": [16, 16]})
+    return load_dataset(root)
+
+
+def test_the_facts_are_read_from_the_first_training_images(tmp_path):
+    dark = gather_facts(TrainConfig(), _pngs(tmp_path / "dark", background=0))
+    assert (dark.probed, dark.masked, dark.dark > 0.5, dark.hints) == (4, 0, True, {"scale": 0.25, "patch_size": 16})
+    light = gather_facts(TrainConfig(), _pngs(tmp_path / "light", background=200, channels=3))
+    assert (light.channels, light.dark, light.files, light.mpps) == (3, 0.0, 4, ())
+    assert settle(TrainConfig(), light)[0].config.min_brightness == 0.0
+    tissue = gather_facts(TrainConfig(tissue_mask="on"), load_dataset(tmp_path / "light"))  # as slides are read
+    assert tissue.masked == 4 and tissue.slides
+    # nothing left to the images: they are not looked at
+    given = TrainConfig(min_brightness=0.0, rarity_prior=0.0, augment="none", patch_gain="off")
+    assert gather_facts(given, load_dataset(tmp_path / "light")).probed == 0
+
+
+def test_the_facts_and_reasons_are_saved_with_the_run(tmp_path):
+    settled, reasons = settle(TrainConfig(), SLIDES)
+    save_settled(tmp_path, settled, reasons, SLIDES)
+    saved = json.loads((tmp_path / "settled.json").read_text())
+    assert saved["reasons"][0] == "mpp 0.5 µm/px: the training slides' own (12 of 12 record it)"
+    assert saved["mpp"] == 0.5 and load_facts(tmp_path) == SLIDES
+    assert settle(settled.config, load_facts(tmp_path))[0] == settled  # a settled config settles to itself
+    assert load_facts(tmp_path / "older") is None
+    (tmp_path / "settled.json").write_text("{}")
+    with pytest.raises(ConfigError, match="not a settled.json"):
+        load_facts(tmp_path)
+
