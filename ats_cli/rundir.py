@@ -1,7 +1,7 @@
 """A run directory belongs to one run: ownership, the writer's lock, the epoch journal.
 
-``ats train --out RUN`` writes ``config.json``, ``metrics.jsonl``, ``last.pt``,
-``best.pt``, ``epochs/`` and ``curves.png`` into RUN. Three rules keep it trustworthy:
+``ats train --out RUN`` writes ``config.json``, ``settled.json`` (ats_cli.settle),
+``metrics.jsonl``, ``last.pt``, ``best.pt``, ``epochs/`` and ``curves.png`` into RUN. Three rules keep it trustworthy:
 
 * **One run per directory.** A directory that holds a run (a checkpoint or metrics) is
   continued with ``--resume RUN`` or replaced on purpose with ``--overwrite``, which
