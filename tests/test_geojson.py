@@ -376,7 +376,7 @@ def test_predict_save_attention(tmp_path, slide, model_file):
                                                                                        "weight"}
     # a file where the folder should be: refused before anything is predicted
     result = runner.invoke(app, ["predict", str(a), "--model", str(model_file), "--save-attention", str(corrupt)])
-    assert result.exit_code == 2 and "not a directory" in result.stderr
+    assert result.exit_code == 2 and "not a directory" in result.stderr.lower()
 
 
 def test_preview_of_the_geojson(tmp_path, slide, model_file, hot_model):

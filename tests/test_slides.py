@@ -252,9 +252,11 @@ def test_ats_predict_on_slides_keeps_going_past_a_bad_one(tmp_path):
     rows = csv.read_text().splitlines()
     assert len(rows) == 3 and "a.svs" in rows[1] and "b.tif" in rows[2]
     assert "bad.svs" in result.output
-    # a forced reader and a level work too; and the same seed gives the same CSV
-    result = CliRunner().invoke(app, args[:3] + args[4:] + ["--reader", "openslide", "--level", "1"])
+    # a forced reader and a level work too (into another file: p.csv records the reading that made it)
+    other = ["-o" if a == "-o" else str(tmp_path / "q.csv") if a == str(csv) else a for a in args[:3] + args[4:]]
+    result = CliRunner().invoke(app, other + ["--reader", "openslide", "--level", "1"])
     assert result.exit_code == 0, result.output
+    assert len((tmp_path / "q.csv").read_text().splitlines()) == 3
 
 
 def test_tissue_mask_equals_scikit_images_saturation_and_otsu():
