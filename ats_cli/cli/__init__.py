@@ -64,6 +64,7 @@ def _root(
 
 
 # Each module registers its command(s) on `app` when imported.
+from ats_cli.cli import fetch_mnist  # noqa: E402, F401  (registers make-dataset fetch-mnist)
 from ats_cli.cli import selfcheck as _selfcheck  # noqa: E402
 from ats_cli.cli.make_dataset import make_dataset_app  # noqa: E402
 
