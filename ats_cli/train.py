@@ -438,8 +438,12 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
     # slides' low-res views and tissue masks: made once, then read from RUN/cache/views (ats_cli.data.view_cache)
     reading = {"channels": channels, "scale": cfg.scale, "patch_size": (cfg.patch_size, cfg.patch_size),
                "view_cache": view_cache_for(run), **cfg.input_options()}
-    train_set = ImageDataset(data["train"], **reading)
-    test_set = ImageDataset(data["test"], **reading)
+    from ats_cli.data.prepared import prepare_for_run  # ordinary images: decoded once, then read by patch
+
+    prepared = prepare_for_run(cfg.prepare, data, reading, workers=loader_workers(cfg.workers, device), log=log,
+                               splits=("train", "test"))
+    train_set = ImageDataset(data["train"], prepared=prepared, **reading)
+    test_set = ImageDataset(data["test"], prepared=prepared, **reading)
     _resolve_auto(cfg, train_set, log)
     # whole test batches, dealt round-robin to the ranks (evaluate() explains why whole ones)
     test_batches = shard_batches(range(len(test_set)), 0, cfg.batch_size, Dist())[ctx.rank::ctx.world_size]
