@@ -196,6 +196,32 @@ def test_an_interrupted_preparation_resumes_without_redoing_finished_files(tmp_p
     assert not list(store.folder.glob(".*.tmp"))
 
 
+def test_a_preparation_killed_mid_way_resumes_with_whole_entries_only(tmp_path):
+    """kill -9 of the command and its worker processes: what they finished is kept and
+    whole, their half-written files are swept, the rerun prepares only the rest."""
+    import signal
+
+    data = _dataset(tmp_path / "d", sizes=((400, 400),) * 40)
+    store = _store(data)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "ats_cli", "make-dataset", "prepare", str(data.root), "--scale",
+                             "0.25", "--workers", "2"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(store.folder.glob("*.atsp"))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the command and its preparing processes, at once
+        proc.wait()
+    before = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in store.folder.glob("*.atsp")}
+    assert 3 <= len(before) < 40, "the preparation was not caught mid-way"
+    report = prepare(store, _sources(data), log=lambda s: None)
+    assert report.fresh == len(before) and report.prepared == 40 - len(before)
+    assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in before} == before  # not redone
+    assert all(store.is_fresh(s) for s in _sources(data)) and not list(store.folder.glob(".*.tmp"))
+
+
 def test_a_second_preparer_waits_for_the_first(tmp_path):
     data = _dataset(tmp_path / "d", sizes=((40, 40),) * 3)
     store = _store(data)

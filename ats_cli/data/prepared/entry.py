@@ -9,14 +9,17 @@ Layout of an entry file (little-endian)::
     index: int64 [n_tiles + 1], each tile's start relative to the first tile
     header: JSON (the source's stamp, the sizes and where each part starts)
 
-Why tiles of ``TILE`` pixels: a 50x50 patch at any position touches at most four of
-them, so a read decodes at most four small tiles per patch and the cost follows the
-patches, never the image. Why zlib: it is in the standard library, decodes a tile in
-microseconds, and images that are mostly background (Megapixel MNIST, fluorescence,
-astronomy) shrink to about their PNG's size, where raw arrays would be a hundred times
-it; all-zero tiles take no space at all. Why the view is stored as the float32 the loader
-computes, not recomputed: bit-identical views are the contract (the same seed, the same
-metrics, prepared or not), and a resize is the cost this layout removes.
+Why tiles of ``TILE`` pixels: a patch no larger than a tile touches at most four of
+them, so a read decodes a few small tiles per patch and the cost follows the patches,
+never the image. Why zlib: it is in the standard library and decodes a small tile
+quickly; images that are mostly background (Megapixel MNIST, fluorescence, astronomy)
+shrink to about their PNG's size, where raw arrays take the full uint8 size; all-zero
+tiles take no space at all. Why the view is stored as the float32 the loader computes,
+not recomputed: bit-identical views are the contract (the same seed, the same metrics,
+prepared or not), and the resize is the cost this layout removes. It is stored as a bit
+mask of its non-zero values and those values: exact, and decoded with two numpy calls,
+where inflating it with zlib cost more than everything else a sample reads
+(benchmarks/README.md, "Loader").
 
 The header is written last and its offset first (the file is streamed, tile by tile,
 so memory holds one tile and the view, never the compressed image whole).
@@ -44,6 +47,7 @@ MAGIC = b"ATSPREP1"
 PREFIX = struct.Struct("<8sQQ")
 TILE = 64
 LEVEL = 1  # zlib level: 6 shrinks tiles ~15% more and decodes several times slower
+SPAN = 1 << 20  # tiles this close together are read in one call
 MAX_HEADER = 1 << 20  # a larger "header" is damage, not an entry
 
 
@@ -86,7 +90,7 @@ class PreparedSource:
         h, w = int(size[0]), int(size[1])
         H, W, C, T = self.height, self.width, self.n_channels, self.tile
         out = np.zeros((offsets.shape[0], C, h, w), dtype=np.uint8)
-        ty_n, tx_n = -(-H // T), -(-W // T)
+        tx_n = -(-W // T)
         try:
             fd = os.open(self.entry, os.O_RDONLY)
         except OSError as e:
@@ -97,39 +101,51 @@ class PreparedSource:
             if (st.st_ino, st.st_mtime_ns) != (self.inode, self.mtime_ns):
                 raise ImageReadError(self.source, f"its prepared copy {self.entry} was replaced while in use "
                                      "(the file changed); rerun")
-            index = np.frombuffer(os.pread(fd, 8 * (ty_n * tx_n + 1), self.index_at), dtype="<i8")
-            tiles: dict[tuple[int, int], np.ndarray | None] = {}
+            index = np.frombuffer(os.pread(fd, 8 * (-(-H // T) * tx_n + 1), self.index_at), dtype="<i8").tolist()
+            # which non-empty tiles each patch covers, and where: (patch, tile, rows, cols in both)
+            cuts = []
             for k, (r0, c0) in enumerate(offsets.tolist()):
-                y0, y1, x0, x1 = max(r0, 0), min(r0 + h, H), max(c0, 0), min(c0 + w, W)
-                for ty in range(y0 // T, (y1 - 1) // T + 1) if y0 < y1 and x0 < x1 else ():
+                y0, y1 = (r0 if r0 > 0 else 0), (r0 + h if r0 + h < H else H)
+                x0, x1 = (c0 if c0 > 0 else 0), (c0 + w if c0 + w < W else W)
+                if y0 >= y1 or x0 >= x1:
+                    continue
+                for ty in range(y0 // T, (y1 - 1) // T + 1):
+                    a0, a1 = max(y0, ty * T), min(y1, ty * T + T)
                     for tx in range(x0 // T, (x1 - 1) // T + 1):
-                        tile = tiles.get((ty, tx), False)
-                        if tile is False:
-                            tile = tiles[ty, tx] = self._tile(fd, index, ty, tx)
-                        if tile is None:  # all zero: the output is zero already
-                            continue
-                        a0, a1 = max(y0, ty * T), min(y1, ty * T + T)
-                        b0, b1 = max(x0, tx * T), min(x1, tx * T + T)
-                        out[k, :, a0 - r0:a1 - r0, b0 - c0:b1 - c0] = tile[:, a0 - ty * T:a1 - ty * T,
-                                                                            b0 - tx * T:b1 - tx * T]
+                        i = ty * tx_n + tx
+                        if index[i] != index[i + 1]:  # an empty tile is all zero: so is the output already
+                            b0, b1 = max(x0, tx * T), min(x1, tx * T + T)
+                            cuts.append((k, i, a0 - r0, a1 - r0, b0 - c0, b1 - c0, a0 - ty * T, a1 - ty * T,
+                                         b0 - tx * T, b1 - tx * T))
+            tiles = self._tiles(fd, index, {cut[1] for cut in cuts})
         finally:
             os.close(fd)
+        for k, i, o0, o1, p0, p1, t0, t1, s0, s1 in cuts:
+            out[k, :, o0:o1, p0:p1] = tiles[i][:, t0:t1, s0:s1]
         return torch.from_numpy(out)
 
-    def _tile(self, fd: int, index: np.ndarray, ty: int, tx: int) -> np.ndarray | None:
+    def _tiles(self, fd: int, index: list[int], wanted: set[int]) -> dict[int, np.ndarray]:
+        """The decoded tiles ``wanted`` (numbers into the row-major grid), read in one call
+        when they lie close together (``SPAN``), else one by one."""
+        if not wanted:
+            return {}
         T, tx_n = self.tile, -(-self.width // self.tile)
-        i = ty * tx_n + tx
-        start, end = int(index[i]), int(index[i + 1])
-        if end == start:
-            return None
-        th, tw = min(T, self.height - ty * T), min(T, self.width - tx * T)
-        want = self.n_channels * th * tw
-        try:
-            raw = _inflate(os.pread(fd, end - start, self.data_at + start), want)
-        except EntryError as e:
-            raise ImageReadError(self.source, f"its prepared copy {self.entry} is damaged ({e}); delete it and "
-                                 "rerun (it is prepared again)") from None
-        return np.frombuffer(raw, dtype=np.uint8).reshape(self.n_channels, th, tw)
+        first, last = index[min(wanted)], index[max(wanted) + 1]
+        block = os.pread(fd, last - first, self.data_at + first) if last - first <= SPAN else None
+        tiles = {}
+        for i in wanted:
+            start, end = index[i], index[i + 1]
+            data = block[start - first:end - first] if block is not None else os.pread(fd, end - start,
+                                                                                          self.data_at + start)
+            ty, tx = divmod(i, tx_n)
+            th, tw = min(T, self.height - ty * T), min(T, self.width - tx * T)
+            try:
+                raw = _inflate(data, self.n_channels * th * tw)
+            except EntryError as e:
+                raise ImageReadError(self.source, f"its prepared copy {self.entry} is damaged ({e}); delete it "
+                                     "and rerun (it is prepared again)") from None
+            tiles[i] = np.frombuffer(raw, dtype=np.uint8).reshape(self.n_channels, th, tw)
+        return tiles
 
 
 def _inflate(data: bytes, want: int) -> bytes:

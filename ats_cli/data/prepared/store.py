@@ -15,7 +15,7 @@ another entry.
 When an entry may be used (the key decision): its header records the source's size,
 ``mtime_ns`` and ``ctime_ns`` as they were when it was read, plus a full BLAKE2b digest
 of its bytes. At every read the loader compares the first three with ``os.stat`` of the
-source, a microsecond; any difference and the entry is not used (the source is read
+source, one stat call; any difference and the entry is not used (the source is read
 as it is now, exactly as without preparing, and the next preparation redoes it). Why
 the stat and not a digest at read time: the inode change time is set by the kernel on
 every write and on every ``touch``/``utime`` (a copy that restores the old mtime sets it
@@ -36,7 +36,7 @@ from ats_cli.core.geometry import low_res_size
 from ats_cli.data.formats import LAZY_BACKENDS, backend
 from ats_cli.data.images import ImageReadError, max_pixels_limit, over_budget
 from ats_cli.data.inputs import OpenedImage
-from ats_cli.data.prepared.entry import EntryError, entry_source, entry_view, read_entry
+from ats_cli.data.prepared.entry import TILE, EntryError, entry_source, entry_view, read_entry
 
 __all__ = ["ENV", "FOLDER", "FORMAT", "PreparedStore", "file_stamp", "store_folder"]
 
@@ -146,7 +146,7 @@ class PreparedStore:
             limit = max_pixels_limit(self.max_pixels)
             if H * W > limit:  # as decode_pil refuses it, from the header
                 raise over_budget(source, f"{W}x{H} (width x height)", H * W, limit)
-            if header["view"] != [self.channels, *low_res_size((H, W), self.scale)]:
+            if header["view"] != [self.channels, *low_res_size((H, W), self.scale)] or header["tile"] != TILE:
                 return None
             view = entry_view(path, header, fd)
         except (EntryError, KeyError, ValueError, TypeError, OSError) as e:
