@@ -267,6 +267,18 @@ def test_preparing_stops_before_the_disk_fills_and_the_loader_reads_the_sources(
     assert torch.equal(item[0], open_input(data["train"][0].path, channels=1, scale=0.25, patch_size=(8, 8)).low)
 
 
+def test_an_entry_made_by_other_library_versions_is_prepared_again(tmp_path, monkeypatch):
+    """Pillow decodes and torch resizes: another version may give other bits."""
+    import ats_cli.data.prepared.store as store_module
+
+    data = _dataset(tmp_path / "d", sizes=((40, 40),) * 2)
+    store = _store(data)
+    prepare(store, _sources(data), log=lambda s: None)
+    monkeypatch.setattr(store_module, "_MADE_BY", "format 1, Pillow 99, torch 99")
+    assert store.open_input(data["train"][0].path, patch_size=(8, 8)) is None
+    assert prepare(store, _sources(data), log=lambda s: None).prepared == 2
+
+
 def test_a_damaged_entry_is_not_used(tmp_path):
     data = _dataset(tmp_path / "d", sizes=((40, 40),) * 2)
     store = _store(data)

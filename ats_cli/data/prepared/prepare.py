@@ -35,7 +35,7 @@ from pathlib import Path
 from ats_cli.data.images import ImageReadError, read_image
 from ats_cli.data.inputs import low_res_view
 from ats_cli.data.prepared.entry import EntryError, read_entry, restamp_entry, write_entry
-from ats_cli.data.prepared.store import FORMAT, PreparedStore, file_stamp
+from ats_cli.data.prepared.store import PreparedStore, file_stamp
 from ats_cli.io import sweep_temporaries
 
 try:
@@ -163,8 +163,7 @@ def prepare_one(store: PreparedStore, source: str, min_free: int = MIN_FREE_BYTE
     with contextlib.suppress(EntryError):  # same content, new stat (copied, touched): keep the pixels
         header, fd, _ = read_entry(path)
         os.close(fd)
-        if header.get("digest") == digest and header.get("format") == FORMAT \
-                and header.get("scale") == repr(store.scale) and header.get("channels") == store.channels:
+        if header.get("digest") == digest and store.same_making(header):
             restamp_entry(path, before)
             return source, "restamped", ""
     if shutil.disk_usage(store.folder).free < min_free:
@@ -180,6 +179,6 @@ def prepare_one(store: PreparedStore, source: str, min_free: int = MIN_FREE_BYTE
         changed = True
     if changed:
         return source, "failed", "changed while being prepared"
-    write_entry(path, image, view, {**before, "digest": digest, "format": FORMAT, "scale": repr(store.scale),
+    write_entry(path, image, view, {**before, "digest": digest, "made_by": store.made_by, "scale": repr(store.scale),
                                     "source": source})
     return source, "prepared", ""

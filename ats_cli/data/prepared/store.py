@@ -22,7 +22,9 @@ every write and on every ``touch``/``utime`` (a copy that restores the old mtime
 to now), so a rewritten file cannot keep all three; a digest at read time would read
 the whole source again, the cost preparing removes. The digest is checked when the stat
 differs but the content may not (a dataset copied or touched): the same digest and the
-entry is re-stamped instead of decoded again.
+entry is re-stamped instead of decoded again. An entry also records the Pillow and torch
+versions that decoded and resized it (:func:`made_by`): after an upgrade, reading the
+source might give other bits, so older entries are prepared again.
 """
 
 from __future__ import annotations
@@ -38,11 +40,21 @@ from ats_cli.data.images import ImageReadError, max_pixels_limit, over_budget
 from ats_cli.data.inputs import OpenedImage
 from ats_cli.data.prepared.entry import TILE, EntryError, entry_source, entry_view, read_entry
 
-__all__ = ["ENV", "FOLDER", "FORMAT", "PreparedStore", "file_stamp", "store_folder"]
+__all__ = ["ENV", "FOLDER", "FORMAT", "PreparedStore", "file_stamp", "made_by", "store_folder"]
 
 ENV = "ATS_PREPARED"
 FOLDER = ".ats-prepared"
 FORMAT = 1  # bump when what an entry holds changes: old entries then stop matching
+
+
+def made_by() -> str:
+    """The versions an entry's pixels and view come from: the decoder (Pillow and the
+    libraries it bundles) and the resize (torch). An entry made by others may differ from
+    what reading the source gives now, bit for bit, so it is not used: prepared again."""
+    import PIL
+    import torch
+
+    return f"format {FORMAT}, Pillow {PIL.__version__}, torch {torch.__version__}"
 SUFFIX = ".atsp"
 
 
@@ -69,6 +81,9 @@ def store_folder(root: str | os.PathLike[str]) -> tuple[Path | None, str]:
 
 def _digest(text: str) -> str:
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+_MADE_BY = made_by()
 
 
 class PreparedStore:
@@ -123,8 +138,17 @@ class PreparedStore:
             return False
 
     def _matches(self, header: dict, stamp: dict) -> bool:
-        return (header.get("format") == FORMAT and header.get("channels") == self.channels
-                and header.get("scale") == repr(self.scale) and all(header.get(k) == v for k, v in stamp.items()))
+        return self.same_making(header) and all(header.get(k) == v for k, v in stamp.items())
+
+    def same_making(self, header: dict) -> bool:
+        """Whether an entry's pixels and view are what reading its source this way gives
+        (the same channels, scale and library versions), whatever its stamp says."""
+        return (header.get("made_by") == _MADE_BY and header.get("channels") == self.channels
+                and header.get("scale") == repr(self.scale))
+
+    @property
+    def made_by(self) -> str:
+        return _MADE_BY
 
     def open_input(self, source: str | os.PathLike[str], *, patch_size: tuple[int, int],
                    tissue: bool | None = None) -> OpenedImage | None:
