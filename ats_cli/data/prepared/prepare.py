@@ -46,6 +46,7 @@ except ImportError:  # pragma: no cover - Windows: one preparer is then the user
 __all__ = ["MIN_FREE_BYTES", "PrepareReport", "prepare", "preparer_lock"]
 
 MIN_FREE_BYTES = 2 << 30  # preparing stops before the file system keeps less than this free
+POOL_FROM = 16  # fewer files are prepared in this process: starting processes would cost more
 
 
 @dataclass
@@ -128,7 +129,7 @@ def prepare(store: PreparedStore, sources: Iterable[str | os.PathLike[str]], *, 
 
 def _run(store: PreparedStore, pending: list[str], workers: int,
          min_free: int) -> Iterator[tuple[str, str, str]]:
-    if workers <= 1 or len(pending) <= 1:
+    if workers <= 1 or len(pending) < POOL_FROM:
         for source in pending:
             yield prepare_one(store, source, min_free)
         return
