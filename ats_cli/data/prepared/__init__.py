@@ -10,13 +10,12 @@ tiles the patches touch, whatever the image's size.
 The layout (chosen against raw memory-mapped arrays; the figures of both are in
 benchmarks/README.md, "Loader", measured by benchmarks/loader.py): one file per image
 with the float view, stored sparsely, and zlib-compressed 64x64 tiles (:mod:`.entry`).
-Raw arrays cut patches with less work but take the image's full uint8 size on disk,
-many times a PNG of mostly dark pixels, and the loader must stay cheap for datasets
-larger than the page cache; the tiles take about the PNG's size, and a patch costs a
-few tile decodes. Where the entries live and when one may be used: :mod:`.store`;
-preparing, in parallel, resumable, one preparer at a time: :mod:`.prepare`; what ``ats
-train`` does (``--prepare``, the default): :mod:`.training`; ``ats make-dataset prepare
-DATA`` does it ahead of training.
+Raw arrays take the image's full uint8 size on disk, many times a PNG of mostly dark
+pixels, and were not faster to read (opening a memory map costs more than decoding the
+few tiles ten patches touch); the tiles take about the PNG's size. Where the entries
+live and when one may be used: :mod:`.store`; preparing, in parallel, resumable, one
+preparer at a time: :mod:`.prepare`; what ``ats train`` does (``--prepare``, the
+default): :mod:`.training`; ``ats make-dataset prepare DATA`` does it ahead of training.
 
 Results do not change: a prepared image gives bit for bit the view and patches the
 source gives (tested), so a run with the same seed gives the same metrics.

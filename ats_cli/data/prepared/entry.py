@@ -17,9 +17,8 @@ shrink to about their PNG's size, where raw arrays take the full uint8 size; all
 tiles take no space at all. Why the view is stored as the float32 the loader computes,
 not recomputed: bit-identical views are the contract (the same seed, the same metrics,
 prepared or not), and the resize is the cost this layout removes. It is stored as a bit
-mask of its non-zero values and those values: exact, and decoded with two numpy calls,
-where inflating it with zlib cost more than everything else a sample reads
-(benchmarks/README.md, "Loader").
+mask of its non-zero values and those values: exact, decoded with two numpy calls, and
+faster than inflating it with zlib (benchmarks/README.md, "Loader").
 
 The header is written last and its offset first (the file is streamed, tile by tile,
 so memory holds one tile and the view, never the compressed image whole).
