@@ -146,6 +146,10 @@ class TrainConfig:
                               "use, shared among the run's processes on the node (at most 16), on CPU 2", RUN_PANEL)
     amp: str = _key("none", "{choices} mixed precision, CUDA only (on CPU: a warning, float32)", RUN_PANEL,
                     choices={"none": "", "bf16": "", "fp16": ""})
+    # ordinary images decoded once into tiles + view before the first epoch (ats_cli.data.prepared)
+    prepare: bool = _key(True, "Decode PNG/JPEG/... images once before the first epoch into DATA/.ats-prepared (or "
+                         "$ATS_PREPARED) and read them patch by patch; the same results; --no-prepare: decode every "
+                         "image at every read", RUN_PANEL)
 
     def validate(self) -> TrainConfig:
         problems = []

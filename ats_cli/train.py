@@ -386,8 +386,12 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
             save_settled(run, settled, reasons, facts)
     reading = {"channels": facts.channels, "scale": cfg.scale, "patch_size": (cfg.patch_size, cfg.patch_size),
                "view_cache": cache, **cfg.input_options()}
-    train_set = ImageDataset(data["train"], **reading)
-    test_set = ImageDataset(data["test"], **reading)
+    from ats_cli.data.prepared import prepare_for_run  # ordinary images: decoded once, then read by patch
+
+    prepared = prepare_for_run(cfg.prepare, data, reading, workers=loader_workers(cfg.workers, device), log=log,
+                               splits=("train", "test"))
+    train_set = ImageDataset(data["train"], prepared=prepared, **reading)
+    test_set = ImageDataset(data["test"], prepared=prepared, **reading)
     # whole test batches, dealt round-robin to the ranks (evaluate() explains why whole ones)
     test_batches = shard_batches(range(len(test_set)), 0, cfg.batch_size, Dist())[ctx.rank::ctx.world_size]
     test_loader = _loader(test_set, test_batches, cfg, device)

@@ -74,6 +74,7 @@ from ats_cli.cli import doctor as _doctor  # noqa: E402
 from ats_cli.cli import export as _export  # noqa: E402
 from ats_cli.cli import info as _info  # noqa: E402
 from ats_cli.cli import predict as _predict  # noqa: E402
+from ats_cli.cli import prepare as _prepare  # noqa: E402, F401  (ats make-dataset prepare)
 from ats_cli.cli import pretrain as _pretrain  # noqa: E402
 from ats_cli.cli import train as _train  # noqa: E402
 from ats_cli.cli import visualize as _visualize  # noqa: E402

@@ -45,13 +45,17 @@ class ImageDataset(TorchDataset):
     ``reader``/``level``/``mpp``/``tissue`` are ``ats predict``'s options of the same
     names; a model trained with them is predicted with them (they are saved in its spec).
     ``view_cache``: where slides' low-res views and tissue masks are kept once made
-    (:mod:`ats_cli.data.view_cache`); None: remade at every read.
+    (:mod:`ats_cli.data.view_cache`); None: remade at every read. ``prepared``: a
+    :class:`~ats_cli.data.prepared.PreparedStore`; an image with a fresh entry there is
+    read from it (the same view and patches, bit for bit, without decoding), any other
+    from its file.
     """
 
     def __init__(self, records: Sequence[Record], *, channels: int, scale: float,
                  patch_size: tuple[int, int] = (1, 1), reader: str | None = None, level: int | None = None,
-                 mpp: float | None = None, tissue: bool | None = None, view_cache=None):
+                 mpp: float | None = None, tissue: bool | None = None, view_cache=None, prepared=None):
         self.records = list(records)
+        self.prepared = prepared
         self.view_cache = view_cache
         self.channels = channels
         self.scale = scale
@@ -63,8 +67,11 @@ class ImageDataset(TorchDataset):
     def __getitem__(self, i: int) -> Item | Unreadable:
         rec = self.records[i]
         try:
-            opened = open_input(rec.path, channels=self.channels, scale=self.scale, view_cache=self.view_cache,
-                                **self.options)
+            opened = None if self.prepared is None else self.prepared.open_input(
+                rec.path, patch_size=self.options["patch_size"], tissue=self.options["tissue"])
+            if opened is None:
+                opened = open_input(rec.path, channels=self.channels, scale=self.scale, view_cache=self.view_cache,
+                                    **self.options)
         except ImageReadError as e:
             return Unreadable(str(e.path), e.problem)
         return opened.low, opened.source, rec.label, i, opened.support
