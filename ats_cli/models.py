@@ -36,8 +36,8 @@ from ats_cli.registry import Registry, UnknownNameError
 if TYPE_CHECKING:
     from ats_cli.config import TrainConfig
 
-__all__ = ["SPEC_VERSION", "UnknownMethodError", "available_methods", "check_model", "create_model", "model_spec",
-           "register_method"]
+__all__ = ["SPEC_VERSION", "UnknownMethodError", "available_methods", "check_model", "check_patch_size",
+           "create_model", "model_spec", "register_method"]
 
 # The spec layout this ats writes and reads (see the module docstring). A change of what a
 # key means bumps it; a checkpoint of another version is refused by name (ats_cli.checkpoint).
@@ -172,3 +172,32 @@ def check_model(model) -> None:
     if not isinstance(model, ATSModel):
         raise ValueError(f"GeoJSON export needs an attention-sampling model (--method ats or uniform); this one is a "
                          f"{type(model).__name__}")
+
+
+def check_patch_size(model: nn.Module, spec: dict[str, Any]) -> None:
+    """ConfigError unless ``model``'s feature network reads one patch of the spec's size.
+
+    Why: a network of unpadded convolutions (the paper's ``mnist-features``) has a smallest
+    input, and a patch under it fails deep inside torch at the first step, far from the
+    flag that chose it. One blank patch through the network when a run builds its model
+    says it at the start, naming the flag. Models without a feature network (the CNN
+    baseline reads the low-res view) have nothing to check."""
+    import torch
+
+    from ats_cli.config import ConfigError
+
+    feature_net = getattr(model, "feature_net", None)
+    if feature_net is None:
+        return
+    ph, pw = spec["patch_size"]
+    was_training = feature_net.training
+    feature_net.eval()  # batch norm takes a batch of one
+    try:
+        with torch.no_grad():
+            feature_net(torch.zeros(1, spec["channels"], ph, pw))
+    except RuntimeError as e:
+        problem = str(e).splitlines()[0]
+        raise ConfigError(f"--patch-size {ph}: the feature network {spec['feature_net']} cannot read {ph}x{pw} "
+                          f"patches ({problem}); give larger patches or another --feature-net") from None
+    finally:
+        feature_net.train(was_training)

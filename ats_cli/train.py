@@ -47,7 +47,7 @@ from ats_cli.data.view_cache import view_cache_for
 from ats_cli.distributed import Dist, all_reduce, broadcast_buffers, from_main, process_group, shard_batches
 from ats_cli.inference import predict_probs
 from ats_cli.io import atomic_path, atomic_write_text
-from ats_cli.models import create_model, model_spec
+from ats_cli.models import check_patch_size, create_model, model_spec
 from ats_cli.rundir import (
     append_metrics,
     check_training_set,
@@ -399,7 +399,9 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
     # ---- model, optimizer, state (the same initial weights on every rank: same seed)
     torch.manual_seed(cfg.seed)
     spec = model_spec(cfg, n_classes=data.num_classes, channels=facts.channels, mpp=settled.mpp)
-    model = create_model(spec).to(device)
+    model = create_model(spec)
+    check_patch_size(model, spec)  # a patch the feature net cannot read: one line, before any step
+    model = model.to(device)
     opt = _optimizer(cfg, model)
     scaler = torch.amp.GradScaler("cuda", enabled=amp == "fp16")  # fp16 only: bf16 has float32's range
     start_epoch, start_done, history, running = 0, 0, [], {}

@@ -336,3 +336,24 @@ def test_exif_orientation_is_applied_as_photo_viewers_do(tmp_path):
     assert shown[0, :5, -5:].float().mean() > 200  # the mark is now at the top right
     opened = open_input(tmp_path / "phone.jpg", channels=1, scale=0.5, patch_size=(8, 8))
     assert tuple(opened.low.shape[-2:]) == (20, 10) and opened.source.size == (40, 20)
+
+
+# ---------------------------------------------------------------------------- patches a network cannot read
+
+
+def test_a_patch_smaller_than_the_feature_nets_window_is_one_line_naming_the_flag(tmp_path):
+    """The paper's feature net (unpadded 7x7 and 3x3 convolutions) cannot read a 4x4 patch:
+    said at the start in one line naming --patch-size, not as torch's traceback at the first step."""
+    rows = {split: [] for split in ("train", "test")}
+    for split in rows:
+        for i in range(2):
+            name = f"{split}{i}.png"
+            Image.fromarray(np.full((64, 64), 60 * i, np.uint8)).save(tmp_path / name)
+            rows[split].append({"path": name, "label": "ab"[i]})
+    write_dataset(tmp_path, ["a", "b"], rows, hints={"channels": 1})
+    result = runner.invoke(app, ["train", str(tmp_path), "--out", str(tmp_path / "run"), "--patch-size", "4",
+                                 "--feature-net", "mnist-features", "--n-patches", "2", "--scale", "0.25",
+                                 "--epochs", "1", "--workers", "0", "--batch-size", "2"])
+    assert result.exit_code == 1, result.output
+    assert "--patch-size 4: the feature network mnist-features cannot read 4x4 patches" in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) <= 12

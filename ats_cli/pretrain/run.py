@@ -86,7 +86,7 @@ def pretrain(opts: PretrainOptions, log: Callable[[str], None] = print) -> dict:
     from ats_cli.checkpoint import save_checkpoint
     from ats_cli.config import ConfigError, TrainConfig
     from ats_cli.data.dataset import DatasetError, load_dataset
-    from ats_cli.models import create_model, model_spec
+    from ats_cli.models import check_patch_size, create_model, model_spec
     from ats_cli.settle import gather_facts, settle
 
     try:
@@ -114,7 +114,9 @@ def pretrain(opts: PretrainOptions, log: Callable[[str], None] = print) -> dict:
     spec = model_spec(cfg, n_classes=data.num_classes, channels=channels)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if opts.device == "auto" else opts.device)
     try:
-        model = create_model(spec).to(device)
+        model = create_model(spec)
+        check_patch_size(model, spec)  # a patch the feature net cannot read: one line, before any step
+        model = model.to(device)
     except (KeyError, ValueError) as e:  # an unknown network name, a width it cannot take
         raise PretrainError(str(e).splitlines()[0]) from None
 
