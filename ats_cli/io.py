@@ -72,7 +72,8 @@ def sweep_temporaries(folder: str | os.PathLike[str]) -> None:
 def check_writable(path: str | os.PathLike[str]) -> None:
     """Raise OSError (with the reason) unless a file can be written at ``path``: checked
     before any work, so that an unwritable output is not found out after hours of it.
-    Creates the parent directory (the write would), writes and removes a probe file."""
+    Creates the parent directory (the write would), writes and removes a probe file (also
+    when the write fails)."""
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(errno.EISDIR, "is a directory", str(path))
@@ -82,6 +83,8 @@ def check_writable(path: str | os.PathLike[str]) -> None:
         blocker = next((p for p in [path.parent, *path.parent.parents] if p.exists() and not p.is_dir()), path.parent)
         raise NotADirectoryError(errno.ENOTDIR, f"{blocker} is a file, not a directory", str(path)) from None
     probe = path.with_name(f".{path.name}.{os.getpid()}.probe")
-    with open(probe, "wb") as fh:
-        fh.write(b"\0")
-    probe.unlink()
+    try:
+        with open(probe, "wb") as fh:
+            fh.write(b"\0")
+    finally:  # a full disk creates the probe, then refuses its byte: nothing is left behind either way
+        probe.unlink(missing_ok=True)

@@ -8,7 +8,6 @@ any image is read: hours of prediction are not spent to find out at the end.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,12 +16,13 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from ats_cli.io import check_writable
 from ats_cli.predict import provenance
 from ats_cli.predict.cohort import input_key
 from ats_cli.predict.inputs import InputItem
 from ats_cli.predict.predictor import Predictor
 
-__all__ = ["Request", "announced", "check_writable", "load_checked", "opener", "print_header", "run_record",
+__all__ = ["Request", "announced", "load_checked", "opener", "print_header", "run_record",
            "run_settings", "worker_args"]
 
 
@@ -114,19 +114,6 @@ def print_header(console: Console, predictor: Predictor, items: Sequence[InputIt
     console.print(f"model {predictor.path} ({len(predictor.classes)} classes, {predictor.device}{procs}); "
                   f"{n_ok_inputs} image(s); n_patches {n_patches}, "
                   f"{estimator_note(predictor.model)}samples {req.samples}, seed {req.seed}")
-
-
-def check_writable(path: str | os.PathLike[str]) -> None:
-    """:func:`ats_cli.io.check_writable`, leaving no probe file behind when the write fails
-    (a full disk creates the probe, then refuses its byte)."""
-    from ats_cli import io
-
-    try:
-        io.check_writable(path)
-    except OSError:
-        path = Path(path)
-        path.with_name(f".{path.name}.{os.getpid()}.probe").unlink(missing_ok=True)
-        raise
 
 
 def load_checked(req: Request, device: str, err: Console, *, check_out: bool) -> Predictor | None:
