@@ -75,32 +75,53 @@ AUTO_WORKERS_CPU = 2  # --workers auto on a CPU device: the compute shares the c
 AUTO_WORKERS_MAX = 16  # --workers auto on CUDA: at most this many per process
 
 
-def loader_workers(workers: int, device: torch.device) -> int:
-    """DataLoader workers for ``--workers`` (-1 = auto).
+def loader_workers(workers: int, device: torch.device, *, prepared: bool = False) -> int:
+    """DataLoader workers for ``--workers`` (-1 = auto); ``prepared``: the dataset reads
+    prepared entries (:mod:`ats_cli.data.prepared`).
 
     Auto on CUDA: the CPUs this process may use, shared among the processes of the run on
     this node (torchrun's ``LOCAL_WORLD_SIZE``), at most ``AUTO_WORKERS_MAX``. Why: the GPU
     waits for the CPU. At the paper spec an H100 was busy 1-6% of the time and samples/s
     followed the workers, 73 with 2 and 306 with 12 (benchmarks/README.md, "On a GPU"):
     each worker decodes a full-size image, makes its low-res view and cuts its patches.
-    Auto on a CPU device: ``AUTO_WORKERS_CPU``, the value every CPU figure in this project
-    was measured with, since there the workers take cores from the training itself.
+    Auto on a CPU device: none for prepared images, else ``AUTO_WORKERS_CPU``, since there
+    the workers take cores from the training itself. A prepared sample costs the loader a
+    stored view and the few tiles its patches touch, a small part of its share of a
+    training step (benchmarks/README.md, "Loader"); workers would hide that part and cost
+    more: a fork of the training process per worker for each of an epoch's three loaders
+    (training, batch-norm recalibration, test), and the batches' trip between processes,
+    on the cores the step runs on. A source file (``--no-prepare``, slides) costs a
+    decode and a resize, which the workers do overlap with the step.
     The workers never change the result: a step's images and noise are seeded, not drawn
     by whoever reads first."""
     if workers >= 0:
         return workers
     if device.type != "cuda":
-        return AUTO_WORKERS_CPU
+        return 0 if prepared else AUTO_WORKERS_CPU
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     per_node = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     return max(1, min(AUTO_WORKERS_MAX, cpus // per_node))
 
 
 def _loader(dataset: ImageDataset, batches: list[list[int]], cfg: TrainConfig, device: torch.device) -> DataLoader:
-    workers = loader_workers(cfg.workers, device)
+    workers = loader_workers(cfg.workers, device, prepared=dataset.prepared is not None)
     return DataLoader(dataset, batch_sampler=batches, num_workers=workers, collate_fn=collate,
                       pin_memory=device.type == "cuda", worker_init_fn=single_thread_worker,
                       prefetch_factor=4 if workers else None)
+
+
+def _conv_layout(device: torch.device) -> torch.memory_format:
+    """The memory layout of the model's convolution weights while it trains on ``device``.
+
+    Channels-last on a CPU: oneDNN's convolutions for few channels (the attention net's 8,
+    the feature net's 16-32) run in the NHWC layout, and a convolution follows its weight's
+    layout, so with the weights in it every activation after the first layer is NHWC and
+    no layer converts. Only the order of the sums inside a convolution changes, not what is
+    computed: the estimator is the same; the figures differ from the default layout's by
+    float rounding (benchmarks/README.md, "A CPU training epoch", has both runs' curves).
+    Elsewhere the default layout is kept (cuDNN chooses for itself, and bf16/fp16 are another
+    question). Checkpoints are unaffected: a state dict's values load into either layout."""
+    return torch.channels_last if device.type == "cpu" else torch.preserve_format
 
 
 def _optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -401,7 +422,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
     spec = model_spec(cfg, n_classes=data.num_classes, channels=facts.channels, mpp=settled.mpp)
     model = create_model(spec)
     check_patch_size(model, spec)  # a patch the feature net cannot read: one line, before any step
-    model = model.to(device)
+    model = model.to(device, memory_format=_conv_layout(device))
     opt = _optimizer(cfg, model)
     scaler = torch.amp.GradScaler("cuda", enabled=amp == "fp16")  # fp16 only: bf16 has float32's range
     start_epoch, start_done, history, running = 0, 0, [], {}

@@ -389,9 +389,10 @@ def test_a_scheduler_stop_saves_the_run_like_ctrl_c(squares, tmp_path, sig):
     assert load_checkpoint(run / "last.pt") is not None
 
 
-def test_workers_auto_feeds_a_gpu_from_every_cpu_and_leaves_a_cpu_run_as_it_was(monkeypatch):
+def test_workers_auto_feeds_a_gpu_from_every_cpu_and_none_for_prepared_images_on_a_cpu(monkeypatch):
     """--workers -1 (the default): on CUDA the process's CPUs shared among the node's
-    processes, capped; on a CPU device the 2 every CPU figure was measured with; a number
+    processes, capped; on a CPU device 2 for images read from their files and none for
+    prepared ones (the step's own cores are then worth more than a worker); a number
     given is kept, and below -1 is refused."""
     from ats_cli.config import TrainConfig
     from ats_cli.train import AUTO_WORKERS_MAX, loader_workers
@@ -401,7 +402,8 @@ def test_workers_auto_feeds_a_gpu_from_every_cpu_and_leaves_a_cpu_run_as_it_was(
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert loader_workers(-1, cuda) == 12 and loader_workers(-1, cpu) == 2
-    assert loader_workers(0, cuda) == 0 and loader_workers(5, cpu) == 5
+    assert loader_workers(-1, cpu, prepared=True) == 0 and loader_workers(-1, cuda, prepared=True) == 12
+    assert loader_workers(0, cuda) == 0 and loader_workers(5, cpu) == 5 and loader_workers(5, cpu, prepared=True) == 5
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert loader_workers(-1, cuda) == 3
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
