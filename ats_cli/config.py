@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ats_cli.registry import extension_choices
+
 __all__ = ["TrainConfig", "ConfigError", "allowed_values", "load_config_file", "resolve_config"]
 
 
@@ -87,11 +89,7 @@ class TrainConfig:
     # the pooling extension: what the estimator averages (ats_cli.extensions.pooling*); none_class
     # and count_floor are its options (ats_cli.models.extension_specs)
     pooling: str = _key("features", "What attention sampling averages over the patches: {choices}; "
-                        "docs/training.md", METHOD_PANEL,
-                        choices={"features": "their features, then the classifier: the thesis",
-                                 "votes": "each patch's class probabilities: a soft vote",
-                                 "counts": "those over the attention mass around each patch: each object counts "
-                                           "once"})
+                        "docs/training.md", METHOD_PANEL, choices=extension_choices("pooling"))
     none_class: str = _key("off", "A per-patch logit for no class here, with --pooling votes or counts: {choices}",
                            METHOD_PANEL, choices={"off": "every patch spreads a whole vote over the classes",
                                                   "on": "a patch read as none votes little"})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ats_cli.nets.registry import register
+from ats_cli.registry import register_net
 
 
 class ConvAttention(nn.Module):
@@ -67,18 +67,18 @@ class LeNetFeatures(nn.Module):
         return torch.amax(self.body(x), dim=(2, 3))
 
 
-@register("mnist-attention", kind="attention")
+@register_net("mnist-attention", kind="attention")
 def mnist_attention(in_channels: int = 1, width: int = 8) -> nn.Module:
     return ConvAttention(in_channels, width=width, depth=2, activation="tanh")
 
 
-@register("mnist-features", kind="features")
+@register_net("mnist-features", kind="features")
 def mnist_features(in_channels: int = 1, width: int = 32) -> nn.Module:
     """The paper's feature net, as published (no normalisation)."""
     return LeNetFeatures(in_channels, width=width)
 
 
-@register("mnist-features-bn", kind="features")
+@register_net("mnist-features-bn", kind="features")
 def mnist_features_bn(in_channels: int = 1, width: int = 32) -> nn.Module:
     """The paper's feature net with batch normalisation: leaves the plateau early."""
     return LeNetFeatures(in_channels, width=width, norm="batch")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ats_cli.nets.registry import register
+from ats_cli.registry import register_net
 
 
 def _block(c_in: int, c_out: int, k: int) -> list[nn.Module]:
@@ -42,6 +42,6 @@ class PooledCNN(nn.Module):
         return torch.amax(self.body(x), dim=(2, 3))
 
 
-@register("small-cnn", kind="features")
+@register_net("small-cnn", kind="features")
 def small_cnn(in_channels: int = 1, width: int = 32) -> nn.Module:
     return PooledCNN(in_channels, width=width)
