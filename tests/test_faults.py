@@ -293,7 +293,7 @@ def test_3_the_low_res_view_read_in_bands_equals_the_whole_read(monkeypatch):
     import torch.nn.functional as F
 
     import ats_cli.data.images as images
-    from ats_cli.core.geometry import low_res_view
+    from ats_cli.core.source import low_res_view
     from ats_cli.data.inputs import low_res_view as banded_view
     from ats_cli.data.slides import ArrayReader
 

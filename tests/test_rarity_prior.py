@@ -9,8 +9,8 @@ import torch
 from PIL import Image
 
 from ats_cli.config import resolve_config
-from ats_cli.core.geometry import low_res_view
 from ats_cli.core.model import ATSModel
+from ats_cli.core.source import low_res_view
 from ats_cli.data.dataset import load_dataset, write_dataset
 from ats_cli.extensions.prior_rarity import rarity
 from ats_cli.nets import create

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ats_cli.core.geometry import low_res_size
-from ats_cli.core.source import PatchSource, TensorSource
+from ats_cli.core.source import PatchSource, TensorSource, low_res_size
 from ats_cli.data.formats import is_lazy  # importable from here as before
 from ats_cli.data.images import ImageReadError, read_image, resize_in_bands
 
@@ -32,7 +31,7 @@ class OpenedImage:
 
 
 def low_res_view(image: torch.Tensor, scale: float) -> torch.Tensor:
-    """:func:`ats_cli.core.geometry.low_res_view` of a uint8 image [C, H, W], bit for bit,
+    """:func:`ats_cli.core.source.low_res_view` of a uint8 image [C, H, W], bit for bit,
     converting one band of rows to float at a time: the whole image in float32 would be
     four times its size (1.2 GB for a 10000x10000 RGB image), twice over."""
     C, H, W = image.shape

@@ -291,8 +291,8 @@ class SlideReader:
 
     def low_res_view(self, scale: float) -> torch.Tensor:
         """The model's low-res view [C, h, w] float in [0, 1] of the patch level at ``scale``,
-        the same size ``core.geometry.low_res_size`` gives an in-memory image of that size."""
-        from ats_cli.core.geometry import low_res_size
+        the same size ``core.source.low_res_size`` gives an in-memory image of that size."""
+        from ats_cli.core.source import low_res_size
 
         view = self.low_res(low_res_size(self.size, scale))
         return torch.from_numpy(view.copy()).permute(2, 0, 1).float() / 255.0

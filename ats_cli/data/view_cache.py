@@ -123,7 +123,7 @@ class ViewCache:
     def view(self, slide, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``(slide.low_res_view(scale), tissue_mask(view))``, from the cache when the entry
         exists and is whole, else computed and stored."""
-        from ats_cli.core.geometry import low_res_size
+        from ats_cli.core.source import low_res_size
         from ats_cli.data.slides import tissue_mask
 
         path = self.folder / f"{self.key(slide, scale)}.npz"

@@ -34,7 +34,7 @@ import json
 import os
 from pathlib import Path
 
-from ats_cli.core.geometry import low_res_size
+from ats_cli.core.source import low_res_size
 from ats_cli.data.formats import LAZY_BACKENDS, backend
 from ats_cli.data.images import ImageReadError, max_pixels_limit, over_budget
 from ats_cli.data.inputs import OpenedImage
