@@ -54,7 +54,7 @@ class TrainConfig:
     n_patches: int = _key(0, "Patches sampled per image", METHOD_PANEL)
     patch_size: int = _key(0, "Patch side, full-res pixels", METHOD_PANEL)
     scale: float = _key(0.0, "Scale of the low-res view", METHOD_PANEL)
-    # the same two in microns, for slides (ats_cli.data.magnification): converted at the
+    # the same two in microns, for slides (ats_cli.data.inputs): converted at the
     # model's mpp (--mpp, else the training slides' own) into patch_size and scale
     patch_um: float = _key(0.0, "Slides: patch side in microns, instead of --patch-size (at --mpp, else the training "
                            "slides' microns per pixel)", METHOD_PANEL, means="off")

@@ -122,12 +122,10 @@ def _um(v: float) -> str:
 
 
 def _model_mpp(flags: TrainConfig, facts: DataFacts) -> tuple[float | None, list[Reason]]:
-    """The microns per pixel the model records (ats_cli.data.magnification says what for):
+    """The microns per pixel the model records (ats_cli.data.inputs says what for):
     --mpp, every training file is then read at it; else the training files' own when all
     record one and they agree; else none. Nothing to say for images without microns.
-    A --mpp outside the plausible range is refused by name (ats_cli.data.scale_bounds)."""
-    from ats_cli.data.scale_bounds import check_mpp_flag
-
+    A --mpp outside the plausible range is refused by name (:func:`check_mpp_flag`)."""
     check_mpp_flag(flags.mpp)
     if flags.mpp:
         if facts.no_mpp:
@@ -178,8 +176,6 @@ def _from_microns(key: str, microns: float, given: float, mpp: float | None) -> 
         raise ConfigError(f"{flag} {microns:g} needs the microns per pixel: give --mpp, or train on slides that all "
                           "record the same one")
     if key == "patch_size":
-        from ats_cli.data.scale_bounds import patch_pixels
-
         size = patch_pixels(microns, mpp)  # under one pixel or over the pixel budget: refused by name
         if given and given != size:
             raise ConfigError(f"{flag} {microns:g} is {size} pixels at {_um(mpp)}, --patch-size is {given}: give one "
@@ -300,8 +296,7 @@ def gather_facts(flags: TrainConfig, data: Dataset, *, view_cache: Any = None) -
     first AUTO_PROBE_IMAGES training images, read as training reads them: at the sizes
     settled from the rest and through ``view_cache``, where a slide's low-res view is then
     ready for training. Deterministic, so every process of a run gathers alike."""
-    from ats_cli.data.loader import ImageDataset, Unreadable
-    from ats_cli.data.magnification import file_mpp
+    from ats_cli.data.inputs import ImageDataset, Unreadable, file_mpp
     from ats_cli.data.slides import MPP_TOLERANCE
 
     reading = flags.input_options()
@@ -348,3 +343,32 @@ def load_facts(run: str | Path) -> DataFacts | None:
         return DataFacts(**{**facts, "mpps": tuple(facts["mpps"])})
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{path}: not a settled.json written by ats train ({e})") from None
+
+
+def check_mpp_flag(value: float, flag: str = "--mpp") -> None:
+    """Refuse ``flag`` ``value`` (0: off, accepted) outside the plausible range with a one-line
+    :class:`ConfigError` naming the flag and the value."""
+    from ats_cli.data.dataset import mpp_problem
+
+    if value and (problem := mpp_problem(value)):
+        raise ConfigError(f"{flag} {value:g} µm/px is {problem} (0 = off)")
+
+
+def patch_pixels(patch_um: float, mpp: float, max_pixels: int | None = None) -> int:
+    """The patch side in pixels that ``--patch-um`` ``patch_um`` is at ``mpp`` µm/px.
+    Raises :class:`ConfigError` (one line, naming the flag, the value and
+    the pixels) when that is less than one pixel, or a patch of more pixels than the
+    pixel budget (``max_pixels``, default :func:`ats_cli.data.images.max_pixels_limit`)."""
+    from ats_cli.data.images import max_pixels_limit
+
+    limit = max_pixels_limit(max_pixels)
+    side = patch_um / mpp
+    if not side >= 0.5:  # it rounds to no pixel at all
+        raise ConfigError(f"--patch-um {patch_um:g} is {side:.3g} pixels at {mpp:.4g} µm/px, less than one pixel: "
+                          "give a larger --patch-um (or --patch-size in pixels)")
+    size = round(side)
+    if size * size > limit:
+        raise ConfigError(f"--patch-um {patch_um:g} is {size:,} pixels at {mpp:.4g} µm/px, a patch of "
+                          f"{size * size:,} pixels, over the limit of {limit:,} pixels decoded at once: give a "
+                          "smaller --patch-um (or --patch-size in pixels)")
+    return size

@@ -42,8 +42,7 @@ from ats_cli.augment import Augmentation
 from ats_cli.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ats_cli.config import TrainConfig
 from ats_cli.data.dataset import load_dataset
-from ats_cli.data.loader import Batch, ImageDataset, collate, readable, single_thread_worker
-from ats_cli.data.view_cache import view_cache_for
+from ats_cli.data.inputs import Batch, ImageDataset, collate, readable, single_thread_worker, view_cache_for
 from ats_cli.distributed import Dist, all_reduce, broadcast_buffers, from_main, process_group, shard_batches
 from ats_cli.inference import predict_probs
 from ats_cli.io import atomic_path, atomic_write_text
@@ -372,7 +371,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
     # ---- data: every rank reads the dataset (same path on every node)
     data = load_dataset(cfg.data)
     train_identity = training_set_identity(data["train"], data.root)  # a resume must find the same (rundir)
-    cache = view_cache_for(run)  # slides' low-res views and tissue masks: made once (ats_cli.data.view_cache)
+    cache = view_cache_for(run)  # slides' low-res views and tissue masks: made once (ats_cli.data.inputs)
     # ---- the values left to the data (ats_cli.settle); a resumed run's were settled when it started
     saved = load_facts(run) if resume else None
     facts = saved or gather_facts(cfg, data, view_cache=cache)

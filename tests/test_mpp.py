@@ -1,5 +1,5 @@
 """Magnification: a model records the microns per pixel it was trained at, and a slide
-scanned at another resolution is read at that scale (ats_cli.data.magnification), so a
+scanned at another resolution is read at that scale (ats_cli.data.inputs), so a
 40x and a 20x scan of the same tissue give the same answer within noise, and the GeoJSON
 still lands on each file's own level-0 pixels."""
 

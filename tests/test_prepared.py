@@ -25,8 +25,7 @@ from PIL import Image
 from ats_cli.config import resolve_config
 from ats_cli.core.source import gather_patches
 from ats_cli.data.dataset import load_dataset, write_dataset
-from ats_cli.data.inputs import open_input
-from ats_cli.data.loader import ImageDataset, Unreadable, collate
+from ats_cli.data.inputs import ImageDataset, Unreadable, collate, open_input
 from ats_cli.data.prepared import PreparedSource, PreparedStore, prepare, store_folder
 from ats_cli.data.prepared.prepare import preparer_lock
 from ats_cli.train import train

@@ -28,9 +28,8 @@ from ats_cli.config import ConfigError, TrainConfig, resolve_config
 from ats_cli.data import dataset_from_folder
 from ats_cli.data.dataset import DatasetError, Record, load_dataset, write_dataset
 from ats_cli.data.images import ImageReadError, read_image
-from ats_cli.data.inputs import open_input
+from ats_cli.data.inputs import ViewCache, open_input, view_cache_for
 from ats_cli.data.slides import SlideReadError, open_image
-from ats_cli.data.view_cache import ViewCache, view_cache_for
 from ats_cli.models import create_model, model_spec
 from ats_cli.rundir import RunDirError
 from ats_cli.train import train

@@ -128,9 +128,9 @@ LevelOption = Annotated[int | None, config_option("level", unset=MODEL_SETTING, 
 
 def _mpp_check(value: float | None) -> float | None:
     """``--mpp``: 0 is off (read by level as it is, ats_cli.data.inputs.open_input), else a
-    plausible microscope scale (ats_cli.data.scale_bounds): a value outside it would
+    plausible microscope scale (ats_cli.data.dataset): a value outside it would
     resample every input by a factor of hundreds or more."""
-    from ats_cli.data.scale_bounds import mpp_problem
+    from ats_cli.data.dataset import mpp_problem
 
     if value is not None and value != 0 and (problem := mpp_problem(value)):
         raise typer.BadParameter(f"{value:g} µm/px is {problem} (0 = off: read by level as it is)")

@@ -3,7 +3,7 @@
 * :mod:`ats_cli.data.dataset` - the format (``train.csv``/``test.csv``/``val.csv`` +
   ``dataset.json``), :func:`load_dataset` (validating) and :func:`write_dataset`.
 * :mod:`ats_cli.data.folder` - an ImageFolder-style tree -> the format.
-* :mod:`ats_cli.data.formats` - the suffix table: which files are inputs, which backend
+* :mod:`ats_cli.data.dataset` - the suffix table: which files are inputs, which backend
   reads each.
 * :mod:`ats_cli.data.megapixel_mnist` - the Megapixel MNIST generator.
 * :mod:`ats_cli.data.mnist` - where its digits come from (IDX/npz, torchvision, bundled).
@@ -12,7 +12,7 @@ Importing this package (the modules above) does not import torch; the optional M
 download imports torchvision lazily, and :mod:`~ats_cli.data.images` (the PIL backend,
 which the from-folder converter uses for headers) only where it returns tensors. These
 modules import torch and are not imported here: :mod:`~ats_cli.data.inputs` and
-:mod:`~ats_cli.data.loader` (reading images for a model), :mod:`~ats_cli.data.slides`
+:mod:`~ats_cli.data.inputs` (reading images for a model), :mod:`~ats_cli.data.slides`
 (lazy slide readers) and :mod:`~ats_cli.data.synthetic_slides` (the slide generator).
 """
 

@@ -200,7 +200,7 @@ def _throughput(console: Console, items: Sequence[InputItem], todo: Sequence[int
     if not todo:
         console.print(f"nothing left to predict: all {len(items)} input(s) were done already")
         return
-    from ats_cli.data.inputs import is_lazy
+    from ats_cli.data.dataset import is_lazy
 
     # slides (read lazily: TIFFs, slide formats) or ordinary images: what the user counts in
     noun = "slide" if any(is_lazy(items[i].path) for i in todo) else "image"

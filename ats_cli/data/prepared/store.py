@@ -35,7 +35,7 @@ import os
 from pathlib import Path
 
 from ats_cli.core.source import low_res_size
-from ats_cli.data.formats import LAZY_BACKENDS, backend
+from ats_cli.data.dataset import LAZY_BACKENDS, backend
 from ats_cli.data.images import ImageReadError, max_pixels_limit, over_budget
 from ats_cli.data.inputs import OpenedImage
 from ats_cli.data.prepared.entry import TILE, EntryError, entry_source, entry_view, read_entry
