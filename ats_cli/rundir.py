@@ -1,6 +1,6 @@
 """A run directory belongs to one run: ownership, the writer's lock, the epoch journal.
 
-``ats train --out RUN`` writes ``config.json``, ``settled.json`` (ats_cli.settle),
+``ats train --out RUN`` writes ``config.json``, ``settled.json`` (ats_cli.config),
 ``metrics.jsonl``, ``last.pt``, ``best.pt``, ``epochs/`` and ``curves.png`` into RUN. Three rules keep it trustworthy:
 
 * **One run per directory.** A directory that holds a run (a checkpoint or metrics) is

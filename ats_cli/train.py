@@ -1,7 +1,7 @@
 """The training loop, readable top to bottom.
 
 One run directory holds everything: ``config.json`` (the settled configuration),
-``settled.json`` (what was left to the data, and why: :mod:`ats_cli.settle`),
+``settled.json`` (what was left to the data, and why: :mod:`ats_cli.config`),
 ``metrics.jsonl`` (one line per epoch), ``last.pt`` and ``best.pt`` (full checkpoints),
 ``epochs/epoch_NNN.pt`` (weights after each epoch, for the attention-evolution figure)
 and ``curves.png``; where the ``tensorboard`` package is installed, also ``tb/`` (the
@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader
 
 from ats_cli.augment import Augmentation
 from ats_cli.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from ats_cli.config import TrainConfig
+from ats_cli.config import TrainConfig, gather_facts, load_facts, save_settled, settle
 from ats_cli.data.dataset import load_dataset
 from ats_cli.data.inputs import Batch, ImageDataset, collate, readable, single_thread_worker, view_cache_for
 from ats_cli.distributed import Dist, all_reduce, broadcast_buffers, from_main, process_group, shard_batches
@@ -59,7 +59,6 @@ from ats_cli.rundir import (
     training_set_identity,
 )
 from ats_cli.runtime import Deferred, deferred_interrupts, peak_memory_mb, reset_peak_memory
-from ats_cli.settle import gather_facts, load_facts, save_settled, settle
 
 __all__ = ["train", "train_one_epoch", "evaluate", "loader_workers", "TrainingInterrupted"]
 
@@ -327,7 +326,7 @@ def train(
 
     ``progress(phase, step, total, info)`` is called after every training step (the CLI
     draws a progress bar with it); ``log`` receives the settled values with their reasons
-    at the start (:mod:`ats_cli.settle`), then one line per epoch. Both are called on rank
+    at the start (:mod:`ats_cli.config`), then one line per epoch. Both are called on rank
     0 only. Under torchrun (``WORLD_SIZE`` > 1) this joins the process group itself,
     unless the caller already did.
     """
@@ -372,7 +371,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
     data = load_dataset(cfg.data)
     train_identity = training_set_identity(data["train"], data.root)  # a resume must find the same (rundir)
     cache = view_cache_for(run)  # slides' low-res views and tissue masks: made once (ats_cli.data.inputs)
-    # ---- the values left to the data (ats_cli.settle); a resumed run's were settled when it started
+    # ---- the values left to the data (ats_cli.config); a resumed run's were settled when it started
     saved = load_facts(run) if resume else None
     facts = saved or gather_facts(cfg, data, view_cache=cache)
     settled, reasons = settle(cfg, facts)

@@ -14,8 +14,7 @@ import typer
 from typer.testing import CliRunner
 
 from ats_cli.cli import app
-from ats_cli.config import ConfigError, TrainConfig, allowed_values, resolve_config
-from ats_cli.settle import DATA_DEFAULTS
+from ats_cli.config import DATA_DEFAULTS, ConfigError, TrainConfig, allowed_values, resolve_config
 
 COMMANDS = typer.main.get_command(app).commands
 CLI_ONLY = {"config", "resume", "overwrite", "devices"}  # ats train's parameters that are not fields
@@ -115,7 +114,7 @@ def test_validate_allows_exactly_the_values_the_help_lists():
 
 
 def test_min_brightness_auto_value_in_the_help_is_the_one_training_uses():
-    from ats_cli.settle import AUTO_MIN_BRIGHTNESS
+    from ats_cli.config import AUTO_MIN_BRIGHTNESS
 
     assert f"-1 = auto: {AUTO_MIN_BRIGHTNESS:g} when" in _option_line(_help_lines("train"), "--min-brightness")
 

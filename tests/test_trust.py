@@ -38,9 +38,9 @@ runner = CliRunner(env={"COLUMNS": "1000"})
 
 
 def settle_physical_scale(cfg: TrainConfig, records: list[Record], _log=None) -> float | None:
-    """The microns per pixel ats train settles for these training files (ats_cli.settle), by the
+    """The microns per pixel ats train settles for these training files (ats_cli.config), by the
     same two steps: the files' facts, then the pure settling."""
-    from ats_cli.settle import gather_facts, settle
+    from ats_cli.config import gather_facts, settle
 
     class Training:
         hints: dict = {}

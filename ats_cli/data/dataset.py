@@ -46,8 +46,8 @@ what these models read) or, far more often, a print resolution (a photo tool's 7
 352.8 µm/px, 300 dpi 84.7). Resampling by such a value would not give wrong-but-usable
 pixels: it would allocate without bound or shrink the image to one pixel, so it is refused
 rather than used. The same bound keeps ``--mpp`` and ``--patch-um`` honest where the
-configuration is settled (:func:`ats_cli.settle.check_mpp_flag`,
-:func:`ats_cli.settle.patch_pixels`).
+configuration is settled (:func:`ats_cli.config.check_mpp_flag`,
+:func:`ats_cli.config.patch_pixels`).
 """
 
 from __future__ import annotations

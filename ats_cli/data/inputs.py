@@ -42,7 +42,7 @@ read at that scale:
 :func:`describe_reading` is that one-line note (``ats predict`` and ``ats visualize`` print
 it); :func:`file_mpp` reads a file's microns per pixel. Training's part, the rule above and
 the conversion of microns into pixels, is settled with the rest of the configuration
-(:mod:`ats_cli.settle`).
+(:mod:`ats_cli.config`).
 
 **The view cache.** The low-res views and tissue masks of slides, computed once per run and kept on disk.
 
