@@ -8,7 +8,7 @@ and ``curves.png``; where the ``tensorboard`` package is installed, also ``tb/``
 same per-epoch records for TensorBoard; :class:`_TensorBoard`).
 
 Several processes (``torchrun`` or ``ats train --devices N``; see
-:mod:`ats_cli.distributed` and docs/distributed.md): ``--batch-size`` is per process, a
+:mod:`ats_cli.runtime` and docs/distributed.md): ``--batch-size`` is per process, a
 step consumes ``batch_size * world_size`` images of the epoch's order (each rank its own
 slice), DDP averages the gradients, metrics are summed over the ranks, and rank 0 alone
 logs and writes files.
@@ -43,22 +43,30 @@ from ats_cli.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ats_cli.config import TrainConfig, gather_facts, load_facts, save_settled, settle
 from ats_cli.data.dataset import load_dataset
 from ats_cli.data.inputs import Batch, ImageDataset, collate, readable, single_thread_worker, view_cache_for
-from ats_cli.distributed import Dist, all_reduce, broadcast_buffers, from_main, process_group, shard_batches
 from ats_cli.inference import predict_probs
 from ats_cli.io import atomic_path, atomic_write_text
 from ats_cli.models import check_patch_size, create_model, model_spec
-from ats_cli.rundir import (
+from ats_cli.runtime import (
+    Deferred,
+    Dist,
+    all_reduce,
     append_metrics,
+    broadcast_buffers,
     check_training_set,
     claim,
+    deferred_interrupts,
     failed_save,
+    from_main,
     make_dirs,
+    peak_memory_mb,
+    process_group,
+    reset_peak_memory,
     resume_state,
     rewrite_metrics,
     settings_changed,
+    shard_batches,
     training_set_identity,
 )
-from ats_cli.runtime import Deferred, deferred_interrupts, peak_memory_mb, reset_peak_memory
 
 __all__ = ["train", "train_one_epoch", "evaluate", "loader_workers", "TrainingInterrupted"]
 
@@ -330,7 +338,7 @@ def train(
     0 only. Under torchrun (``WORLD_SIZE`` > 1) this joins the process group itself,
     unless the caller already did.
     """
-    # the run directory is this run's alone while it trains (ats_cli.rundir): rank 0 holds its lock
+    # the run directory is this run's alone while it trains (ats_cli.runtime): rank 0 holds its lock
     with process_group(cfg.device) as (ctx, device), claim(cfg.out, resume=resume, enabled=ctx.is_main), \
             _TensorBoard(Path(cfg.out) / "tb", log, enabled=ctx.is_main) as board:
         return _train(cfg, ctx, device, resume=resume, board=board, progress=progress if ctx.is_main else None,
@@ -490,7 +498,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
         }
         history.append(record)
         stop = Deferred()
-        if ctx.is_main:  # checkpoints first, last.pt marks the epoch done, its metrics line last (ats_cli.rundir)
+        if ctx.is_main:  # checkpoints first, last.pt marks the epoch done, its metrics line last (ats_cli.runtime)
             with deferred_interrupts() as stop:  # a stop signal during the saves: finish them, then stop (below)
                 try:
                     save_checkpoint(run / "epochs" / f"epoch_{epoch + 1:03d}.pt", spec=spec, classes=data.classes,

@@ -31,7 +31,7 @@ from ats_cli.data.images import ImageReadError, read_image
 from ats_cli.data.inputs import ViewCache, open_input, view_cache_for
 from ats_cli.data.slides import SlideReadError, open_image
 from ats_cli.models import create_model, model_spec
-from ats_cli.rundir import RunDirError
+from ats_cli.runtime import RunDirError
 from ats_cli.train import train
 
 runner = CliRunner(env={"COLUMNS": "1000"})
