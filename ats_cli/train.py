@@ -216,7 +216,9 @@ def train_one_epoch(cfg: TrainConfig, ctx: Dist, device: torch.device, net: torc
             sampling_gen.manual_seed(_seed(cfg.seed, pos.epoch, pos.done, ctx.rank))
             low = batch.low.to(device, non_blocking=True)
             # ats_cli.augment: the same per-image colours for the low-res view and its patches
-            aug = Augmentation.draw(cfg.augment, len(low), _seed(cfg.seed, pos.epoch, pos.done, ctx.rank, "augment"))
+            # (none, the settled value for images without a tissue mask: nothing is drawn)
+            aug = None if cfg.augment == "none" else Augmentation.draw(
+                cfg.augment, len(low), _seed(cfg.seed, pos.epoch, pos.done, ctx.rank, "augment"))
             extra = {"patch_transform": aug.patches} if aug else {}
             with _autocast(cfg, device):
                 out = net(aug.low(low) if aug else low, batch.sources, generator=sampling_gen,

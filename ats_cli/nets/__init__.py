@@ -6,9 +6,8 @@ functions, under the names a caller of the package reads.
 """
 
 from ats_cli.nets import attention as _attention  # noqa: F401  (registers block-attention)
-from ats_cli.nets import mnist as _mnist  # noqa: F401  (registers the Megapixel MNIST nets)
+from ats_cli.nets import mnist as _mnist  # noqa: F401  (registers the Megapixel MNIST nets and small-cnn)
 from ats_cli.nets import resnet as _resnet  # noqa: F401  (registers the CNN baseline's ResNet)
-from ats_cli.nets import small as _small  # noqa: F401  (registers small-cnn)
 from ats_cli.registry import UnknownNetworkError
 from ats_cli.registry import available_nets as available
 from ats_cli.registry import check_net as check
