@@ -379,7 +379,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
 
     # ---- data: every rank reads the dataset (same path on every node)
     data = load_dataset(cfg.data)
-    train_identity = training_set_identity(data["train"], data.root)  # a resume must find the same (rundir)
+    train_identity = training_set_identity(data["train"], data.root)  # a resume must find the same (runtime)
     cache = view_cache_for(run)  # slides' low-res views and tissue masks: made once (ats_cli.data.inputs)
     # ---- the values left to the data (ats_cli.config); a resumed run's were settled when it started
     saved = load_facts(run) if resume else None

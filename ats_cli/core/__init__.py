@@ -1,4 +1,5 @@
-"""The attention-sampling method: sampling and the estimator, patches, geometry, model."""
+"""The attention-sampling method: sampling and the estimator, patches, the patch source and
+where a patch is, the model."""
 
 from ats_cli.core.model import ATSModel, ATSOutput
 from ats_cli.core.patches import extract_patches
