@@ -20,11 +20,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 
-__all__ = ["BACKENDS", "INPUT_SUFFIXES", "LAZY_BACKENDS", "OPENSLIDE", "PILLOW", "TIFFFILE", "backend",
-           "is_input_file", "is_lazy"]
+__all__ = ["BACKENDS", "INPUT_SUFFIXES", "LAZY_BACKENDS", "OPENSLIDE", "PILLOW", "TIFFFILE", "VIRTUAL",
+           "VIRTUAL_SUFFIX", "backend", "is_input_file", "is_lazy"]
 
-PILLOW, TIFFFILE, OPENSLIDE = "pillow", "tifffile", "openslide"
-LAZY_BACKENDS = (TIFFFILE, OPENSLIDE)  # read tile by tile, never decoded whole
+PILLOW, TIFFFILE, OPENSLIDE, VIRTUAL = "pillow", "tifffile", "openslide", "virtual"
+LAZY_BACKENDS = (TIFFFILE, OPENSLIDE, VIRTUAL)  # read tile by tile (or rendered region by region), never whole
+# a virtual slide (ats_cli.data.virtual_slides): a JSON spec rendered on demand; the double
+# suffix keeps other JSON files (dataset.json) from being taken for slides
+VIRTUAL_SUFFIX = ".vslide.json"
 
 BACKENDS: Mapping[str, str] = MappingProxyType({
     # decoded whole by PIL, under the pixel budget (ats_cli.data.images)
@@ -41,6 +44,8 @@ INPUT_SUFFIXES = tuple(BACKENDS)
 def backend(path: str | os.PathLike[str]) -> str | None:
     """The backend :data:`BACKENDS` gives ``path``'s suffix (case-insensitive); None for a
     suffix it does not list."""
+    if str(path).lower().endswith(VIRTUAL_SUFFIX):
+        return VIRTUAL
     return BACKENDS.get(Path(path).suffix.lower())
 
 

@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ats_cli.data.formats import OPENSLIDE, PILLOW, TIFFFILE, backend
+from ats_cli.data.formats import OPENSLIDE, PILLOW, TIFFFILE, VIRTUAL, backend
 from ats_cli.data.images import (
     DEFAULT_MAX_PIXELS,
     ImageReadError,
@@ -71,7 +71,7 @@ from ats_cli.data.tiff_meta import (
 __all__ = ["SlideReadError", "SlideInfo", "SlideReader", "open_image", "tissue_mask", "choose_level", "READERS",
            "MPP_TOLERANCE"]
 
-READERS = ("auto", OPENSLIDE, TIFFFILE, PILLOW)
+READERS = ("auto", OPENSLIDE, TIFFFILE, PILLOW, VIRTUAL)
 # Two pixel sizes closer than this (relative) are the same magnification: scanners record
 # 0.2520 or 0.2527 um/px for "0.25", and a 5% change of scale is within the variation the
 # model already sees between slides. Such a level is read as it is, never resampled.
@@ -599,6 +599,10 @@ def open_image(
     if path.is_dir():
         raise SlideReadError(path, "is a directory, not an image file")
     max_pixels = max_pixels_limit(max_pixels)
+    if reader == VIRTUAL or (reader == "auto" and backend(path) == VIRTUAL):
+        from ats_cli.data.virtual_slides import VirtualSlideReader  # imports this module: not at the top
+
+        return VirtualSlideReader(path, max_pixels)
     if reader != "auto":
         return _READER_CLASSES[reader](path, max_pixels)
     reader = backend(path) or PILLOW
