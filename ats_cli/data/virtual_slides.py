@@ -3,7 +3,8 @@
 Why: training and benchmarking at 100k x 100k or 200k x 200k pixels (a large resection at
 40x) would otherwise need tens of gigabytes of TIFF per slide. A virtual slide is a spec
 file, ``NAME.vslide.json``, that the slide readers open like any slide
-(:class:`VirtualSlideReader`, chosen by that suffix in :mod:`ats_cli.data.formats`):
+(:class:`ats_cli.data.slides.VirtualSlideReader`, chosen by that suffix in
+:mod:`ats_cli.data.formats`):
 ``ats predict``, ``ats train`` and ``ats visualize`` read its levels, regions, low-res view
 and tissue mask through the same :class:`~ats_cli.data.slides.SlideReader` API as a real
 pyramidal TIFF. The double suffix: it is JSON (any tool reads and edits it), and a folder
@@ -65,12 +66,11 @@ from typing import Any
 
 import numpy as np
 
-from ats_cli.data.formats import VIRTUAL, VIRTUAL_SUFFIX
-from ats_cli.data.images import max_pixels_limit
-from ats_cli.data.slides import SlideReader, SlideReadError, _too_big
+from ats_cli.data.formats import VIRTUAL_SUFFIX
+from ats_cli.data.images import ImageReadError
 
-__all__ = ["VirtualSlideError", "VirtualSlideSpec", "VirtualSlideReader", "VIRTUAL_SUFFIX", "FORMAT",
-           "load_spec", "write_spec", "write_virtual_tiff", "hash32", "default_downsamples"]
+__all__ = ["VirtualSlideError", "VirtualSlideSpec", "VirtualSlide", "VIRTUAL_SUFFIX", "FORMAT", "load_spec",
+           "write_spec", "write_virtual_tiff", "hash32", "default_downsamples", "level_sizes"]
 
 FORMAT = "ats-virtual-slide"
 VERSION = 1
@@ -94,8 +94,9 @@ TISSUE_THRESHOLD = -0.45  # the tissue field (noise minus a border taper) above 
 _S_TISSUE, _S_TISSUE2, _S_FIBRE, _S_SENSOR, _S_NUCLEI, _S_SPOT = 1, 2, 3, 4, 5, 6
 
 
-class VirtualSlideError(SlideReadError):
-    """A spec file that is not a valid virtual slide; the message names the file."""
+class VirtualSlideError(ImageReadError):
+    """A spec file that is not a valid virtual slide; the message names the file. (An
+    ImageReadError, as :class:`~ats_cli.data.slides.SlideReadError` is: caught alike.)"""
 
 
 # ---------------------------------------------------------------------------- hashing
@@ -570,47 +571,12 @@ def _composite(img: np.ndarray, transmit: np.ndarray, colour: np.ndarray) -> Non
     img += colour
 
 
-# ---------------------------------------------------------------------------- the reader
-
-
-class VirtualSlideReader(SlideReader):
-    """A ``.vslide.json`` read like a pyramidal slide: levels ``floor(side / d)`` for the
-    spec's downsamples, each rendered on demand (module docstring)."""
-
-    name = VIRTUAL
-    BAND_ROWS = 256  # rows rendered at a time when a level is read whole (the low-res view)
-
-    def __init__(self, path: Path, max_pixels: int | None = None):
-        self.max_pixels = max_pixels_limit(max_pixels)
-        spec = load_spec(path)
-        self.spec = spec
-        self.slide = VirtualSlide(spec)
-        self._ds = list(spec.downsamples)
-        levels = [(spec.height // d, spec.width // d) for d in self._ds]
-        super().__init__(path, levels, 3, "virtual", (spec.mpp, spec.mpp))
-        self.mpp_source = "the spec's mpp"
-
-    @property
-    def downsamples(self) -> list[float]:
-        return [float(d) for d in self._ds]
-
-    def _read_region(self, row, col, h, w, level):
-        if h * w > self.max_pixels:
-            raise _too_big(self.path, f"a {w}x{h} region of level {level}", h * w, self.max_pixels)
-        if h * w <= self.BAND_ROWS * 4096:
-            return self.slide.render(row, col, h, w, self._ds[level], level)
-        out = np.empty((h, w, 3), np.uint8)
-        step = max(1, self.BAND_ROWS * 4096 // w)
-        for r in range(0, h, step):
-            n = min(step, h - r)
-            out[r:r + n] = self.slide.render(row + r, col, n, w, self._ds[level], level)
-        return out
-
-    def _segment_rows(self, level: int) -> int:
-        return self.BAND_ROWS
-
-
 # ---------------------------------------------------------------------------- honest files
+
+
+def level_sizes(spec: VirtualSlideSpec) -> list[tuple[int, int]]:
+    """(H, W) of each level: ``floor(side / d)``, as a pyramid's reduced levels are."""
+    return [(spec.height // d, spec.width // d) for d in spec.downsamples]
 
 
 def write_virtual_tiff(spec_path: str | os.PathLike[str], out: str | os.PathLike[str], *, tile: int = 256,
@@ -619,26 +585,30 @@ def write_virtual_tiff(spec_path: str | os.PathLike[str], out: str | os.PathLike
     per level of the spec (the reduced ones ``subfiletype=1``, so OpenSlide and tifffile
     read them as levels), ``tile`` x ``tile`` tiles, losslessly compressed, the spec's
     mpp in the resolution tags. Every level is the virtual slide's own rendering of it,
-    tile by tile (memory: one band of tiles), so the file's pixels are the virtual
+    one band of tiles at a time (memory: one band), so the file's pixels are the virtual
     reader's exactly. Written atomically."""
     import tifffile
 
     from ats_cli.io import atomic_path
 
-    reader = VirtualSlideReader(Path(spec_path))
-    H0, W0 = reader.levels[0]
-    res = (1e4 / reader.spec.mpp, 1e4 / reader.spec.mpp)  # pixels per centimetre
+    spec = load_spec(spec_path)
+    slide = VirtualSlide(spec)
+    levels = level_sizes(spec)
+    H0, W0 = levels[0]
+    res = 1e4 / spec.mpp  # pixels per centimetre
 
     def tiles(level: int):
-        H, W = reader.levels[level]
+        H, W = levels[level]
         for r in range(0, H, tile):
-            band = reader.read_region(r, 0, tile, -(-W // tile) * tile, level)  # zeros past the edge
+            band = np.zeros((tile, -(-W // tile) * tile, 3), np.uint8)  # zeros past the edges
+            n = min(tile, H - r)
+            band[:n, :W] = slide.render(r, 0, n, W, spec.downsamples[level], level)
             for c in range(0, W, tile):
                 yield np.ascontiguousarray(band[:, c:c + tile])
 
     with atomic_path(out) as tmp, tifffile.TiffWriter(tmp, bigtiff=H0 * W0 * 3 > 2**31) as tif:
-        for level, (H, W) in enumerate(reader.levels):
-            d = reader._ds[level]
+        for level, (H, W) in enumerate(levels):
+            d = spec.downsamples[level]
             tif.write(tiles(level), shape=(H, W, 3), dtype=np.uint8, tile=(tile, tile), photometric="rgb",
-                      compression=compression, subfiletype=1 if level else 0,
-                      resolution=(res[0] / d, res[1] / d), resolutionunit="CENTIMETER", metadata=None)
+                      compression=compression, subfiletype=1 if level else 0, resolution=(res / d, res / d),
+                      resolutionunit="CENTIMETER", metadata=None)
