@@ -612,3 +612,97 @@ def write_virtual_tiff(spec_path: str | os.PathLike[str], out: str | os.PathLike
             tif.write(tiles(level), shape=(H, W, 3), dtype=np.uint8, tile=(tile, tile), photometric="rgb",
                       compression=compression, subfiletype=1 if level else 0, resolution=(res / d, res / d),
                       resolutionunit="CENTIMETER", metadata=None)
+
+
+# ---------------------------------------------------------------------------- datasets
+
+
+def slide_spec(config, split: str, index: int) -> VirtualSlideSpec:
+    """The spec of slide ``index`` of ``split`` for ``config`` (a
+    :class:`~ats_cli.data.synthetic_slides.SyntheticSlidesConfig`): the synthetic-slides
+    task at the same level-0 sizes: ``tumor`` (odd indices) slides carry 1..max_targets
+    nests among ``n_spots`` spots, ``normal`` ones only decoys; the slide's seed and stain
+    factors come from ``SeedSequence(seed + 1 (train) or seed (test), spawn_key=(index,))``
+    and its stain stream, as the TIFF generator draws them."""
+    from ats_cli.data.synthetic_slides import STAIN_STREAM, _rng
+
+    rng = _rng(config.seed, split, index)
+    nests = int(rng.integers(1, config.max_targets + 1)) if index % 2 else 0
+    stain = (1.0, 1.0)
+    if config.stain_jitter:
+        s = config.stain_jitter
+        stain = tuple(float(v) for v in _rng(config.seed, split, index, STAIN_STREAM).uniform(1 - s, 1 + s, size=2))
+    return VirtualSlideSpec(width=config.size, height=config.size, seed=int(rng.integers(0, 2**32)),
+                            mpp=config.mpp, downsamples=tuple(default_downsamples(config.size, config.size)),
+                            nests=nests, decoys=config.n_spots - nests, spot_radius=float(config.spot_radius),
+                            stain=stain, extra={"split": split, "index": index})
+
+
+def csv_row(path: str, slide: VirtualSlide) -> dict[str, str]:
+    """The dataset row of a virtual slide: its label from the nests placed, their boxes."""
+    from ats_cli.data.synthetic_slides import CLASSES
+
+    r = slide.spec.spot_radius
+    boxes = [["tumor", round(s.row - r), round(s.col - r), round(2 * r), round(2 * r)]
+             for s in sorted(slide.spots, key=lambda s: (s.row, s.col)) if s.nest]
+    return {"path": path, "label": CLASSES[slide.label], "boxes": json.dumps(boxes, separators=(",", ":")),
+            "n_targets": str(len(boxes))}
+
+
+@dataclass
+class _SpecJob:
+    config: Any
+    out: Path
+    name_width: int
+
+    def run_chunk(self, split: str, indices) -> list[tuple[int, dict[str, str], bool]]:
+        results = []
+        for index in indices:
+            rel = f"{split}/{index:0{self.name_width}d}{VIRTUAL_SUFFIX}"
+            spec = slide_spec(self.config, split, index)
+            path = self.out / rel
+            try:
+                wrote = load_spec(path) != spec
+            except (VirtualSlideError, FileNotFoundError):
+                wrote = True
+            if wrote:
+                write_spec(path, spec)
+            results.append((index, csv_row(rel, VirtualSlide(spec)), wrote))
+        return results
+
+
+def fingerprint(config) -> dict[str, Any]:
+    """What ``dataset.json`` records of the generator: the synthetic-slides parameters and
+    that the slides are virtual (a directory of TIFFs is not resumed with specs)."""
+    return {"name": "synthetic-slides", "version": VERSION, "params": {**config.params(), "virtual": True},
+            "seeding": "image i of a split: numpy SeedSequence(entropy=seed+1 for train / seed for test, "
+                       "spawn_key=(i,)); its spec's seed is that generator's first 32-bit draw",
+            "format": f"{FORMAT} {VERSION} ({VIRTUAL_SUFFIX})"}
+
+
+def check_virtual_output(out: str | os.PathLike[str], config) -> None:
+    """Refuse early (DatasetError) an output directory that cannot receive this run."""
+    from ats_cli.data.generation import check_output
+
+    check_output(out, fingerprint(config))
+
+
+def generate_virtual_slides(out: str | os.PathLike[str], config, *, workers: int | None = None, progress=None):
+    """``ats make-dataset synthetic-slides --virtual``: a dataset of virtual slides (spec
+    files, one per slide, rendered when read), with the CSVs and ``dataset.json`` of the
+    TIFF generator; resumable, like it (:mod:`ats_cli.data.generation`)."""
+    from ats_cli.data.generation import run_generation
+    from ats_cli.data.synthetic_slides import CLASSES
+
+    config.validate()
+    out = Path(out).expanduser()
+    job = _SpecJob(config, out, max(4, len(str(max(config.n_train, config.n_test) - 1))))
+    hints = {**config.hints(), "image_size": [config.size, config.size]}
+    return run_generation(
+        out, fingerprint(config), job, {"train": config.n_train, "test": config.n_test},
+        dataset={"classes": CLASSES, "hints": hints,
+                 "description": f"virtual synthetic slides ({config.size}x{config.size}, rendered on demand from "
+                                f"{VIRTUAL_SUFFIX} specs; {config.n_spots} cell clusters; tumor = 1-"
+                                f"{config.max_targets} of them are tumour nests)"},
+        workers=workers, chunk_size=16, progress=progress, source="generated",
+    )
