@@ -154,3 +154,50 @@ def test_reader_pickles_as_reopen(tmp_path):
     slide.set_level(1)
     again = pickle.loads(pickle.dumps(slide))
     assert again.level == 1 and np.array_equal(again.read_region(5, 5, 20, 20, 1), slide.read_region(5, 5, 20, 20, 1))
+
+
+def test_make_dataset_virtual_then_predict_train_and_visualize(tmp_path):
+    """`make-dataset synthetic-slides --virtual` at 100k: specs at once; rows whose boxes are
+    nests; the commands read the specs like slides (a tiny one for predict/train/visualize)."""
+    import csv
+    import time
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from ats_cli.cli import app
+
+    runner = CliRunner()
+    big = tmp_path / "big"
+    start = time.perf_counter()
+    result = runner.invoke(app, ["make-dataset", "synthetic-slides", str(big), "--size", "100000", "--virtual",
+                                 "--n-train", "4", "--n-test", "2", "--workers", "1"])
+    assert result.exit_code == 0, result.output
+    assert time.perf_counter() - start < 6 * 1.0  # well under a second a slide
+    rows = list(csv.DictReader(open(big / "train.csv")))
+    assert [r["label"] for r in rows] == ["normal", "tumor"] * 2
+    for r in rows:
+        slide = open_image(big / r["path"])
+        assert slide.dimensions == (100_000, 100_000) and slide.level_mpps[5] == 16.0
+        boxes = json.loads(r["boxes"])
+        assert len(boxes) == sum(s.nest for s in slide.slide.spots) and (len(boxes) > 0) == (r["label"] == "tumor")
+        for _, row, col, h, w in boxes:  # a nest: dark nuclei at full resolution there
+            assert (slide.read_region(row, col, h, w, 0).mean(-1) < 120).mean() > 0.2
+    again = runner.invoke(app, ["make-dataset", "synthetic-slides", str(big), "--size", "100000", "--virtual",
+                                "--n-train", "4", "--n-test", "2", "--workers", "1"])
+    assert again.exit_code == 0 and "wrote 0 images, skipped 6" in again.output
+
+    small = tmp_path / "small"
+    assert runner.invoke(app, ["make-dataset", "synthetic-slides", str(small), "--size", "1024", "--virtual",
+                               "--n-train", "4", "--n-test", "2", "--spot-radius", "20"]).exit_code == 0
+    model = Path(__file__).resolve().parents[1] / "models" / "synthetic-slides-ats.pt"
+    pred = runner.invoke(app, ["predict", str(small / "test.csv"), "--model", str(model), "--out",
+                               str(tmp_path / "p.csv")])
+    assert pred.exit_code == 0, pred.output
+    assert len(list(csv.DictReader(open(tmp_path / "p.csv")))) == 2
+    train = runner.invoke(app, ["train", str(small), "--out", str(tmp_path / "run"), "--epochs", "1", "--workers",
+                                "0", "--device", "cpu", "--n-patches", "2", "--batch-size", "2"])
+    assert train.exit_code == 0, train.output
+    vis = runner.invoke(app, ["visualize", str(small / "test" / "0001.vslide.json"), "--model", str(model),
+                              "--out", str(tmp_path / "v.png")])
+    assert vis.exit_code == 0 and (tmp_path / "v.png").stat().st_size > 0, vis.output

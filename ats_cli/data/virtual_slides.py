@@ -280,9 +280,15 @@ def _grid_noise(seed: int, salt: int, ys: np.ndarray, xs: np.ndarray, cell: floa
     lo_y, lo_x = int(iy.min()), int(ix.min())
     lat = _lattice(seed, salt, np.arange(lo_y, int(iy.max()) + 2), np.arange(lo_x, int(ix.max()) + 2))
     j = ix - lo_x
-    across = lat[:, j] * (np.float32(1) - fx) + lat[:, j + 1] * fx  # [lattice rows, len(xs)]
+    left = lat[:, j]
+    across = left + (lat[:, j + 1] - left) * fx  # [lattice rows, len(xs)]
     i = iy - lo_y
-    return across[i] * (np.float32(1) - fy)[:, None] + across[i + 1] * fy[:, None]
+    out = np.take(across, i + 1, axis=0)
+    top = np.take(across, i, axis=0)
+    out -= top
+    out *= fy[:, None]
+    out += top
+    return out
 
 
 def _point_noise(seed: int, salt: int, ys: np.ndarray, xs: np.ndarray, cell: float) -> np.ndarray:
@@ -294,9 +300,10 @@ def _point_noise(seed: int, salt: int, ys: np.ndarray, xs: np.ndarray, cell: flo
     def lat(a, b):
         return _unit(hash32(seed, salt, a, b)) * np.float32(2.0) - np.float32(1.0)
 
-    top = lat(iy, ix) * (np.float32(1) - fx) + lat(iy, ix + 1) * fx
-    bottom = lat(iy + 1, ix) * (np.float32(1) - fx) + lat(iy + 1, ix + 1) * fx
-    return top * (np.float32(1) - fy) + bottom * fy
+    top, bottom = lat(iy, ix), lat(iy + 1, ix)
+    top = top + (lat(iy, ix + 1) - top) * fx
+    bottom = bottom + (lat(iy + 1, ix + 1) - bottom) * fx
+    return top + (bottom - top) * fy
 
 
 # ---------------------------------------------------------------------------- the slide
@@ -412,19 +419,28 @@ class VirtualSlide:
         xs = (np.arange(col, col + w, dtype=np.float64) + 0.5) * d
         tissue = self.tissue_grid(ys, xs)
         pal = self.palette
-        img = np.where(tissue[..., None], pal["stroma"], pal["glass"]).astype(np.float32)
-        amp = np.float32(1.0 / math.sqrt(1.0 + (d / FIBRE_CELL) ** 2))
-        fibre = _grid_noise(self.seed, _S_FIBRE, ys, xs, FIBRE_CELL) * np.float32(1.7)
-        img += ((np.float32(4.0) + np.float32(10.0) * tissue) * amp * fibre)[..., None]
-        # scattered nuclei
-        if 2 * d < NUCLEUS_CELL:
+        fine = 2 * d < NUCLEUS_CELL  # scattered nuclei drawn one by one, else as their mean
+        keep = 1.0 if fine else 1.0 - math.pi * NUCLEUS_RADIUS ** 2 / NUCLEUS_CELL ** 2
+        stroma = pal["stroma"] if fine else (pal["nucleus"] + (pal["stroma"] - pal["nucleus"]) * np.float32(keep))
+        # grey: the fibre texture (stronger in tissue; its mean-nuclei share too) and the
+        # sensor noise, a hash of (seed, level, row, column): triangular, sigma SENSOR_SIGMA
+        amp = 1.7 / math.sqrt(1.0 + (d / FIBRE_CELL) ** 2)
+        grey = _grid_noise(self.seed, _S_FIBRE, ys, xs, FIBRE_CELL)
+        grey *= np.where(tissue, np.float32(14.0 * amp * keep), np.float32(4.0 * amp))
+        hashed = hash32(self.seed, _S_SENSOR, level, np.arange(row, row + h)[:, None], np.arange(col, col + w)[None])
+        noise = (hashed & np.uint32(0xFFFF)).astype(np.float32)
+        noise += (hashed >> np.uint32(16)).astype(np.float32)
+        del hashed
+        grey += noise * np.float32(SENSOR_SIGMA * math.sqrt(6) / 65536.0) - np.float32(SENSOR_SIGMA * math.sqrt(6))
+        del noise
+        img = np.stack([pal["glass"], stroma])[tissue.view(np.uint8)]
+        img += grey[..., None]
+        del grey
+        if fine:
             cover = np.ones((h, w), np.float32)
             cy, cx, rad = self._scattered_nuclei(ys[0], xs[0], ys[-1], xs[-1], d)
             _discs(cover, cy, cx, rad, NUCLEUS_RADIUS, row, col, d)
             _composite(img, cover, pal["nucleus"])
-        else:
-            mean = math.pi * NUCLEUS_RADIUS ** 2 / NUCLEUS_CELL ** 2 * 0.999
-            _composite(img, np.where(tissue, np.float32(1 - mean), np.float32(1)), pal["nucleus"])
         # nests and decoys, composited in the window their discs touch
         near = self.spots_near(ys[0], xs[0], ys[-1], xs[-1], d)
         if near:
@@ -435,13 +451,9 @@ class VirtualSlide:
             bottom = min(row + h, int((cy.max() + reach) // d) + 2)
             right = min(col + w, int((cx.max() + reach) // d) + 2)
             self._spots(img[top - row:bottom - row, left - col:right - col], near, top, left, d)
-        # the sensor: a hash of (seed, level, row, column), triangular, sigma SENSOR_SIGMA
-        hashed = hash32(self.seed, _S_SENSOR, level, np.arange(row, row + h)[:, None], np.arange(col, col + w)[None])
-        lo = (hashed & np.uint32(0xFFFF)).astype(np.float32)
-        hi = (hashed >> np.uint32(16)).astype(np.float32)
-        noise = ((lo + hi) * np.float32(1 / 65536.0) - np.float32(1.0)) * np.float32(SENSOR_SIGMA * math.sqrt(6))
-        img += noise[..., None]
-        return (img + np.float32(0.5)).clip(0, 255).astype(np.uint8)
+        img += np.float32(0.5)
+        np.clip(img, 0, 255, out=img)
+        return img.astype(np.uint8)
 
     def _spots(self, img: np.ndarray, near: list[int], row: int, col: int, d: int) -> None:
         """Composite the spots ``near`` into ``img`` (rows row.., columns col.. of the level):
