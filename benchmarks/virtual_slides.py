@@ -11,9 +11,10 @@ is that step's, Python and numpy included):
   synthetic-slides model's): it grows with N², the nested model's reason to exist.
 
 Then a cold ``ats predict`` (a fresh process: Python, torch and the model loaded, the slide
-opened, its view made, patches read) of the largest spec with the released one-level
-model (``models/synthetic-slides-ats.pt``, scale 1/32), and of a real pyramidal TIFF of
-side ``--tiff`` written from a virtual slide (:func:`write_virtual_tiff`, lossless).
+opened, its view made, the attention net run over it, patches read) of each spec with the
+released one-level model (``models/synthetic-slides-ats.pt``, scale 1/32), and of a real
+pyramidal TIFF of side ``--tiff`` written from a virtual slide (:func:`write_virtual_tiff`,
+lossless).
 
 Usage: python benchmarks/virtual_slides.py --out /tmp/vbench
 Prints Markdown rows for benchmarks/README.md.
@@ -106,12 +107,14 @@ def main() -> None:
     for n in args.sizes:
         path = spec(n)
         a, b = child(path, "patches", args.patches), child(path, "view", 0)
-        print(f"| {n:,}² | {a['open_s']:.3f} | {a['thumb_s']:.2f} | {a['patches_s']:.2f} | {a['peak_rss_mb']:.0f} ({a['rss_after_imports_mb']:.0f}) | "
+        rss = f"{a['peak_rss_mb']:.0f} ({a['rss_after_imports_mb']:.0f})"
+        print(f"| {n:,}² | {a['open_s']:.3f} | {a['thumb_s']:.2f} | {a['patches_s']:.2f} | {rss} | "
               f"{b['view'][1]:,}x{b['view'][0]:,} | {b['view_s']:.1f} | {b['peak_rss_mb']:.0f} |", flush=True)
-    largest = spec(max(args.sizes))
-    seconds, rss, line = cold_predict(largest, args.model)
-    print(f"\ncold `ats predict` {largest.name} ({max(args.sizes):,}², one-level model at 1/32): "
-          f"{seconds:.1f} s, peak RSS {rss:.0f} MB; {line}")
+    print("\n| side | cold `ats predict`, one-level model at 1/32 (s) | peak RSS (MB) | output |")
+    print("|---|---:|---:|---|")
+    for n in args.sizes:
+        seconds, rss, line = cold_predict(spec(n), args.model)
+        print(f"| {n:,}² | {seconds:.1f} | {rss:.0f} | {' '.join(line.split())} |", flush=True)
     if args.tiff:
         small = spec(args.tiff)
         tif = args.out / f"s{args.tiff}.tif"

@@ -201,3 +201,19 @@ def test_make_dataset_virtual_then_predict_train_and_visualize(tmp_path):
     vis = runner.invoke(app, ["visualize", str(small / "test" / "0001.vslide.json"), "--model", str(model),
                               "--out", str(tmp_path / "v.png")])
     assert vis.exit_code == 0 and (tmp_path / "v.png").stat().st_size > 0, vis.output
+
+
+def test_folder_scans_take_specs_for_slides_and_no_other_json(tmp_path):
+    from ats_cli.data.folder import dataset_from_folder
+    from ats_cli.data.formats import is_input_file
+
+    for c in ("normal", "tumor"):
+        (tmp_path / "src" / c).mkdir(parents=True)
+        for i in range(3):
+            _spec(tmp_path / "src" / c, f"{i}.vslide.json", nests=int(c == "tumor"), seed=i)
+        (tmp_path / "src" / c / "notes.json").write_text("{}")
+    assert is_input_file(tmp_path / "src" / "tumor" / "0.vslide.json")
+    assert not is_input_file(tmp_path / "src" / "tumor" / "notes.json")
+    dataset_from_folder(tmp_path / "src", tmp_path / "ds", test_fraction=1 / 3)
+    rows = (tmp_path / "ds" / "train.csv").read_text() + (tmp_path / "ds" / "test.csv").read_text()
+    assert rows.count(".vslide.json") == 6 and "notes.json" not in rows

@@ -38,7 +38,7 @@ BACKENDS: Mapping[str, str] = MappingProxyType({
     # whole-slide formats only OpenSlide reads
     **dict.fromkeys((".svs", ".ndpi", ".mrxs", ".scn", ".vms", ".vmu", ".bif", ".svslide", ".dcm"), OPENSLIDE),
 })
-INPUT_SUFFIXES = tuple(BACKENDS)
+INPUT_SUFFIXES = (*BACKENDS, VIRTUAL_SUFFIX)
 
 
 def backend(path: str | os.PathLike[str]) -> str | None:

@@ -273,18 +273,18 @@ def _lattice(seed: int, salt: int, rows: np.ndarray, cols: np.ndarray) -> np.nda
 
 def _grid_noise(seed: int, salt: int, ys: np.ndarray, xs: np.ndarray, cell: float) -> np.ndarray:
     """Value noise [len(ys), len(xs)] float32 at the grid of level-0 points ys x xs:
-    interpolated across first (on the few lattice rows), then down. A pixel's value
-    depends on its point only (the lattice rows are indexed, not re-based)."""
+    interpolated across first (on the lattice rows needed), then down. Only the lattice
+    points next to a pixel are hashed (a level coarser than the lattice skips the rest), so
+    the cost is that of the pixels; a pixel's value depends on its point only."""
     iy, fy = _axis(ys, cell)
     ix, fx = _axis(xs, cell)
-    lo_y, lo_x = int(iy.min()), int(ix.min())
-    lat = _lattice(seed, salt, np.arange(lo_y, int(iy.max()) + 2), np.arange(lo_x, int(ix.max()) + 2))
-    j = ix - lo_x
-    left = lat[:, j]
-    across = left + (lat[:, j + 1] - left) * fx  # [lattice rows, len(xs)]
-    i = iy - lo_y
-    out = np.take(across, i + 1, axis=0)
-    top = np.take(across, i, axis=0)
+    rows, cols = np.unique(np.concatenate([iy, iy + 1])), np.unique(np.concatenate([ix, ix + 1]))
+    lat = _lattice(seed, salt, rows, cols)
+    j0, j1 = np.searchsorted(cols, ix), np.searchsorted(cols, ix + 1)
+    left = lat[:, j0]
+    across = left + (lat[:, j1] - left) * fx  # [lattice rows, len(xs)]
+    out = np.take(across, np.searchsorted(rows, iy + 1), axis=0)
+    top = np.take(across, np.searchsorted(rows, iy), axis=0)
     out -= top
     out *= fy[:, None]
     out += top
