@@ -217,3 +217,13 @@ def test_folder_scans_take_specs_for_slides_and_no_other_json(tmp_path):
     dataset_from_folder(tmp_path / "src", tmp_path / "ds", test_fraction=1 / 3)
     rows = (tmp_path / "ds" / "train.csv").read_text() + (tmp_path / "ds" / "test.csv").read_text()
     assert rows.count(".vslide.json") == 6 and "notes.json" not in rows
+
+
+def test_a_read_rendered_in_bands_equals_one_rendered_whole(tmp_path, monkeypatch):
+    slide = open_image(_spec(tmp_path))
+    whole = slide.read_region(100, 200, 300, 500, 0)
+    monkeypatch.setattr(VirtualSlideReader, "BAND_PIXELS", 500 * 7)  # 7 rows at a time
+    assert np.array_equal(slide.read_region(100, 200, 300, 500, 0), whole)
+    view = slide.low_res_view(1 / 8)
+    monkeypatch.undo()
+    assert np.array_equal(slide.low_res_view(1 / 8).numpy(), view.numpy())
