@@ -227,3 +227,27 @@ def test_a_read_rendered_in_bands_equals_one_rendered_whole(tmp_path, monkeypatc
     view = slide.low_res_view(1 / 8)
     monkeypatch.undo()
     assert np.array_equal(slide.low_res_view(1 / 8).numpy(), view.numpy())
+
+
+def test_make_dataset_virtual_tiff_writes_the_same_slides_as_files(tmp_path):
+    import csv
+
+    from typer.testing import CliRunner
+
+    from ats_cli.cli import app
+
+    runner = CliRunner()
+    common = ["--size", "1024", "--n-train", "2", "--n-test", "2", "--spot-radius", "20", "--workers", "1"]
+    make = ["make-dataset", "synthetic-slides"]
+    assert runner.invoke(app, [*make, str(tmp_path / "v"), "--virtual", *common]).exit_code == 0
+    result = runner.invoke(app, [*make, str(tmp_path / "t"), "--virtual", "--tiff", *common])
+    assert result.exit_code == 0, result.output
+    virtual = list(csv.DictReader(open(tmp_path / "v" / "test.csv")))
+    files = list(csv.DictReader(open(tmp_path / "t" / "test.csv")))
+    assert [r["path"].replace(".vslide.json", ".tif") for r in virtual] == [r["path"] for r in files]
+    assert [(r["label"], r["boxes"]) for r in virtual] == [(r["label"], r["boxes"]) for r in files]
+    for v, f in zip(virtual, files, strict=True):
+        a, b = open_image(tmp_path / "v" / v["path"]), open_image(tmp_path / "t" / f["path"])
+        assert np.array_equal(a.read_region(300, 200, 400, 500, 0), b.read_region(300, 200, 400, 500, 0))
+    bad = runner.invoke(app, ["make-dataset", "synthetic-slides", str(tmp_path / "x"), "--tiff", *common])
+    assert bad.exit_code == 1 and "give --virtual too" in bad.output

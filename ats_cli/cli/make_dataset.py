@@ -165,15 +165,24 @@ def synthetic_slides(
     virtual: Annotated[bool, typer.Option(
         "--virtual", help="Write virtual slides: a small .vslide.json spec per slide, rendered on demand when read "
                           "(any --size, no pixels on disk; docs/slides.md).")] = False,
+    tiff: Annotated[bool, typer.Option(
+        "--tiff", help="With --virtual: render each virtual slide into a real pyramidal TIFF (lossless, the same "
+                       "pixels) instead of writing its spec.")] = False,
 ) -> None:
     """Generate synthetic whole slides: pyramidal tiled TIFFs of pink "tissue" whose label
     (tumor / normal) is decided by a few small cell clusters that look alike in the
     low-resolution view and differ only at full resolution. See docs/slides.md."""
     from ats_cli.data.synthetic_slides import SyntheticSlidesConfig, check_slides_output, generate_synthetic_slides
 
+    if tiff and not virtual:
+        raise _fail(ValueError("--tiff renders virtual slides into TIFFs: give --virtual too"))
     if virtual:
-        from ats_cli.data.virtual_slides import check_virtual_output as check_slides_output  # noqa: F811
-        from ats_cli.data.virtual_slides import generate_virtual_slides as generate_synthetic_slides  # noqa: F811
+        from functools import partial
+
+        from ats_cli.data.virtual_slides import check_virtual_output, generate_virtual_slides
+
+        check_slides_output = partial(check_virtual_output, tiff=tiff)  # noqa: F811
+        generate_synthetic_slides = partial(generate_virtual_slides, tiff=tiff)  # noqa: F811
 
     try:
         config = SyntheticSlidesConfig(n_train=n_train, n_test=n_test, size=size, n_spots=n_spots,

@@ -591,7 +591,8 @@ def level_sizes(spec: VirtualSlideSpec) -> list[tuple[int, int]]:
     return [(spec.height // d, spec.width // d) for d in spec.downsamples]
 
 
-def write_virtual_tiff(spec_path: str | os.PathLike[str], out: str | os.PathLike[str], *, tile: int = 256,
+def write_virtual_tiff(spec_path: str | os.PathLike[str] | VirtualSlideSpec, out: str | os.PathLike[str], *,
+                       tile: int = 256,
                        compression: str = "zlib") -> None:
     """Render the virtual slide ``spec_path`` into a real pyramidal TIFF ``out``: one IFD
     per level of the spec (the reduced ones ``subfiletype=1``, so OpenSlide and tifffile
@@ -603,7 +604,7 @@ def write_virtual_tiff(spec_path: str | os.PathLike[str], out: str | os.PathLike
 
     from ats_cli.io import atomic_path
 
-    spec = load_spec(spec_path)
+    spec = spec_path if isinstance(spec_path, VirtualSlideSpec) else load_spec(spec_path)
     slide = VirtualSlide(spec)
     levels = level_sizes(spec)
     H0, W0 = levels[0]
@@ -666,13 +667,22 @@ class _SpecJob:
     config: Any
     out: Path
     name_width: int
+    tiff: bool = False  # write each slide rendered as a real TIFF instead of its spec
 
     def run_chunk(self, split: str, indices) -> list[tuple[int, dict[str, str], bool]]:
+        from ats_cli.data.synthetic_slides import _is_complete
+
         results = []
         for index in indices:
-            rel = f"{split}/{index:0{self.name_width}d}{VIRTUAL_SUFFIX}"
+            rel = f"{split}/{index:0{self.name_width}d}{'.tif' if self.tiff else VIRTUAL_SUFFIX}"
             spec = slide_spec(self.config, split, index)
             path = self.out / rel
+            if self.tiff:
+                wrote = not _is_complete(path)
+                if wrote:
+                    write_virtual_tiff(spec, path)
+                results.append((index, csv_row(rel, VirtualSlide(spec)), wrote))
+                continue
             try:
                 wrote = load_spec(path) != spec
             except (VirtualSlideError, FileNotFoundError):
@@ -683,38 +693,46 @@ class _SpecJob:
         return results
 
 
-def fingerprint(config) -> dict[str, Any]:
+def fingerprint(config, tiff: bool = False) -> dict[str, Any]:
     """What ``dataset.json`` records of the generator: the synthetic-slides parameters and
-    that the slides are virtual (a directory of TIFFs is not resumed with specs)."""
-    return {"name": "synthetic-slides", "version": VERSION, "params": {**config.params(), "virtual": True},
+    that the slides are virtual, or virtual ones rendered into TIFFs (a directory of one
+    kind is not resumed with another)."""
+    kind = {"virtual": True, **({"tiff": True} if tiff else {})}
+    return {"name": "synthetic-slides", "version": VERSION, "params": {**config.params(), **kind},
             "seeding": "image i of a split: numpy SeedSequence(entropy=seed+1 for train / seed for test, "
                        "spawn_key=(i,)); its spec's seed is that generator's first 32-bit draw",
             "format": f"{FORMAT} {VERSION} ({VIRTUAL_SUFFIX})"}
 
 
-def check_virtual_output(out: str | os.PathLike[str], config) -> None:
+def check_virtual_output(out: str | os.PathLike[str], config, tiff: bool = False) -> None:
     """Refuse early (DatasetError) an output directory that cannot receive this run."""
     from ats_cli.data.generation import check_output
 
-    check_output(out, fingerprint(config))
+    check_output(out, fingerprint(config, tiff))
 
 
-def generate_virtual_slides(out: str | os.PathLike[str], config, *, workers: int | None = None, progress=None):
+def generate_virtual_slides(out: str | os.PathLike[str], config, *, workers: int | None = None, progress=None,
+                            tiff: bool = False):
     """``ats make-dataset synthetic-slides --virtual``: a dataset of virtual slides (spec
     files, one per slide, rendered when read), with the CSVs and ``dataset.json`` of the
-    TIFF generator; resumable, like it (:mod:`ats_cli.data.generation`)."""
+    TIFF generator; resumable, like it (:mod:`ats_cli.data.generation`). ``tiff``
+    (``--virtual --tiff``): the same slides rendered into real pyramidal TIFFs
+    (:func:`write_virtual_tiff`: the same pixels, lossless), e.g. to test a model trained on
+    virtual slides on files."""
     from ats_cli.data.generation import run_generation
     from ats_cli.data.synthetic_slides import CLASSES
 
     config.validate()
     out = Path(out).expanduser()
-    job = _SpecJob(config, out, max(4, len(str(max(config.n_train, config.n_test) - 1))))
+    job = _SpecJob(config, out, max(4, len(str(max(config.n_train, config.n_test) - 1))), tiff)
     hints = {**config.hints(), "image_size": [config.size, config.size]}
     return run_generation(
-        out, fingerprint(config), job, {"train": config.n_train, "test": config.n_test},
+        out, fingerprint(config, tiff), job, {"train": config.n_train, "test": config.n_test},
         dataset={"classes": CLASSES, "hints": hints,
-                 "description": f"virtual synthetic slides ({config.size}x{config.size}, rendered on demand from "
-                                f"{VIRTUAL_SUFFIX} specs; {config.n_spots} cell clusters; tumor = 1-"
+                 "description": f"virtual synthetic slides ({config.size}x{config.size}, "
+                                + ("rendered into lossless pyramidal TIFFs" if tiff else
+                                   f"rendered on demand from {VIRTUAL_SUFFIX} specs")
+                                + f"; {config.n_spots} cell clusters; tumor = 1-"
                                 f"{config.max_targets} of them are tumour nests)"},
-        workers=workers, chunk_size=16, progress=progress, source="generated",
+        workers=workers, chunk_size=1 if tiff else 16, progress=progress, source="generated",
     )
