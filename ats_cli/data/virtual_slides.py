@@ -27,10 +27,12 @@ at a hashed offset (present when the offset falls in tissue), so a region finds 
 that touch it by looking at the cells it overlaps: O(shapes nearby), never O(slide). The
 few nests and decoys are placed once, when the spec is opened, by a seeded generator
 (O(their number)), and indexed by a coarse grid. Per-pixel arithmetic is elementwise
-``+ - * /`` and comparisons in float32 (exactly rounded, so numpy's vector and scalar
-loops agree) and no reduction runs over pixels; overlapping discs are composited as
-``colour + (below - colour) * prod(1 - coverage)``, the product taken in the shapes'
-global order. So a read of any region gives, bit for bit, the pixels of any other read
+``+ - * /``, ``sqrt`` and comparisons (exactly rounded in IEEE arithmetic, so numpy's
+vector and scalar loops agree; no ``exp`` or ``sin``, whose vector versions may differ in
+the last bit) and no reduction runs over pixels. The colour is the tissue's or the
+glass's plus a grey term (texture and sensor noise); nuclei and spots are then composited
+over it as ``colour + (below - colour) * prod(1 - coverage)``, the product taken in the
+shapes' global order. So a read of any region gives, bit for bit, the pixels of any other read
 that overlaps it (tests/test_virtual_slides.py shifts and splits reads to check).
 
 **Levels are rendered at their own resolution.** Level L (downsample d, an integer of the
