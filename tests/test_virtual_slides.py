@@ -120,6 +120,7 @@ def test_huge_slides_cost_their_reads_only(tmp_path):
     ({"downsamples": [2, 4]}, "downsamples must start at 1"),
     ({"downsamples": [1, 4, 2]}, "downsamples must start at 1 and increase"),
     ({"spot_radius": 1000}, "spot_radius"),
+    ({"decoys": 400}, "nests + decoys (402) must be at most one per 100 spot_radius²"),
     ({"format": "x"}, "format must be"),
     ({"stain": [1]}, "stain must be"),
 ])

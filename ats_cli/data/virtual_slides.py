@@ -203,6 +203,10 @@ def _problem(record: dict[str, Any]) -> str | None:  # noqa: C901 - one check pe
     side = min(record["width"], record["height"])
     if problem := number("spot_radius", 4, side / 16):
         return problem
+    room = int(record["width"] * record["height"] / (100 * record["spot_radius"] ** 2))
+    if record["nests"] + record["decoys"] > room:  # spots keep 6 radii apart, in tissue: far fewer fit
+        return (f"nests + decoys ({record['nests'] + record['decoys']:,}) must be at most one per 100 spot_radius² "
+                f"of slide ({room:,} here)")
     stain = record.get("stain")
     if not (isinstance(stain, list) and len(stain) == 2
             and all(isinstance(s, int | float) and not isinstance(s, bool) and 0.05 <= s <= 20 for s in stain)):
@@ -370,7 +374,7 @@ class VirtualSlide:
         gap2, cell = (6 * rad) ** 2, 6 * rad
         taken: dict[tuple[int, int], list[tuple[float, float]]] = {}
         centres: list[tuple[float, float]] = []
-        tries, budget = 0, 200 * want + 1000
+        tries, budget = 0, 20 * want + 4000  # candidates: bounds the time of a spec that asks too much
         while len(centres) < want and tries < budget:
             n = min(4096, 4 * (want - len(centres)) + 16)
             ys = rng.uniform(2 * rad, spec.height - 2 * rad, n).round()
