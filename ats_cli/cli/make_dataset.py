@@ -174,6 +174,7 @@ def synthetic_slides(
     low-resolution view and differ only at full resolution. See docs/slides.md."""
     from ats_cli.data.synthetic_slides import SyntheticSlidesConfig, check_slides_output, generate_synthetic_slides
 
+    check, generate = check_slides_output, generate_synthetic_slides
     if tiff and not virtual:
         raise _fail(ValueError("--tiff renders virtual slides into TIFFs: give --virtual too"))
     if virtual:
@@ -181,14 +182,13 @@ def synthetic_slides(
 
         from ats_cli.data.virtual_slides import check_virtual_output, generate_virtual_slides
 
-        check_slides_output = partial(check_virtual_output, tiff=tiff)  # noqa: F811
-        generate_synthetic_slides = partial(generate_virtual_slides, tiff=tiff)  # noqa: F811
+        check, generate = partial(check_virtual_output, tiff=tiff), partial(generate_virtual_slides, tiff=tiff)
 
     try:
         config = SyntheticSlidesConfig(n_train=n_train, n_test=n_test, size=size, n_spots=n_spots,
                                        max_targets=max_targets, spot_radius=spot_radius, mpp=mpp,
                                        seed=seed, stain_jitter=stain_jitter).validate()
-        check_slides_output(out, config)
+        check(out, config)
     except (ValueError, OSError) as err:
         raise _fail(err) from None
     workers = workers or os.cpu_count() or 1
@@ -197,7 +197,7 @@ def synthetic_slides(
                   f"{n_spots} clusters, up to {max_targets} targets, {mpp} um/px, seed {seed}"
                   + (f", stain jitter {stain_jitter:g}" if stain_jitter else "") + f", {workers} worker(s)",
                   highlight=False)
-    _generate(lambda progress: generate_synthetic_slides(out, config, workers=workers, progress=progress),
+    _generate(lambda progress: generate(out, config, workers=workers, progress=progress),
               {"train": n_train, "test": n_test})
 
 
