@@ -71,7 +71,7 @@ from ats_cli.data.tiff_meta import (
 __all__ = ["SlideReadError", "SlideInfo", "SlideReader", "open_image", "tissue_mask", "choose_level", "READERS",
            "MPP_TOLERANCE", "VirtualSlideReader"]
 
-READERS = ("auto", OPENSLIDE, TIFFFILE, PILLOW, VIRTUAL)
+READERS = ("auto", OPENSLIDE, TIFFFILE, PILLOW)  # --reader's choices; "virtual" is chosen by the .vslide.json suffix
 # Two pixel sizes closer than this (relative) are the same magnification: scanners record
 # 0.2520 or 0.2527 um/px for "0.25", and a 5% change of scale is within the variation the
 # model already sees between slides. Such a level is read as it is, never resampled.
@@ -628,7 +628,7 @@ def open_image(
     its smallest level (to refuse a missing codec now); the others check on reading.
     """
     path = Path(path)
-    if reader not in READERS:
+    if reader not in (*READERS, VIRTUAL):  # virtual: by name only when a pickled reader is reopened
         raise ValueError(f"unknown reader {reader!r}; choose from {', '.join(READERS)}")
     if not path.exists():
         raise SlideReadError(path, "file not found")
