@@ -205,8 +205,8 @@ def test_make_dataset_virtual_then_predict_train_and_visualize(tmp_path):
 
 
 def test_folder_scans_take_specs_for_slides_and_no_other_json(tmp_path):
+    from ats_cli.data.dataset import is_input_file
     from ats_cli.data.folder import dataset_from_folder
-    from ats_cli.data.formats import is_input_file
 
     for c in ("normal", "tumor"):
         (tmp_path / "src" / c).mkdir(parents=True)

@@ -4,7 +4,7 @@ Why: training and benchmarking at 100k x 100k or 200k x 200k pixels (a large res
 40x) would otherwise need tens of gigabytes of TIFF per slide. A virtual slide is a spec
 file, ``NAME.vslide.json``, that the slide readers open like any slide
 (:class:`ats_cli.data.slides.VirtualSlideReader`, chosen by that suffix in
-:mod:`ats_cli.data.formats`):
+:mod:`ats_cli.data.dataset`):
 ``ats predict``, ``ats train`` and ``ats visualize`` read its levels, regions, low-res view
 and tissue mask through the same :class:`~ats_cli.data.slides.SlideReader` API as a real
 pyramidal TIFF. The double suffix: it is JSON (any tool reads and edits it), and a folder
@@ -68,7 +68,7 @@ from typing import Any
 
 import numpy as np
 
-from ats_cli.data.formats import VIRTUAL_SUFFIX
+from ats_cli.data.dataset import VIRTUAL_SUFFIX
 from ats_cli.data.images import ImageReadError
 
 __all__ = ["VirtualSlideError", "VirtualSlideSpec", "VirtualSlide", "VIRTUAL_SUFFIX", "FORMAT", "load_spec",
