@@ -31,6 +31,7 @@ import torch.nn as nn
 from ats_cli import nets
 from ats_cli.baselines import CNNClassifier, DeepMIL, UniformAttention
 from ats_cli.core.model import ATSModel
+from ats_cli.nets.encoders import feature_spec
 from ats_cli.registry import Registry, UnknownNameError
 
 if TYPE_CHECKING:
@@ -80,8 +81,8 @@ def model_spec(cfg: TrainConfig, *, n_classes: int, channels: int, mpp: float | 
         "method": cfg.method,
         "attention_net": cfg.attention_net,
         "attention_kwargs": {"in_channels": channels, "width": cfg.attention_width},
-        "feature_net": cfg.feature_net,
-        "feature_kwargs": {"in_channels": channels, "width": cfg.feature_width},
+        **dict(zip(("feature_net", "feature_kwargs"), feature_spec(  # pretrained encoders: their recipe
+            cfg.feature_net, channels=channels, width=cfg.feature_width, train=cfg.feature_train), strict=True)),
         "n_classes": n_classes,
         "channels": channels,
         "n_patches": cfg.n_patches,
