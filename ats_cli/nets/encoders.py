@@ -385,6 +385,15 @@ def _load(module: nn.Module, state: dict[str, torch.Tensor], where: str, *, igno
         raise EncoderError(f"{where}: the weights do not fit the network ({_first_line(e)})") from None
 
 
+def _load_whole(net: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    """An exported feature net's weights into ``net``; an encoder given a projection head
+    that the export has not (--feature-train head on it) keeps its new head as initialised."""
+    head = getattr(net, "head", None) if isinstance(net, Encoder) else None
+    if head is not None and not any(k.startswith("head.") for k in state):
+        state = {**state, **{f"head.{k}": v for k, v in head.state_dict().items()}}
+    _load(net, state, where)
+
+
 def load_start_weights(feature_net: nn.Module, name: str, weights: str, kwargs: dict[str, Any]) -> str | None:
     """Load into ``feature_net`` (built from the spec's ``kwargs``) the starting weights that
     ``--feature-weights`` (``weights``) names for ``--feature-net`` (``name``); what was
@@ -397,14 +406,15 @@ def load_start_weights(feature_net: nn.Module, name: str, weights: str, kwargs: 
     encoder = feature_net if isinstance(feature_net, Encoder) else None
     target = encoder.backbone if encoder else feature_net
     if weights != "auto":
-        _load(target, read_weights(weights), f"--feature-weights {weights}", ignore=encoder.dropped if encoder else ())
+        state = read_weights(weights)
+        if encoder and any(k.startswith("backbone.") for k in state):  # an exported encoder's file
+            _load_whole(encoder, state, f"--feature-weights {weights}")
+        else:
+            _load(target, state, f"--feature-weights {weights}", ignore=encoder.dropped if encoder else ())
         return weights
     if is_local(name):
         folder, _ = _local(name)
-        state = read_weights(folder / WEIGHTS, flag=f"--feature-net {name}:")
-        if encoder and encoder.head is not None and not any(k.startswith("head.") for k in state):
-            state.update({f"head.{k}": v for k, v in encoder.head.state_dict().items()})  # a new head: as initialised
-        _load(feature_net, state, f"--feature-net {name}")
+        _load_whole(feature_net, read_weights(folder / WEIGHTS, flag=f"--feature-net {name}:"), f"--feature-net {name}")
         return str(folder / WEIGHTS)
     if prefix == "timm":
         _load(target, _timm_backbone(name, kwargs, pretrained=True).state_dict(), f"--feature-net {name}")
