@@ -287,15 +287,27 @@ def resolve_feature_train(mode: str, weights: str, name: str) -> str:
 # ---------------------------------------------------------------- recipes -> modules (create)
 
 
+def _layer_classes(timm, args: dict[str, Any]) -> dict[str, Any]:
+    """``*_layer`` arguments named by a string (``mlp_layer=SwiGLUPacked``, or a dotted name as
+    some hub configs write it) as the class of that name in ``timm.layers`` or ``torch.nn``:
+    Virchow's MLP is a class, and a recipe holds plain values only. Only those two namespaces
+    are looked in; anything else stays a string (timm reads ``act_layer=silu`` itself)."""
+    def resolve(value: Any) -> Any:
+        short = value.rsplit(".", 1)[-1]
+        return getattr(timm.layers, short, None) or getattr(nn, short, None) or value
+
+    return {k: resolve(v) if k.endswith("_layer") and isinstance(v, str) else v for k, v in args.items()}
+
+
 def _timm_backbone(name: str, recipe: dict[str, Any], pretrained: bool = False) -> nn.Module:
     timm = import_extra("timm", f"--feature-net {name}")
-    arch = recipe["pretrained_name"] if pretrained else recipe["arch"]
+    args = _layer_classes(timm, recipe["args"])
     if pretrained:  # timm's own download code (the Hugging Face hub, through its cache)
         try:
-            return timm.create_model(arch, pretrained=True, num_classes=0, **recipe["args"])
+            return timm.create_model(recipe["pretrained_name"], pretrained=True, num_classes=0, **args)
         except (OSError, RuntimeError, ValueError) as e:
             raise _hub_error(name, e, "weights") from None
-    return timm.create_model(arch, pretrained=False, num_classes=0, **recipe["args"])
+    return timm.create_model(recipe["arch"], pretrained=False, num_classes=0, **args)
 
 
 def _drop_classifier(model: nn.Module) -> str:
