@@ -75,14 +75,17 @@ def model_spec(cfg: TrainConfig, *, n_classes: int, channels: int, mpp: float | 
     plain values only, so that a checkpoint holding it loads without running code.
     ``mpp``: the microns per pixel of the model's patches when known (--mpp, else the
     training slides': :func:`ats_cli.settle.settle`); predict
-    reads slides at that scale (``input.resample``)."""
+    reads slides at that scale (``input.resample``). A pretrained encoder's name is resolved
+    into the recipe it is rebuilt from (:func:`ats_cli.nets.encoders.feature_spec`)."""
+    feature_net, feature_kwargs = feature_spec(cfg.feature_net, channels=channels, width=cfg.feature_width,
+                                               train=cfg.feature_train)
     return {
         "version": SPEC_VERSION,
         "method": cfg.method,
         "attention_net": cfg.attention_net,
         "attention_kwargs": {"in_channels": channels, "width": cfg.attention_width},
-        **dict(zip(("feature_net", "feature_kwargs"), feature_spec(  # pretrained encoders: their recipe
-            cfg.feature_net, channels=channels, width=cfg.feature_width, train=cfg.feature_train), strict=True)),
+        "feature_net": feature_net,
+        "feature_kwargs": feature_kwargs,
         "n_classes": n_classes,
         "channels": channels,
         "n_patches": cfg.n_patches,

@@ -270,3 +270,15 @@ def test_train_and_predict_with_a_timm_encoder(tmp_path):
         rows = list(csv.DictReader(f))
     assert len(rows) == 8 and all(abs(float(r["prob_horizontal"]) + float(r["prob_vertical"]) - 1) < 1e-4
                                   for r in rows)
+
+
+def test_timm_arguments_after_the_name_reach_the_model_as_plain_values_in_the_spec():
+    name, kwargs = feature_spec("timm:test_vit?mlp_layer=SwiGLUPacked&act_layer=silu&init_values=1e-5",
+                                channels=3, width=8)
+    assert kwargs["args"] == {"mlp_layer": "SwiGLUPacked", "act_layer": "silu", "init_values": 1e-5}
+    assert json.loads(json.dumps(kwargs)) == kwargs  # what a checkpoint can hold
+    block = create(name, kind="features", **kwargs).backbone.blocks[0]
+    assert isinstance(block.mlp, timm.layers.GluMlp) and isinstance(block.mlp.act, nn.SiLU)
+    assert isinstance(block.ls1, timm.layers.LayerScale)
+    with pytest.raises(EncoderError, match=r"expected \?key=value"):
+        feature_spec("timm:test_vit?init_values", channels=3, width=8)
