@@ -282,3 +282,28 @@ def test_timm_arguments_after_the_name_reach_the_model_as_plain_values_in_the_sp
     assert isinstance(block.ls1, timm.layers.LayerScale)
     with pytest.raises(EncoderError, match=r"expected \?key=value"):
         feature_spec("timm:test_vit?init_values", channels=3, width=8)
+
+
+def test_a_hub_model_is_rebuilt_from_its_architecture_without_the_hub(monkeypatch):
+    """What predict does with a run trained on timm:hf-hub:...: the spec names the
+    architecture and its arguments, and the normalisation from the hub's config."""
+    hub_cfg = {**timm.models.get_pretrained_cfg("test_resnet").to_dict(), "mean": (0.7, 0.6, 0.7), "std": (0.2,) * 3}
+    monkeypatch.setattr(timm.models, "load_model_config_from_hf",
+                        lambda hub_id: (dict(hub_cfg), "test_resnet", {"drop_rate": 0.1}))
+    name, kwargs = feature_spec("timm:hf-hub:ats-tests/encoder", channels=3, width=8)
+    assert (kwargs["arch"], kwargs["args"], kwargs["mean"]) == ("test_resnet", {"drop_rate": 0.1}, [0.7, 0.6, 0.7])
+
+    def no_hub(hub_id):
+        raise AssertionError("the hub was asked")
+
+    monkeypatch.setattr(timm.models, "load_model_config_from_hf", no_hub)
+    net = create(name, kind="features", **json.loads(json.dumps(kwargs)))
+    assert torch.allclose(net.mean.flatten(), torch.tensor([0.7, 0.6, 0.7])) and net.backbone.drop_rate == 0.1
+
+
+def test_timm_is_imported_only_for_a_timm_name():
+    import subprocess
+
+    code = ("import sys, ats_cli.train, ats_cli.models, ats_cli.nets, ats_cli.cli.export; "
+            "assert 'timm' not in sys.modules and 'safetensors' not in sys.modules, 'imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

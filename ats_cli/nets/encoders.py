@@ -191,7 +191,7 @@ def _timm_recipe(name: str, arch: str) -> dict[str, Any]:
     if hub:
         try:
             pretrained_cfg, model_name, model_args = timm.models.load_model_config_from_hf(hub)
-        except Exception as e:  # offline, gated, missing: huggingface_hub raises many types
+        except OSError as e:  # offline, gated, missing: huggingface_hub's errors are OSErrors
             raise _hub_error(name, e, "config") from None
         args = {**model_args, **user_args}
     else:
@@ -305,8 +305,12 @@ def _timm_backbone(name: str, recipe: dict[str, Any], pretrained: bool = False) 
     if pretrained:  # timm's own download code (the Hugging Face hub, through its cache)
         try:
             return timm.create_model(recipe["pretrained_name"], pretrained=True, num_classes=0, **args)
-        except (OSError, RuntimeError, ValueError) as e:
+        except OSError as e:  # huggingface_hub's errors (offline, gated, missing) are OSErrors
             raise _hub_error(name, e, "weights") from None
+        except RuntimeError as e:  # e.g. weights with layer scales for a model built without them
+            raise EncoderError(f"--feature-net {name}: its pretrained weights do not fit the model built with "
+                               f"{recipe['args'] or 'no arguments'} ({_first_line(e)}); the model card names the "
+                               "create_model arguments to give after ?") from None
     return timm.create_model(recipe["arch"], pretrained=False, num_classes=0, **args)
 
 
