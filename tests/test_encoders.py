@@ -307,3 +307,11 @@ def test_timm_is_imported_only_for_a_timm_name():
     code = ("import sys, ats_cli.train, ats_cli.models, ats_cli.nets, ats_cli.cli.export; "
             "assert 'timm' not in sys.modules and 'safetensors' not in sys.modules, 'imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("name", ["timm:mobilenetv3_small_050", "timm:test_vit", "torchvision:mobilenet_v3_small"])
+def test_the_width_is_what_the_encoder_outputs(name):
+    """MobileNetV3's features pass a pre-logits layer wider than num_features."""
+    enc = create(name, kind="features", in_channels=3).eval()
+    with torch.no_grad():
+        assert enc(_patches(n=2, size=16)).shape == (2, enc.out_features)

@@ -137,9 +137,12 @@ class Encoder(nn.Module):
 
 
 def _width(backbone: nn.Module, size: tuple[int, int]) -> int:
-    """The backbone's output width: timm's ``num_features``, else one dry forward pass."""
-    if isinstance(getattr(backbone, "num_features", None), int):
-        return backbone.num_features
+    """The backbone's output width: a timm model's (``head_hidden_size`` where a pre-logits
+    layer follows the features, as in MobileNetV3, else ``num_features``), otherwise one dry
+    forward pass."""
+    for attr in ("head_hidden_size", "num_features"):
+        if isinstance(getattr(backbone, attr, None), int):
+            return getattr(backbone, attr)
     was_training = backbone.training
     backbone.eval()
     try:
