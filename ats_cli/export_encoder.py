@@ -20,7 +20,7 @@ from ats_cli.checkpoint import load_model
 from ats_cli.io import atomic_write_bytes, atomic_write_text
 from ats_cli.nets.encoders import CONFIG, FORMAT, VERSION, WEIGHTS, Encoder, EncoderError, import_extra
 from ats_cli.predict.predictor import resolve_model_path
-from ats_cli.rundir import make_dirs
+from ats_cli.runtime import make_dirs
 
 __all__ = ["export_encoder"]
 

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ats_cli.nets.registry import register_prefix
+from ats_cli.registry import register_net_prefix
 
 __all__ = ["Encoder", "EncoderError", "MissingExtraError", "HubUnavailableError", "EXTRA", "FORMAT", "VERSION",
            "CONFIG", "WEIGHTS", "create_encoder", "feature_spec", "load_start_weights", "resolve_feature_train",
@@ -355,7 +355,7 @@ def create_encoder(name: str, in_channels: int = 3, head: int | None = None, **r
 
 
 for _prefix in _RECIPES:
-    register_prefix(_prefix, create_encoder, kind="features")
+    register_net_prefix(_prefix, create_encoder, kind="features")
 
 
 # ---------------------------------------------------------------- weights
