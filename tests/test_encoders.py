@@ -315,3 +315,17 @@ def test_the_width_is_what_the_encoder_outputs(name):
     enc = create(name, kind="features", in_channels=3).eval()
     with torch.no_grad():
         assert enc(_patches(n=2, size=16)).shape == (2, enc.out_features)
+
+
+def test_an_unreachable_torchvision_download_fails_in_one_line(monkeypatch):
+    import urllib.error
+
+    from torchvision.models import _api
+
+    def offline(self, *args, **kwargs):
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setattr(_api.WeightsEnum, "get_state_dict", offline)
+    with pytest.raises(HubUnavailableError) as e:
+        _built(TORCHVISION, "auto")
+    assert "\n" not in str(e.value) and "--feature-weights FILE" in str(e.value)
