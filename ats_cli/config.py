@@ -144,9 +144,20 @@ class TrainConfig:
         "auto": "on for slides and TIFFs, off for other images", "on": "", "off": ""})
     # networks (names from ats_cli.nets)
     attention_net: str = _key("mnist-attention", "Attention network name", NET_PANEL)
-    feature_net: str = _key("small-cnn", "Feature network name (mnist-features: the paper's)", NET_PANEL)
+    feature_net: str = _key("small-cnn", "Feature network name (mnist-features: the paper's), timm:NAME, "
+                            "torchvision:NAME, or a DIR from ats export --encoder (docs/training.md)", NET_PANEL)
     attention_width: int = _key(8, "Attention net channels", NET_PANEL)
-    feature_width: int = _key(32, "Feature net channels", NET_PANEL)
+    feature_width: int = _key(32, "Feature net channels (encoders: the width of --feature-train head's projection)",
+                              NET_PANEL)
+    # pretrained encoders (ats_cli.nets.encoders): where the feature net's weights start, what trains
+    feature_weights: str = _key("auto", "Starting weights of the feature net: auto (timm:/torchvision: the library's "
+                                "pretrained ones, from its cache or downloaded; an exported encoder: its own; our "
+                                "nets: random) | none (random) | FILE (safetensors, or a state dict)", NET_PANEL)
+    feature_train: str = _key("auto", "What of the feature net trains: {choices}; docs/training.md", NET_PANEL,
+                              choices={"auto": "none when it starts from pretrained weights, else all",
+                                       "none": "frozen: no gradients, no optimizer state",
+                                       "head": "a frozen encoder under a trainable linear+ReLU projection to "
+                                               "--feature-width", "all": ""})
     # optimisation
     optimizer: str = _key("adam", "{choices}", OPT_PANEL, choices={"adam": "", "adamw": "", "sgd": ""})
     # docs/training.md: faster off the plateau than the reference's 1e-3, same budget

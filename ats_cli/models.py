@@ -31,6 +31,7 @@ import torch.nn as nn
 from ats_cli import nets
 from ats_cli.baselines import CNNClassifier, DeepMIL, UniformAttention
 from ats_cli.core.model import ATSModel
+from ats_cli.nets.encoders import feature_spec
 from ats_cli.registry import Registry, UnknownNameError
 
 if TYPE_CHECKING:
@@ -74,14 +75,17 @@ def model_spec(cfg: TrainConfig, *, n_classes: int, channels: int, mpp: float | 
     plain values only, so that a checkpoint holding it loads without running code.
     ``mpp``: the microns per pixel of the model's patches when known (--mpp, else the
     training slides': :func:`ats_cli.config.settle`); predict
-    reads slides at that scale (``input.resample``)."""
+    reads slides at that scale (``input.resample``). A pretrained encoder's name is resolved
+    into the recipe it is rebuilt from (:func:`ats_cli.nets.encoders.feature_spec`)."""
+    feature_net, feature_kwargs = feature_spec(cfg.feature_net, channels=channels, width=cfg.feature_width,
+                                               train=cfg.feature_train)
     return {
         "version": SPEC_VERSION,
         "method": cfg.method,
         "attention_net": cfg.attention_net,
         "attention_kwargs": {"in_channels": channels, "width": cfg.attention_width},
-        "feature_net": cfg.feature_net,
-        "feature_kwargs": {"in_channels": channels, "width": cfg.feature_width},
+        "feature_net": feature_net,
+        "feature_kwargs": feature_kwargs,
         "n_classes": n_classes,
         "channels": channels,
         "n_patches": cfg.n_patches,

@@ -22,7 +22,7 @@ from typing import Any
 
 __all__ = ["KINDS", "ExtensionError", "Registry", "UnknownExtensionError", "UnknownNameError", "UnknownNetworkError",
            "available_extensions", "available_nets", "check_net", "create_extension", "create_net",
-           "extension_choices", "register_extension", "register_net"]
+           "extension_choices", "register_extension", "register_net", "register_net_prefix"]
 
 
 class UnknownNameError(KeyError):
@@ -89,11 +89,30 @@ class UnknownNetworkError(UnknownNameError):
 
 
 _NETS = Registry("network", kinds=("attention", "features"), error=UnknownNetworkError)
+# families of networks named "PREFIX:NAME" (timm:resnet50): prefix -> (kind, factory(name, **kwargs))
+_NET_PREFIXES: dict[str, tuple[str, Callable[..., Any]]] = {}
 
 
 def register_net(name: str, kind: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: register a network factory under ``name``; ``kind`` is 'attention' or 'features'."""
     return _NETS.register(name, kind)
+
+
+def register_net_prefix(prefix: str, factory: Callable[..., Any], *, kind: str) -> None:
+    """Register ``factory(name, **kwargs)`` for every network name ``PREFIX:...`` (a library's
+    models by their own names: :mod:`ats_cli.nets.encoders`)."""
+    _NET_PREFIXES[prefix] = (kind, factory)
+
+
+def _net_family(name: str, kind: str | None) -> Callable[..., Any] | None:
+    """The prefix factory for ``name``, None for a plain name; raises for the wrong kind."""
+    prefix, sep, _ = name.partition(":")
+    if not sep or prefix not in _NET_PREFIXES:
+        return None
+    registered_kind, factory = _NET_PREFIXES[prefix]
+    if kind is not None and kind != registered_kind:
+        raise UnknownNetworkError(f"network {name!r} is a {registered_kind} network, not a {kind} network")
+    return factory
 
 
 def available_nets(kind: str | None = None) -> list[str]:
@@ -102,8 +121,10 @@ def available_nets(kind: str | None = None) -> list[str]:
 
 
 def check_net(name: str, kind: str | None = None) -> None:
-    """Raise :class:`UnknownNetworkError` unless ``name`` is a registered network (of ``kind``)."""
-    _NETS.check(name, kind)
+    """Raise :class:`UnknownNetworkError` unless ``name`` is a registered network (of ``kind``)
+    or has a registered prefix."""
+    if _net_family(name, kind) is None:
+        _NETS.check(name, kind)
 
 
 def create_net(name: str, kind: str | None = None, **kwargs: Any) -> Any:
@@ -111,9 +132,11 @@ def create_net(name: str, kind: str | None = None, **kwargs: Any) -> Any:
 
     Attention networks map [B, C, h, w] to scores [B, 1, h', w'] and expose ``margin``
     (low-res pixels lost per side by 'valid' convolutions). Feature networks map
-    patches [N, C, ph, pw] to [N, D] and expose ``out_features`` = D.
+    patches [N, C, ph, pw] to [N, D] and expose ``out_features`` = D. A name ``PREFIX:...``
+    goes to its prefix's factory (:func:`register_net_prefix`).
     """
-    return _NETS.create(name, kind, **kwargs)
+    factory = _net_family(name, kind)
+    return factory(name, **kwargs) if factory else _NETS.create(name, kind, **kwargs)
 
 
 # -- extensions (:mod:`ats_cli.extensions`) --------------------------------------------------

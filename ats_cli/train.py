@@ -24,6 +24,7 @@ so a run can also be resumed with another number of processes (see docs/distribu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -46,6 +47,7 @@ from ats_cli.data.inputs import Batch, ImageDataset, collate, readable, single_t
 from ats_cli.inference import predict_probs
 from ats_cli.io import atomic_path, atomic_write_text
 from ats_cli.models import check_patch_size, create_model, model_spec
+from ats_cli.nets.encoders import apply_feature_train, freeze, load_start_weights, resolve_feature_train
 from ats_cli.runtime import (
     Deferred,
     Dist,
@@ -141,8 +143,8 @@ def _optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimize
         freeze_features(model)
     own = {id(p) for p in features.parameters()} if features is not None and cfg.feature_lr != 1 else set()
     groups = [{"params": [p for p in model.parameters() if id(p) not in own and p.requires_grad], "lr_scale": 1.0}]
-    if own and cfg.feature_lr > 0:
-        groups.append({"params": list(features.parameters()), "lr_scale": cfg.feature_lr})
+    if own and cfg.feature_lr > 0:  # a frozen part (--feature-train) holds no optimizer state either
+        groups.append({"params": [p for p in features.parameters() if p.requires_grad], "lr_scale": cfg.feature_lr})
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
     cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
@@ -150,14 +152,9 @@ def _optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimize
 
 
 def freeze_features(model: torch.nn.Module) -> None:
-    """``--feature-lr 0``: the feature network as a fixed encoder. No gradients (so no
-    backward pass through it either), and its batch norms stay in evaluation mode
-    (:func:`train_mode`) and out of :func:`recalibrate_batch_norm`: in training mode they
-    would normalise with the statistics of the attention's draws instead of the ones the
-    encoder was trained with, and the frozen weights would compute other features."""
-    model.feature_net.requires_grad_(False)
-    model.feature_net.frozen = True
-    model.feature_net.eval()
+    """``--feature-lr 0``: the feature network as a fixed encoder (:func:`ats_cli.nets.encoders.freeze`
+    says why its batch norms stay in evaluation mode, here and in :func:`recalibrate_batch_norm`)."""
+    freeze(model.feature_net)
 
 
 def train_mode(model: torch.nn.Module) -> None:
@@ -407,6 +404,9 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
     facts = saved or gather_facts(cfg, data, view_cache=cache)
     settled, reasons = settle(cfg, facts)
     cfg = settled.config
+    # --feature-train auto: frozen for pretrained weights (ats_cli.nets.encoders); config.json records the mode
+    cfg = dataclasses.replace(cfg, feature_train=resolve_feature_train(cfg.feature_train, cfg.feature_weights,
+                                                                       cfg.feature_net))
     if saved is None:
         log(f"settled from the data ({run / 'settled.json'}):")
         for reason in reasons:
@@ -430,6 +430,14 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
     spec = model_spec(cfg, n_classes=data.num_classes, channels=facts.channels, mpp=settled.mpp)
     model = create_model(spec)
     check_patch_size(model, spec)  # a patch the feature net cannot read: one line, before any step
+    features = getattr(model, "feature_net", None)
+    if features is not None:  # a resumed or --init run takes every weight from its checkpoint
+        loaded = None if resume or cfg.init else load_start_weights(features, cfg.feature_net, cfg.feature_weights,
+                                                                     spec["feature_kwargs"])
+        apply_feature_train(features, cfg.feature_train)
+        if loaded or cfg.feature_train != "all":
+            log(f"feature net {cfg.feature_net}: {f'weights from {loaded}' if loaded else 'its weights'}, "
+                f"--feature-train {cfg.feature_train}")
     model = model.to(device, memory_format=_conv_layout(device))
     opt = _optimizer(cfg, model)
     scaler = torch.amp.GradScaler("cuda", enabled=amp == "fp16")  # fp16 only: bf16 has float32's range

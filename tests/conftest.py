@@ -12,6 +12,9 @@ much of its time in tests that train or spawn processes, one core each.
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Nothing downloads in a test: the Hugging Face hub (timm's pretrained weights) is offline
+# before huggingface_hub reads the variable, at its import.
+os.environ["HF_HUB_OFFLINE"] = "1"
 # Output to a pipe keeps its natural width unless COLUMNS says otherwise
 # (ats_cli.cli.OutputConsole); pytest-xdist's workers get COLUMNS=80, which would fold
 # the tables whose long paths the tests look for. The tests that want a width set it.

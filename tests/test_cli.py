@@ -143,6 +143,7 @@ def test_train_writes_a_run_with_the_flags_and_the_defaults(run, mnist):
     del defaults["data"], defaults["out"], defaults["min_brightness"], defaults["rarity_prior"], defaults["augment"]
     del defaults["patch_gain"]
     del defaults["eval_n_patches"]
+    del defaults["feature_train"]
     assert {k: saved[k] for k in given} == given
     assert {k: saved[k] for k in defaults} == defaults
     assert saved["min_brightness"] == AUTO_MIN_BRIGHTNESS  # Megapixel MNIST: a black background
@@ -150,6 +151,7 @@ def test_train_writes_a_run_with_the_flags_and_the_defaults(run, mnist):
     assert saved["augment"] == "none"  # not slides: a turned 6 is a 9
     assert saved["patch_gain"] == "off"  # not slides: a majority of digits weighs each digit alike
     assert saved["eval_n_patches"] == 2 * saved["n_patches"]  # auto: twice the training count
+    assert saved["feature_train"] == "all"  # auto: a net of ours from random weights trains
     assert saved["data"] == str(mnist[0]) and saved["out"] == str(out)
 
 

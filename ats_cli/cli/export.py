@@ -22,9 +22,12 @@ def _share(text: str | None) -> float | None:
 
 @app.command()
 def export(
-    src: Path = typer.Argument(..., help="A checkpoint: ats pretrain's, or a run's best.pt / last.pt.",
+    src: Path = typer.Argument(..., help="A checkpoint: ats pretrain's, or a run's best.pt / last.pt (--encoder: "
+                               "or a run directory).", show_default=False),
+    dst: Path = typer.Argument(..., help="The model file to write (replaced in one step); --encoder: a directory.",
                                show_default=False),
-    dst: Path = typer.Argument(..., help="The model file to write (replaced in one step).", show_default=False),
+    encoder: bool = typer.Option(False, "--encoder", help="Write only the feature network, as DST/model.safetensors "
+                                 "+ DST/config.json, for --feature-net DST in another run (docs/training.md)."),
     eval_n_patches: int = typer.Option(None, "--eval-n-patches", min=0, show_default=False,
                                        help="Patches prediction draws by default \\[default: as in SRC]."),
     pooling: str = typer.Option(None, "--pooling", show_default=False,
@@ -53,6 +56,9 @@ def export(
 
     console = OutputConsole(highlight=False, soft_wrap=True)
     err = OutputConsole(stderr=True, highlight=False, soft_wrap=True)
+    if encoder:
+        _export_encoder(src, dst, console, err)
+        return
     if pooling is not None and pooling not in allowed_values()["pooling"]:
         err.print(f"[red]error:[/] --pooling must be one of {', '.join(allowed_values()['pooling'])} (got {pooling!r})")
         raise typer.Exit(2)
@@ -69,3 +75,19 @@ def export(
     size = dst.stat().st_size / 1e3
     settings = ", ".join(f"{k} {v}" for k, v in done.items() if k != "source") or "options as trained"
     console.print(f"wrote {escape(str(dst))} ({size:.0f} kB) from {escape(str(src))}: {escape(settings)}")
+
+
+def _export_encoder(src: Path, dst: Path, console: OutputConsole, err: OutputConsole) -> None:
+    from rich.markup import escape
+
+    from ats_cli.checkpoint import CheckpointError
+    from ats_cli.export_encoder import export_encoder
+    from ats_cli.nets.encoders import EncoderError
+
+    try:
+        config = export_encoder(src, dst)
+    except (CheckpointError, EncoderError, OSError) as e:
+        err.print(f"[red]error:[/] {escape(str(e))}")
+        raise typer.Exit(1) from None
+    console.print(f"wrote {escape(str(dst))}: {escape(config['feature_net'])}, {config['out_features']} features; "
+                  f"use it with --feature-net {escape(str(dst))}")

@@ -6,6 +6,7 @@ functions, under the names a caller of the package reads.
 """
 
 from ats_cli.nets import attention as _attention  # noqa: F401  (registers block-attention)
+from ats_cli.nets import encoders as _encoders  # noqa: F401  (registers timm: and torchvision:; imports neither)
 from ats_cli.nets import mnist as _mnist  # noqa: F401  (registers the Megapixel MNIST nets and small-cnn)
 from ats_cli.nets import resnet as _resnet  # noqa: F401  (registers the CNN baseline's ResNet)
 from ats_cli.registry import UnknownNetworkError

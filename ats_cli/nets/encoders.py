@@ -1,0 +1,472 @@
+"""Pretrained encoders as feature networks: timm and torchvision models by name, and the
+feature network of a run exported with ``ats export --encoder``.
+
+Names ``--feature-net`` takes besides the registered nets:
+
+* ``timm:ARCH`` -- any timm model, ``ARCH`` also ``hf-hub:ORG/NAME``; keyword arguments
+  for timm's ``create_model`` after a ``?``: ``timm:hf-hub:MahmoodLab/uni?init_values=1e-5``;
+* ``torchvision:ARCH`` -- a torchvision classification model (its last linear layer dropped);
+* ``local:DIR`` or ``DIR`` -- an exported encoder (``DIR/config.json`` + ``DIR/model.safetensors``).
+
+Why two steps, *resolve* then *create*: a checkpoint must rebuild its model without the
+network and without the directory it was trained from. :func:`feature_spec` resolves a name
+once, when training starts (it may read a hub model's ``config.json``), into a plain recipe
+-- the architecture, its keyword arguments, input size and normalisation -- which the model
+spec stores; :func:`create_encoder` builds from a recipe and never downloads. The starting
+weights (:func:`load_start_weights`) are read afterwards and only by training: prediction
+takes the weights from the checkpoint.
+
+Why resize and normalise inside the module: the encoder was trained on images of its input
+size normalised by its mean and std (timm's ``pretrained_cfg``, torchvision's weights' meta),
+and patches arrive as [N, C, ph, pw] in [0, 1] at whatever size attention sampling reads;
+doing it on the device keeps the data pipeline the same for every feature net. Patches are
+resized whole (no centre crop: a patch's border is as much its content as its centre) and
+grey patches repeated to three channels. timm is imported only when a ``timm:`` name is used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ats_cli.registry import register_net_prefix
+
+__all__ = ["Encoder", "EncoderError", "MissingExtraError", "HubUnavailableError", "EXTRA", "FORMAT", "VERSION",
+           "CONFIG", "WEIGHTS", "create_encoder", "feature_spec", "load_start_weights", "resolve_feature_train",
+           "freeze", "apply_feature_train", "read_weights", "is_local", "import_extra"]
+
+EXTRA = 'pip install -e ".[encoders]"'
+FORMAT = "ats-encoder"
+VERSION = 1
+CONFIG, WEIGHTS = "config.json", "model.safetensors"
+IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+
+
+class EncoderError(ValueError):
+    """An encoder name, weights file or setting that cannot be used; one line naming it."""
+
+
+class MissingExtraError(EncoderError):
+    """timm or safetensors is not installed; the message names the extra that installs it."""
+
+
+class HubUnavailableError(EncoderError):
+    """A hub model whose config or weights cannot be fetched (offline, gated, unreachable);
+    the message says how to pass local weights instead."""
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:200]
+
+
+def import_extra(module: str, what: str):
+    """``module`` of the encoders extra, or :class:`MissingExtraError` naming ``what`` needed it."""
+    try:
+        return __import__(module, fromlist=["_"])
+    except ImportError:
+        raise MissingExtraError(f"{what}: {module.split('.')[0]} is not installed; {EXTRA}") from None
+
+
+# ---------------------------------------------------------------- the module
+
+
+class Encoder(nn.Module):
+    """A pretrained ``backbone`` ([N, 3, H, W] normalised -> [N, D]) as a feature network for
+    patches [N, ``in_channels``, ph, pw] in [0, 1]: grey repeated to three channels, resized
+    to ``input_size`` ((H, W); None = as they come), normalised by ``mean`` and ``std``.
+    ``head`` (a width) adds a trainable linear + ReLU projection on top, the CLAM-style
+    adapter that ``--feature-train head`` trains on a frozen backbone. ``dropped``: the
+    classifier's names in the pretrained model (its weights files carry them; this has none).
+
+    A backbone without a parameter that requires a gradient runs under
+    ``torch.inference_mode`` (bf16 autocast on CUDA) and its output is cloned out of it: no
+    activation is kept for a backward pass that cannot happen, and the attention's gradient
+    is untouched, because the estimator differentiates the attention through the sampled
+    probabilities and the weights of the draws only, the features entering it as constants
+    (:func:`ats_cli.core.sampling.estimator_weights`)."""
+
+    def __init__(self, backbone: nn.Module, *, in_channels: int = 3, input_size: tuple[int, int] | None = None,
+                 mean: tuple[float, ...] = IMAGENET[0], std: tuple[float, ...] = IMAGENET[1],
+                 interpolation: str = "bilinear", head: int | None = None, dropped: tuple[str, ...] = ()):
+        super().__init__()
+        self.dropped = tuple(dropped)  # prefixes of the classifier weights a pretrained file has and this has not
+        if in_channels not in (1, 3):
+            raise EncoderError(f"a pretrained encoder reads grey or RGB patches; these have {in_channels} channels")
+        self.backbone = backbone
+        self.in_channels = in_channels
+        self.input_size = tuple(int(s) for s in input_size) if input_size else None
+        self.interpolation = "bicubic" if interpolation == "bicubic" else "bilinear"
+        # not in the state dict: the recipe holds them, and the exported weights stay the backbone's
+        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
+        width = _width(backbone, self.input_size or (224, 224))
+        self.head = nn.Sequential(nn.Linear(width, int(head)), nn.ReLU()) if head else None
+        self.out_features = int(head) if head else width
+
+    def prepare(self, x: torch.Tensor) -> torch.Tensor:
+        """Patches in [0, 1] as the backbone was trained to see them."""
+        x = x.float()
+        if x.shape[1] == 1:
+            x = x.expand(-1, 3, -1, -1)
+        if self.input_size and tuple(x.shape[-2:]) != self.input_size:
+            x = F.interpolate(x, size=self.input_size, mode=self.interpolation, align_corners=False, antialias=True)
+        return (x - self.mean) / self.std
+
+    def backbone_frozen(self) -> bool:
+        return not any(p.requires_grad for p in self.backbone.parameters())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.prepare(x)
+        if self.backbone_frozen():
+            bf16 = torch.autocast("cuda", dtype=torch.bfloat16) if x.is_cuda else nullcontext()
+            with torch.inference_mode(), bf16:
+                feats = self.backbone(x)
+            feats = feats.float().clone()  # an ordinary tensor again: later layers may save it for backward
+        else:
+            feats = self.backbone(x)
+        return feats if self.head is None else self.head(feats)
+
+
+def _width(backbone: nn.Module, size: tuple[int, int]) -> int:
+    """The backbone's output width: a timm model's (``head_hidden_size`` where a pre-logits
+    layer follows the features, as in MobileNetV3, else ``num_features``), otherwise one dry
+    forward pass."""
+    for attr in ("head_hidden_size", "num_features"):
+        if isinstance(getattr(backbone, attr, None), int):
+            return getattr(backbone, attr)
+    was_training = backbone.training
+    backbone.eval()
+    try:
+        with torch.no_grad():
+            return int(backbone(torch.zeros(1, 3, *size)).flatten(1).shape[1])
+    finally:
+        backbone.train(was_training)
+
+
+# ---------------------------------------------------------------- names -> recipes (resolve)
+
+
+def _split_args(arch: str) -> tuple[str, dict[str, Any]]:
+    """``ARCH?k=v&k2=v2`` -> (ARCH, {k: v}); values read as JSON where they parse
+    (``1e-5``, ``true``), else kept as strings (``silu``)."""
+    arch, _, query = arch.partition("?")
+    args: dict[str, Any] = {}
+    for part in filter(None, query.split("&")):
+        key, eq, value = part.partition("=")
+        if not eq or not key.isidentifier():
+            raise EncoderError(f"--feature-net {arch}?{query}: expected ?key=value&key=value, got {part!r}")
+        try:
+            args[key] = json.loads(value)
+        except json.JSONDecodeError:
+            args[key] = value
+    return arch, args
+
+
+def _hub_id(arch: str) -> str | None:
+    m = re.match(r"hf[-_]hub:(.+)", arch)
+    return m.group(1) if m else None
+
+
+def _hub_error(name: str, e: BaseException, what: str) -> HubUnavailableError:
+    return HubUnavailableError(
+        f"--feature-net {name}: cannot fetch its {what} from the Hugging Face hub ({_first_line(e)}); offline, or a "
+        "gated model (accept its terms on the hub, then `hf auth login`)? Pass local weights instead: "
+        "--feature-weights FILE (safetensors or a state dict) with --feature-net timm:ARCH?key=value naming the "
+        "architecture, or an encoder directory from ats export --encoder")
+
+
+def _timm_recipe(name: str, arch: str) -> dict[str, Any]:
+    """timm: the architecture to rebuild, its keyword arguments, input size and normalisation."""
+    timm = import_extra("timm", f"--feature-net {name}")
+    from timm.data import resolve_data_config
+
+    arch, user_args = _split_args(arch)
+    hub = _hub_id(arch)
+    if hub:
+        try:
+            pretrained_cfg, model_name, model_args = timm.models.load_model_config_from_hf(hub)
+        except OSError as e:  # offline, gated, missing: huggingface_hub's errors are OSErrors
+            raise _hub_error(name, e, "config") from None
+        args = {**model_args, **user_args}
+    else:
+        if not timm.is_model(arch):
+            close = timm.list_models(f"*{arch.split('.')[0]}*")[:8]
+            raise EncoderError(f"--feature-net {name}: timm has no model {arch!r}"
+                               + (f"; similar: {', '.join(close)}" if close else ""))
+        model_name, args = arch, user_args
+        pretrained_cfg = timm.models.get_pretrained_cfg(arch)
+        pretrained_cfg = pretrained_cfg.to_dict() if pretrained_cfg is not None else {}
+    args.pop("num_classes", None)  # the classifier is dropped (num_classes=0)
+    data = resolve_data_config(pretrained_cfg=pretrained_cfg)
+    return {"arch": model_name, "pretrained_name": arch, "args": args, "input_size": list(data["input_size"][1:]),
+            "mean": list(data["mean"]), "std": list(data["std"]), "interpolation": data["interpolation"]}
+
+
+def _torchvision_recipe(name: str, arch: str) -> dict[str, Any]:
+    from torchvision import models
+
+    if arch not in models.list_models(module=models):
+        raise EncoderError(f"--feature-net {name}: not a torchvision classification model; e.g. "
+                           f"{', '.join(models.list_models(module=models)[:6])}, ...")
+    t = models.get_model_weights(arch).DEFAULT.transforms()  # the weights' meta: nothing is downloaded
+    crop = t.crop_size[0]
+    return {"arch": arch, "input_size": [crop, crop], "mean": list(t.mean), "std": list(t.std),
+            "interpolation": t.interpolation.value}
+
+
+_RECIPES = {"timm": _timm_recipe, "torchvision": _torchvision_recipe}
+
+
+def is_local(name: str) -> bool:
+    """``local:DIR``, or a directory that holds an exported encoder."""
+    return name.startswith("local:") or (":" not in name and (Path(name) / CONFIG).is_file())
+
+
+def _local(name: str) -> tuple[Path, dict[str, Any]]:
+    folder = Path(name.removeprefix("local:"))
+    try:
+        config = json.loads((folder / CONFIG).read_text())
+    except FileNotFoundError:
+        raise EncoderError(f"--feature-net {name}: {folder / CONFIG} not found; make it with "
+                           "ats export RUN DIR --encoder") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise EncoderError(f"--feature-net {name}: {folder / CONFIG}: {_first_line(e)}") from None
+    if config.get("format") != FORMAT or not isinstance(config.get("feature_net"), str):
+        raise EncoderError(f"--feature-net {name}: {folder / CONFIG} is not an encoder written by ats export --encoder")
+    if config.get("version", 0) > VERSION:
+        raise EncoderError(f"--feature-net {name}: encoder format version {config['version']} is newer than this ats")
+    return folder, config
+
+
+def feature_spec(name: str, *, channels: int, width: int, train: str = "all") -> tuple[str, dict[str, Any]]:
+    """The feature network's name and keyword arguments as the model spec stores them.
+
+    A registered net keeps ``{"in_channels", "width"}`` (the spec of every run before
+    encoders); a ``timm:``/``torchvision:`` name gets its recipe; an exported encoder the
+    name and arguments it was trained with. ``train`` ``head`` adds a projection to
+    ``width`` channels (to an encoder that has none yet)."""
+    if is_local(name):
+        _, config = _local(name)
+        net, kwargs = config["feature_net"], dict(config["feature_kwargs"])
+        prefix = net.partition(":")[0]
+        if prefix in _RECIPES:
+            kwargs["in_channels"] = channels  # grey or RGB alike (Encoder)
+        elif kwargs.get("in_channels", channels) != channels:
+            raise EncoderError(f"--feature-net {name}: the encoder reads {kwargs['in_channels']}-channel patches, "
+                               f"this dataset's images have {channels}")
+    else:
+        net = name
+        prefix, _, arch = name.partition(":")
+        kwargs = {"in_channels": channels, **_RECIPES[prefix](name, arch)} if prefix in _RECIPES \
+            else {"in_channels": channels, "width": width}
+    if train == "head":
+        if net.partition(":")[0] not in _RECIPES:
+            raise EncoderError(f"--feature-train head: {name} is not a pretrained encoder (timm:, torchvision:, or one "
+                               "of those exported); use none or all")
+        kwargs["head"] = kwargs.get("head") or width
+    return net, kwargs
+
+
+def resolve_feature_train(mode: str, weights: str, name: str) -> str:
+    """``--feature-train auto``: frozen (none) when the net starts from pretrained weights
+    -- a file, an exported encoder, or a timm/torchvision model's own -- else all."""
+    if mode != "auto":
+        return mode
+    if weights not in ("auto", "none"):
+        return "none"
+    pretrained = is_local(name) or name.partition(":")[0] in _RECIPES
+    return "none" if weights == "auto" and pretrained else "all"
+
+
+# ---------------------------------------------------------------- recipes -> modules (create)
+
+
+def _layer_classes(timm, args: dict[str, Any]) -> dict[str, Any]:
+    """``*_layer`` arguments named by a string (``mlp_layer=SwiGLUPacked``, or a dotted name as
+    some hub configs write it) as the class of that name in ``timm.layers`` or ``torch.nn``:
+    Virchow's MLP is a class, and a recipe holds plain values only. Only those two namespaces
+    are looked in; anything else stays a string (timm reads ``act_layer=silu`` itself)."""
+    def resolve(value: Any) -> Any:
+        short = value.rsplit(".", 1)[-1]
+        return getattr(timm.layers, short, None) or getattr(nn, short, None) or value
+
+    return {k: resolve(v) if k.endswith("_layer") and isinstance(v, str) else v for k, v in args.items()}
+
+
+def _timm_backbone(name: str, recipe: dict[str, Any], pretrained: bool = False) -> nn.Module:
+    timm = import_extra("timm", f"--feature-net {name}")
+    args = _layer_classes(timm, recipe["args"])
+    if pretrained:  # timm's own download code (the Hugging Face hub, through its cache)
+        try:
+            return timm.create_model(recipe["pretrained_name"], pretrained=True, num_classes=0, **args)
+        except OSError as e:  # huggingface_hub's errors (offline, gated, missing) are OSErrors
+            raise _hub_error(name, e, "weights") from None
+        except RuntimeError as e:  # e.g. weights with layer scales for a model built without them
+            raise EncoderError(f"--feature-net {name}: its pretrained weights do not fit the model built with "
+                               f"{recipe['args'] or 'no arguments'} ({_first_line(e)}); the model card names the "
+                               "create_model arguments to give after ?") from None
+    return timm.create_model(recipe["arch"], pretrained=False, num_classes=0, **args)
+
+
+def _drop_classifier(model: nn.Module) -> str:
+    """Replace a torchvision model's last linear layer by the identity; its qualified name."""
+    last = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if not last:
+        raise EncoderError("this torchvision model has no linear classifier to drop")
+    parent_name, _, child = last[-1].rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    if isinstance(parent, nn.Sequential):
+        parent[int(child)] = nn.Identity()
+    else:
+        setattr(parent, child, nn.Identity())
+    return last[-1]
+
+
+def _torchvision_backbone(name: str, recipe: dict[str, Any]) -> tuple[nn.Module, tuple[str, ...]]:
+    from torchvision import models
+
+    model = models.get_model(recipe["arch"], weights=None)
+    return model, (_drop_classifier(model),)
+
+
+def create_encoder(name: str, in_channels: int = 3, head: int | None = None, **recipe: Any) -> Encoder:
+    """The :class:`Encoder` for ``timm:ARCH`` / ``torchvision:ARCH`` from its recipe (randomly
+    initialised, nothing downloaded); without a recipe, the name is resolved first."""
+    prefix, _, arch = name.partition(":")
+    recipe = recipe or _RECIPES[prefix](name, arch)
+    if prefix == "timm":
+        backbone = _timm_backbone(name, recipe)
+        classifier = backbone.pretrained_cfg.get("classifier") or "head"
+        dropped = classifier if isinstance(classifier, (list, tuple)) else (classifier,)
+    else:
+        backbone, dropped = _torchvision_backbone(name, recipe)
+    return Encoder(backbone, in_channels=in_channels, input_size=recipe.get("input_size"), mean=recipe["mean"],
+                   std=recipe["std"], interpolation=recipe.get("interpolation", "bilinear"), head=head,
+                   dropped=tuple(f"{n}." for n in dropped))
+
+
+for _prefix in _RECIPES:
+    register_net_prefix(_prefix, create_encoder, kind="features")
+
+
+# ---------------------------------------------------------------- weights
+
+
+def read_weights(path: str | os.PathLike[str], flag: str = "--feature-weights") -> dict[str, torch.Tensor]:
+    """A state dict from a safetensors file or a PyTorch file read with ``weights_only=True``
+    (never unpickling objects); one nesting level (``state_dict``, ``model``) and a DDP
+    ``module.`` prefix are taken off."""
+    path = Path(path)
+    if not path.is_file():
+        raise EncoderError(f"{flag} {path}: file not found")
+    if path.suffix == ".safetensors":
+        st = import_extra("safetensors.torch", f"{flag} {path}")
+        try:
+            return st.load_file(str(path))
+        except Exception as e:
+            raise EncoderError(f"{flag} {path}: not a safetensors file ({_first_line(e)})") from None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise EncoderError(f"{flag} {path}: not a state dict that loads with weights_only=True "
+                           f"({_first_line(e)})") from None
+    for key in ("state_dict", "model"):
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise EncoderError(f"{flag} {path}: not a state dict (names -> tensors)")
+    return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+def _load(module: nn.Module, state: dict[str, torch.Tensor], where: str, *, ignore: tuple[str, ...] = ()) -> None:
+    """Load ``state`` into ``module``: every weight must be there and fit; names under
+    ``ignore`` (the classifier a pretrained file carries) may be left over."""
+    own = module.state_dict()
+    missing = [k for k in own if k not in state]
+    extra = [k for k in state if k not in own and not k.startswith(ignore)]
+    if missing or extra:
+        detail = f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(extra[:3])}"
+        raise EncoderError(f"{where}: the weights do not fit the network ({detail}"
+                           f"{', ...' if len(missing or extra) > 3 else ''}; {len(missing)} missing, "
+                           f"{len(extra)} unexpected)")
+    try:
+        module.load_state_dict({k: v for k, v in state.items() if k in own})
+    except RuntimeError as e:
+        raise EncoderError(f"{where}: the weights do not fit the network ({_first_line(e)})") from None
+
+
+def _load_whole(net: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    """An exported feature net's weights into ``net``; an encoder given a projection head
+    that the export has not (--feature-train head on it) keeps its new head as initialised."""
+    head = getattr(net, "head", None) if isinstance(net, Encoder) else None
+    if head is not None and not any(k.startswith("head.") for k in state):
+        state = {**state, **{f"head.{k}": v for k, v in head.state_dict().items()}}
+    _load(net, state, where)
+
+
+def load_start_weights(feature_net: nn.Module, name: str, weights: str, kwargs: dict[str, Any]) -> str | None:
+    """Load into ``feature_net`` (built from the spec's ``kwargs``) the starting weights that
+    ``--feature-weights`` (``weights``) names for ``--feature-net`` (``name``); what was
+    loaded, in words (None: random initialisation). ``auto``: a timm/torchvision model's
+    pretrained weights (the library's cache, else its own download code), an exported
+    encoder's own."""
+    prefix, _, arch = name.partition(":")
+    if weights == "none" or (weights == "auto" and not is_local(name) and prefix not in _RECIPES):
+        return None
+    encoder = feature_net if isinstance(feature_net, Encoder) else None
+    target = encoder.backbone if encoder else feature_net
+    if weights != "auto":
+        state = read_weights(weights)
+        if encoder and any(k.startswith("backbone.") for k in state):  # an exported encoder's file
+            _load_whole(encoder, state, f"--feature-weights {weights}")
+        else:
+            _load(target, state, f"--feature-weights {weights}", ignore=encoder.dropped if encoder else ())
+        return weights
+    if is_local(name):
+        folder, _ = _local(name)
+        _load_whole(feature_net, read_weights(folder / WEIGHTS, flag=f"--feature-net {name}:"), f"--feature-net {name}")
+        return str(folder / WEIGHTS)
+    if prefix == "timm":
+        _load(target, _timm_backbone(name, kwargs, pretrained=True).state_dict(), f"--feature-net {name}")
+        return f"{arch}'s pretrained weights (timm)"
+    from torchvision import models
+
+    try:
+        state = models.get_model_weights(arch).DEFAULT.get_state_dict(progress=False)
+    except Exception as e:  # urllib's many errors when offline
+        raise HubUnavailableError(f"--feature-net {name}: cannot fetch its pretrained weights ({_first_line(e)}); "
+                                  "pass a local copy with --feature-weights FILE, or --feature-weights none") from None
+    _load(target, state, f"--feature-net {name}", ignore=encoder.dropped)
+    return f"{arch}'s pretrained weights (torchvision)"
+
+
+# ---------------------------------------------------------------- freezing
+
+
+def freeze(module: nn.Module) -> None:
+    """A fixed encoder: no gradients (so no backward pass through it and no optimizer state),
+    and batch norms kept in evaluation mode (``frozen``: ats_cli.train's ``train_mode`` and
+    ``recalibrate_batch_norm`` leave it be): in training mode they would normalise with the
+    statistics of the attention's draws, not those the encoder was trained with, and the
+    feature of a patch would depend on which other patches were drawn."""
+    module.requires_grad_(False)
+    module.frozen = True
+    module.eval()
+
+
+def apply_feature_train(feature_net: nn.Module, mode: str) -> None:
+    """``--feature-train``: ``none`` freezes the feature net, ``head`` the backbone under its
+    projection, ``all`` nothing."""
+    if mode == "none":
+        freeze(feature_net)
+    elif mode == "head":
+        freeze(feature_net.backbone)
