@@ -47,7 +47,7 @@ from ats_cli.data.view_cache import view_cache_for
 from ats_cli.distributed import Dist, all_reduce, broadcast_buffers, from_main, process_group, shard_batches
 from ats_cli.inference import predict_probs
 from ats_cli.io import atomic_path, atomic_write_text
-from ats_cli.models import check_patch_size, create_model, model_spec
+from ats_cli.models import check_patch_size, create_model, levels_spec, model_spec
 from ats_cli.rundir import (
     append_metrics,
     check_training_set,
@@ -384,7 +384,9 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
             log(f"  {reason}")
         if ctx.is_main:
             save_settled(run, settled, reasons, facts)
-    reading = {"channels": facts.channels, "scale": cfg.scale, "patch_size": (cfg.patch_size, cfg.patch_size),
+    # a two-level model's views are its coarse ones (ats_cli.core.nested_model), made at its coarse scale
+    view_scale = levels_spec(cfg, settled.mpp).get("coarse_scale", cfg.scale)
+    reading = {"channels": facts.channels, "scale": view_scale, "patch_size": (cfg.patch_size, cfg.patch_size),
                "view_cache": cache, **cfg.input_options()}
     from ats_cli.data.prepared import prepare_for_run  # ordinary images: decoded once, then read by patch
 
