@@ -110,6 +110,8 @@ class TrainConfig:
                             METHOD_PANEL, means="off")
     region_um: float = _key(0.0, "With --levels 2, slides: region side in microns, instead of --region-size (at "
                             "--mpp, else the training slides' microns per pixel)", METHOD_PANEL, means="off")
+    coarse_px: int = _key(8, "With --levels 2: coarse-view pixels per region side (the coarse attention's "
+                          "resolution; the coarse view of an H-pixel slide is H / region-size x this)", METHOD_PANEL)
     # reading slides and TIFFs (saved in the model, so predict and visualize read alike; their
     # --reader/--level/--mpp/--tissue-mask are these fields too: ats_cli/cli/options.py)
     reader: str = _key("auto", "Force a reader: {choices}", READ_PANEL, choices={
@@ -207,6 +209,8 @@ class TrainConfig:
             problems.append(f"levels 2 needs method ats (got {self.method})")
         if self.regions < 1:
             problems.append(f"regions must be >= 1 (got {self.regions})")
+        if self.coarse_px < 1:
+            problems.append(f"coarse_px must be >= 1 (got {self.coarse_px})")
         if self.region_size < 0 or self.region_um < 0:
             problems.append("region_size and region_um must be >= 0")
         elif bool(self.region_size) == bool(self.region_um):

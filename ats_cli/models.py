@@ -103,7 +103,7 @@ def levels_spec(cfg: TrainConfig, mpp: float | None) -> dict[str, Any]:
     """A two-level model's keys (:class:`~ats_cli.core.nested_model.NestedATSModel`), none
     for one level, whose spec stays as it was: ``levels`` 2, ``regions`` (k), ``region_size``
     (full-resolution pixels: ``--region-size``, or ``--region-um`` at ``mpp`` rounded to a
-    multiple of the patch side) and ``coarse_scale`` (the coarse view's, :data:`COARSE_PX`
+    multiple of the patch side) and ``coarse_scale`` (the coarse view's, ``--coarse-px``
     pixels per region side; ``scale`` stays the region views'). Raises ValueError in one
     line for a region that cannot be cut into patches or microns without a pixel size."""
     if cfg.levels == 1:
@@ -119,7 +119,8 @@ def levels_spec(cfg: TrainConfig, mpp: float | None) -> dict[str, Any]:
     elif region % cfg.patch_size:
         raise ValueError(f"--region-size {region} is not a multiple of --patch-size {cfg.patch_size}: the patches "
                          "of a region would not tile it")
-    return {"levels": 2, "regions": cfg.regions, "region_size": region, "coarse_scale": coarse_scale_for(region)}
+    return {"levels": 2, "regions": cfg.regions, "region_size": region,
+            "coarse_scale": coarse_scale_for(region, cfg.coarse_px)}
 
 
 def extension_specs(cfg: TrainConfig) -> dict[str, dict[str, Any] | None]:

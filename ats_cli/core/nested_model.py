@@ -9,10 +9,10 @@
 
 A step reads one coarse view, k region views of a fixed size and k*n patches: its memory
 and time are set by k, n, the region size and the two scales, never by the image's size.
-The coarse view is at ``coarse_scale`` = :data:`COARSE_PX` pixels per region side by
-default, so it holds ~``COARSE_PX**2`` pixels per region: a 200k-pixel slide cut into
-4096-pixel regions has a 392x392 coarse view where a one-level model at 1/32 would need
-6250x6250 (docs/slides.md has the cost analysis).
+The coarse view is at ``coarse_scale`` = ``coarse_px`` pixels per region side (``ats train
+--coarse-px``, 8 by default), so it holds ``coarse_px**2`` pixels per region: a 200k-pixel
+slide cut into 4096-pixel regions has a 392x392 coarse view where a one-level model at
+1/32 would need 6250x6250 (docs/slides.md has the cost analysis).
 
 :class:`NestedATSModel` is an :class:`~ats_cli.core.model.ATSModel` (its fine attention net,
 feature net, classifier and extension slots are the same modules, under the same names,
@@ -53,12 +53,9 @@ from ats_cli.core.nested import (
 from ats_cli.core.sampling import attention_distribution, entropy, estimator_threshold, estimator_weights, sample
 from ats_cli.core.source import Sources, gather_patches, source_sizes
 
-__all__ = ["COARSE_PX", "NestedATSModel", "NestedOutput", "region_views", "coarse_scale_for"]
+__all__ = ["NestedATSModel", "NestedOutput", "region_views", "coarse_scale_for"]
 
-COARSE_PX = 8  # default coarse-view pixels per region side: enough to tell tissue from glass and dense from sparse
-
-
-def coarse_scale_for(region_size: int, coarse_px: int = COARSE_PX) -> float:
+def coarse_scale_for(region_size: int, coarse_px: int) -> float:
     """The coarse view's scale that gives each region ``coarse_px`` pixels per side."""
     return coarse_px / float(region_size)
 
