@@ -6,15 +6,16 @@ reader opens them), and for each model (random weights; only the cost is measure
 
 * **train step**: a fresh process opens the slide (its view and tissue mask) and runs
   ``--steps`` training steps on it (forward, loss, backward, Adam step; batch of 1), and
-  reports the median step time (the first step excluded) and its own peak RSS;
+  reports the median step time, wall and CPU (the first step excluded), and its own peak
+  RSS;
 * **predict**: ``python -m ats_cli predict SLIDE -m MODEL`` in a fresh process, cold: its
-  wall time and peak RSS (start-up included, as a user sees it).
+  wall and CPU time and peak RSS (start-up included, as a user sees it).
 
 Models: ``two-level`` (``--levels 2``: regions of ``--region`` pixels, k = ``--regions``,
 ``--n`` patches per region, region views at ``--fine-scale``) and ``one-level`` at
 ``--scale`` (its view grows with the slide: that is the comparison).
 
-Usage: python benchmarks/nested.py --sizes 10000 25000 --out /tmp/nestedbench
+Usage: OMP_NUM_THREADS=1 python benchmarks/nested.py --sizes 10000 25000 --out /tmp/nestedbench
 Prints a Markdown table; copy it into benchmarks/README.md with `uptime` and the commit.
 """
 
@@ -63,7 +64,6 @@ def train_steps(slide: str, model: str, steps: int) -> None:
     from ats_cli.checkpoint import load_model
     from ats_cli.data.inputs import open_input
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     net, _ = load_model(model)
     net.train()
     opt = torch.optim.Adam(net.parameters(), lr=1e-4)
@@ -73,17 +73,19 @@ def train_steps(slide: str, model: str, steps: int) -> None:
     low = opened.low[None]
     mask = None if opened.support is None else opened.support[None]
     gen = torch.Generator().manual_seed(0)
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         out = net(low, [opened.source], generator=gen, support_mask=mask)
         loss = net.loss(out, torch.tensor([0]))
         opt.zero_grad()
         loss.backward()
         opt.step()
         times.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"open_s": open_s, "step_s": statistics.median(times[1:] or times), "rss_mb": rss,
+    print(json.dumps({"open_s": open_s, "step_s": statistics.median(times[1:] or times),
+                      "step_cpu_s": statistics.median(cpu[1:] or cpu), "rss_mb": rss,
                       "view": list(low.shape[-2:])}))
 
 
@@ -122,19 +124,20 @@ def main() -> None:
     slides += a.slides
     print(f"two-level: regions of {a.region} px, k = {a.regions}, n = {a.n} per region, region views at "
           f"{a.fine_scale:g}, coarse view 8 px per region; one-level: {a.regions * a.n} patches, view at {a.scale:g}")
-    print("| slide | model | view (h, w) | train step s | train peak RSS MB | predict wall s | predict peak RSS MB |")
-    print("|---|---|---|---|---|---|---|")
+    print("| slide | model | view (h, w) | train step wall s | train step CPU s | train peak RSS MB | predict wall s "
+          "| predict CPU s | predict peak RSS MB |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for slide in slides:
         for name in a.models:
             tr = run_train(slide, models[name], a.steps)
             try:
-                wall, rss = measure(["-m", "ats_cli", "predict", str(slide), "-m", str(models[name]), "--device",
-                                     "cpu"])
-                pred = f"{wall:.2f} | {rss:,.0f}"
+                wall, rss, used = measure(["-m", "ats_cli", "predict", str(slide), "-m", str(models[name]),
+                                           "--device", "cpu"], cpu=True)
+                pred = f"{wall:.2f} | {used:.2f} | {rss:,.0f}"
             except subprocess.CalledProcessError:
-                pred = "failed | -"
-            train = (f"{tr['view'][0]}x{tr['view'][1]} | {tr['step_s']:.3f} | {tr['rss_mb']:,.0f}" if "error" not in tr
-                     else f"- | failed: {tr['error'][:80]} | -")
+                pred = "failed | - | -"
+            train = (f"{tr['view'][0]}x{tr['view'][1]} | {tr['step_s']:.3f} | {tr['step_cpu_s']:.3f} | "
+                     f"{tr['rss_mb']:,.0f}" if "error" not in tr else f"- | failed: {tr['error'][:80]} | - | -")
             print(f"| {slide.name} | {name} | {train} | {pred} |", flush=True)
 
 
