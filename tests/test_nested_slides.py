@@ -43,7 +43,11 @@ def test_region_views_come_from_the_pyramid_level_that_matches(slides):
     1024 slide), and is the region of level 0 resized, up to the pyramid's own resampling."""
     reader = open_image(slides / "train" / "0001.tif")
     off = torch.tensor([[256, 512]])
+    reads = []
+    read_region = reader.read_region
+    reader.read_region = lambda *args: reads.append(args) or read_region(*args)
     view = reader.read_view(off, (256, 256), (64, 64))
+    assert reads == [(64, 128, 64, 64, 1)]  # level 1 (4x): the region's 64x64 pixels there, nothing else
     assert view.shape == (1, 3, 64, 64) and view.dtype == torch.float32
     full = torch.from_numpy(reader.read_region(256, 512, 256, 256, 0).copy()).permute(2, 0, 1)[None].float() / 255
     direct = torch.nn.functional.interpolate(full, size=(64, 64), mode="bilinear", antialias=True)
