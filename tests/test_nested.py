@@ -257,3 +257,8 @@ def test_bad_configurations_fail_in_one_line(size, region, k, message):
     with pytest.raises(NestedConfigError, match=message) as err:
         check_regions(size, region, k, (PATCH, PATCH))
     assert "\n" not in str(err.value) and "--region" in str(err.value)
+
+
+def test_counts_pooling_is_refused_in_one_line():
+    with pytest.raises(NestedConfigError, match="--pooling counts needs one attention grid"):
+        tiny_nested(pooling={"name": "counts"})

@@ -52,6 +52,7 @@ from ats_cli.core.nested import (
 )
 from ats_cli.core.sampling import attention_distribution, entropy, estimator_threshold, estimator_weights, sample
 from ats_cli.core.source import Sources, gather_patches, source_sizes
+from ats_cli.extensions.pooling_counts import CountPooling
 
 __all__ = ["NestedATSModel", "NestedOutput", "region_views", "coarse_scale_for"]
 
@@ -133,7 +134,7 @@ class NestedATSModel(ATSModel):
     def __init__(self, coarse_net: nn.Module, attention_net: nn.Module, feature_net: nn.Module, n_classes: int, *,
                  regions: int, region_size: int, coarse_scale: float, scale: float, **kwargs: Any):
         super().__init__(attention_net, feature_net, n_classes, scale=coarse_scale, **kwargs)
-        if type(self.pooling).__name__ == "CountPooling" or getattr(self.pooling, "floor", None) is not None:
+        if isinstance(self.pooling, CountPooling):
             raise NestedConfigError("--pooling counts needs one attention grid; use features or votes with --levels 2")
         self.coarse_net = coarse_net
         self.regions = int(regions)
