@@ -113,3 +113,16 @@ def test_bad_two_level_configurations_stop_with_one_line(slides, tmp_path, flags
     assert result.exit_code != 0
     text = " ".join(result.output.split())  # rich wraps long lines
     assert message in text and "Traceback" not in result.output, result.output
+
+
+def test_region_size_in_microns_is_converted_at_the_model_microns_per_pixel():
+    from ats_cli.config import TrainConfig
+    from ats_cli.models import levels_spec
+
+    cfg = TrainConfig(levels=2, region_um=130.0, patch_size=32, scale=0.125).validate()
+    spec = levels_spec(cfg, 0.5)
+    assert spec["region_size"] == 256  # 260 px, to the nearest multiple of the 32-pixel patch
+    assert spec["coarse_scale"] == pytest.approx(8 / 256)
+    with pytest.raises(ValueError, match="microns per pixel are unknown"):
+        levels_spec(cfg, None)
+    assert levels_spec(TrainConfig(patch_size=32, scale=0.125).validate(), 0.5) == {}  # one level: nothing added
