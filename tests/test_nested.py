@@ -167,7 +167,7 @@ def _exact_logits(m: NestedATSModel, img: torch.Tensor, mask: torch.Tensor | Non
     views = region_views(img, roff, REGION, m.view_size)[0]  # [G, C, vh, vw]
     scores = m.attention_net(views)
     fatt = tuple(scores.shape[-2:])
-    fmask = None if mask is None else nested_model._mask_under(mask, (SIZE, SIZE), roff, REGION, m.view_size)
+    fmask = None if mask is None else m._region_mask(low, mask, views, (SIZE, SIZE), roff)
     keep = m._supported_pixels(views, fmask)
     prior = m._prior_cells(views, keep, fatt)
     b = attention_distribution(scores if prior is None else scores + prior[:, None], m._support_cells(keep, fatt))

@@ -126,3 +126,24 @@ def test_region_size_in_microns_is_converted_at_the_model_microns_per_pixel():
     with pytest.raises(ValueError, match="microns per pixel are unknown"):
         levels_spec(cfg, None)
     assert levels_spec(TrainConfig(patch_size=32, scale=0.125).validate(), 0.5) == {}  # one level: nothing added
+
+
+def test_the_patches_of_a_drawn_region_lie_on_its_tissue(run, slides):
+    """The coarse tissue mask has 8 pixels per region side; in a drawn region the patches
+    are kept on the tissue of the region's own view, not on the glass beside it."""
+    from ats_cli.data.slides import tissue_mask
+    from ats_cli.predict import load_predictor
+    from ats_cli.visualize import sample_attention
+
+    predictor = load_predictor(run, "cpu")
+    on = total = 0
+    for name in ("0000.tif", "0001.tif"):
+        opened = predictor.opener()(slides / "test" / name, channels=3, scale=predictor.model.scale,
+                                    patch_size=predictor.model.patch_size)
+        fine = tissue_mask(open_image(slides / "test" / name).low_res_view(1 / 8))  # 128x128, 8 px a cell
+        for seed in range(3):
+            out = sample_attention(predictor, opened, n_patches=None, seed=seed)
+            centres = ((out.offsets[0] + 16) // 8).clamp(0, 127)
+            on += int(fine[centres[:, 0], centres[:, 1]].sum())
+            total += len(centres)
+    assert on / total > 0.9, (on, total)

@@ -23,7 +23,9 @@ product of its region's and its own), plus the regions'.
 
 What the extensions do here: the support (tissue mask, ``bright``) restricts both levels
 (a region is drawn only if some coarse cell of it is kept; in a drawn region the fine cells
-kept are those of the coarse mask under them); the prior shifts the coarse cells' scores
+kept are those under the coarse mask and, for a tissue mask, those of the region's own
+view above the saturation that splits the coarse view as the mask does:
+:meth:`NestedATSModel._region_mask`); the prior shifts the coarse cells' scores
 (and so the regions') and the fine cells'; the gain multiplies the features. Each is a
 function of the input alone at its level, so the derivation in :mod:`ats_cli.core.nested`
 holds. ``counts`` pooling needs the attention around each patch on one grid and is
@@ -123,6 +125,33 @@ def _mask_under(mask: torch.Tensor, image_size: tuple[int, int], offsets: torch.
     return (picked & inside).flatten(0, 1)
 
 
+def _saturation(x: torch.Tensor) -> torch.Tensor:
+    """HSV saturation [N, h, w] of RGB views [N, 3, h, w] in [0, 1] (0 where black)."""
+    hi, lo = x.amax(1), x.amin(1)
+    return torch.where(hi > 0, (hi - lo) / hi.clamp_min(1e-12), 0.0)
+
+
+def _saturation_split(low: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+    """[B] a saturation threshold that splits each coarse view ``low`` [B, 3, h, w] as its
+    ``mask`` [B, h, w] does (NaN for an image whose mask is not such a split), or None for
+    views that are not RGB. The tissue mask is Otsu's threshold on this saturation
+    (:func:`ats_cli.data.slides.tissue_mask`): its glass lies below, its tissue above. The
+    5% and 95% quantiles, not the extremes, so that the colour augmentation (applied after
+    the mask was made) blurring a few pixels across the split does not lose it."""
+    if low.shape[1] != 3:
+        return None
+    sat = _saturation(low.float()).flatten(1)
+    keep = mask.flatten(1).to(sat.device)
+    out = torch.full((len(sat),), float("nan"), device=sat.device)
+    for b in range(len(sat)):
+        tissue, glass = sat[b][keep[b]], sat[b][~keep[b]]
+        if len(tissue) and len(glass):
+            top, bottom = torch.quantile(glass, 0.95), torch.quantile(tissue, 0.05)
+            if top < bottom:
+                out[b] = (top + bottom) / 2
+    return out
+
+
 class NestedATSModel(ATSModel):
     """Two-level attention sampling (module docstring). ``coarse_net``: the attention net of
     the coarse view, whose view is made at ``coarse_scale`` (this model's :attr:`scale`, the
@@ -151,6 +180,21 @@ class NestedATSModel(ATSModel):
         """(vh, vw): a region's view at the fine scale (at least 1x1)."""
         side = max(1, round(self.region_size * self.fine_scale))
         return side, side
+
+    def _region_mask(self, low: torch.Tensor, mask: torch.Tensor, views: torch.Tensor, image_size: tuple[int, int],
+                     roff: torch.Tensor) -> torch.Tensor:
+        """[B*k, vh, vw] the region views' pixels that may be sampled: those under the coarse
+        ``mask`` and, when that mask is a saturation split of the coarse view (a tissue mask),
+        those above the same split in the region view itself, so that a region at the
+        tissue's edge does not draw patches on the glass beside it (the coarse mask has only
+        ``coarse_px`` pixels per region side). A function of the input alone: unbiased."""
+        B, k = roff.shape[:2]
+        under = _mask_under(mask, image_size, roff, self.region_size, self.view_size)
+        split = _saturation_split(low, mask)
+        if split is None:
+            return under
+        t = split.repeat_interleave(k)[:, None, None]  # NaN: no split, every pixel under the mask
+        return under & ~(_saturation(views.float()) <= t)
 
     def coarse_attention(self, low: torch.Tensor, image_size: tuple[int, int], mask: torch.Tensor | None = None
                          ) -> torch.Tensor:
@@ -211,7 +255,8 @@ class NestedATSModel(ATSModel):
         colour = getattr(getattr(patch_transform, "__self__", None), "colour", None)
         if colour is not None:
             views = colour(views.view(B, k, *views.shape[1:])).flatten(0, 1)
-        mask = None if support_mask is None else _mask_under(support_mask.to(low.device), image_size, roff, R, vs)
+        mask = None if support_mask is None else self._region_mask(low, support_mask.to(low.device), views,
+                                                                    image_size, roff)
         fscores = self.attention_net(views)
         fatt = tuple(fscores.shape[-2:])
         keep_px = self._supported_pixels(views, mask)
