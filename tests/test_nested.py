@@ -12,11 +12,11 @@ import torch
 import torch.nn as nn
 
 from ats_cli.core import nested_model
-from ats_cli.core.geometry import low_res_view, positions_to_offsets
 from ats_cli.core.nested import NestedConfigError, check_regions, nested_expectation, region_offsets
 from ats_cli.core.nested_model import NestedATSModel, region_views
 from ats_cli.core.patches import extract_patches
 from ats_cli.core.sampling import ESTIMATORS, attention_distribution, estimator_threshold, estimator_weights, sample
+from ats_cli.core.source import low_res_view, positions_to_offsets
 from ats_cli.nets import create
 
 Z_MAX = 5.0

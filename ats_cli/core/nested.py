@@ -113,7 +113,7 @@ def cell_regions(att_shape: tuple[int, int], low_size: tuple[int, int], margin: 
                  region: int, device: torch.device | None = None) -> torch.Tensor:
     """[att_h * att_w] the region (flat index on :func:`region_grid`) each attention cell of
     the coarse view falls in, by the full-resolution position of its centre (the mapping
-    :func:`ats_cli.core.geometry.positions_to_offsets` uses for patches)."""
+    :func:`ats_cli.core.source.positions_to_offsets` uses for patches)."""
     att_h, att_w = att_shape
     low_h, low_w = low_size
     H, W = image_size

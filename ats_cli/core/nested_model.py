@@ -42,7 +42,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ats_cli.core.geometry import positions_to_offsets
 from ats_cli.core.model import ATSModel, ATSOutput, pixels_to_float
 from ats_cli.core.nested import (
     NestedConfigError,
@@ -53,7 +52,7 @@ from ats_cli.core.nested import (
     region_scores,
 )
 from ats_cli.core.sampling import attention_distribution, entropy, estimator_threshold, estimator_weights, sample
-from ats_cli.core.source import Sources, gather_patches, source_sizes
+from ats_cli.core.source import Sources, gather_patches, positions_to_offsets, source_sizes
 from ats_cli.extensions.pooling_counts import CountPooling
 
 __all__ = ["NestedATSModel", "NestedOutput", "region_views", "coarse_scale_for"]
