@@ -19,7 +19,10 @@ arguments, ``n_classes``, ``channels``, the sampling settings of
 ``scale``, ``replace``, ``estimator``, ``entropy_weight``, ``feature_scale``), the four
 extension slots as plain specs (``"pooling": {"name": "counts", "none_class": true,
 "floor": 0.02}``; ``support``, ``prior`` and ``gain`` likewise or null:
-:mod:`ats_cli.extensions`) and ``input``, how training read its inputs.
+:mod:`ats_cli.extensions`) and ``input``, how training read its inputs. A two-level
+``ats`` model (:class:`~ats_cli.core.nested_model.NestedATSModel`) adds ``levels`` (2),
+``regions``, ``region_size`` and ``coarse_scale`` (:func:`levels_spec`); a one-level
+spec has none of them, as before they existed.
 """
 
 from __future__ import annotations
