@@ -147,3 +147,24 @@ def test_the_patches_of_a_drawn_region_lie_on_its_tissue(run, slides):
             on += int(fine[centres[:, 0], centres[:, 1]].sum())
             total += len(centres)
     assert on / total > 0.9, (on, total)
+
+
+def test_a_two_level_model_end_to_end_on_virtual_slides(tmp_path):
+    """The same path on virtual slides (a .vslide.json spec rendered on demand): train one
+    epoch, predict, visualise, export GeoJSON with its regions."""
+    data = tmp_path / "virtual"
+    made = runner.invoke(app, ["make-dataset", "synthetic-slides", str(data), "--size", "1024", "--virtual",
+                               "--n-train", "4", "--n-test", "2", "--spot-radius", "20"])
+    assert made.exit_code == 0, made.output
+    run = tmp_path / "run"
+    result = runner.invoke(app, ["train", str(data), "--out", str(run), *FLAGS])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["predict", str(data / "test.csv"), "--model", str(run), "--out",
+                                 str(tmp_path / "p.csv")])
+    assert result.exit_code == 0 and len((tmp_path / "p.csv").read_text().splitlines()) == 3, result.output
+    slide = data / "test" / "0001.vslide.json"
+    for out in (tmp_path / "v.png", tmp_path / "v.geojson"):
+        result = runner.invoke(app, ["visualize", str(slide), "--model", str(run), "--out", str(out)])
+        assert result.exit_code == 0 and out.stat().st_size > 0, result.output
+    regions = json.loads((tmp_path / "v.geojson").read_text())["properties"]["regions"]
+    assert regions["count"] == 3 and regions["size_level"] == 256
