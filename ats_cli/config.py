@@ -131,6 +131,17 @@ class TrainConfig:
     # -1 = auto = twice the training count, recorded in the model
     eval_n_patches: int = _key(-1, "Patches sampled at evaluation and prediction (the model records it); 0 = as "
                                "many as in training; -1 = auto: twice the training count", METHOD_PANEL, means="auto")
+    # two levels (ats_cli.core.nested_model): a coarse attention over regions of the whole
+    # image draws --regions of them, each drawn region's view (at --scale) draws --n-patches
+    levels: int = _key(1, "Attention levels: 1, or 2 = a coarse attention over regions draws --regions of them, "
+                       "then --n-patches in each region's own view at --scale (docs/slides.md)", METHOD_PANEL)
+    regions: int = _key(4, "With --levels 2: regions drawn per image", METHOD_PANEL)
+    region_size: int = _key(0, "With --levels 2: region side in full-res pixels (a multiple of --patch-size)",
+                            METHOD_PANEL, means="off")
+    region_um: float = _key(0.0, "With --levels 2, slides: region side in microns, instead of --region-size (at "
+                            "--mpp, else the training slides' microns per pixel)", METHOD_PANEL, means="off")
+    coarse_px: int = _key(8, "With --levels 2: coarse-view pixels per region side (the coarse attention's "
+                          "resolution; the coarse view of an H-pixel slide is H / region-size x this)", METHOD_PANEL)
     # reading slides and TIFFs (saved in the model, so predict and visualize read alike; their
     # --reader/--level/--mpp/--tissue-mask are these fields too: ats_cli/cli/options.py)
     reader: str = _key("auto", "Force a reader: {choices}", READ_PANEL, choices={
@@ -220,12 +231,34 @@ class TrainConfig:
             problems.append(f"scale is the low-res view's scale and must be <= 1 (got {self.scale})")
         if self.level and self.mpp:
             problems.append("give level or mpp, not both")
+        problems += self._levels_problems()
         for key, allowed in allowed_values().items():
             if getattr(self, key) not in allowed:
                 problems.append(f"{key} must be one of {', '.join(allowed)} (got {getattr(self, key)!r})")
         if problems:
             raise ConfigError("invalid configuration: " + "; ".join(problems))
         return self
+
+    def _levels_problems(self) -> list[str]:
+        """What is wrong with --levels/--regions/--region-size (ats_cli.core.nested_model)."""
+        if self.levels == 1:
+            return []
+        if self.levels != 2:
+            return [f"levels must be 1 or 2 (got {self.levels})"]
+        problems = []
+        if self.method != "ats":
+            problems.append(f"levels 2 needs method ats (got {self.method})")
+        if self.regions < 1:
+            problems.append(f"regions must be >= 1 (got {self.regions})")
+        if self.coarse_px < 1:
+            problems.append(f"coarse_px must be >= 1 (got {self.coarse_px})")
+        if self.region_size < 0 or self.region_um < 0:
+            problems.append("region_size and region_um must be >= 0")
+        elif bool(self.region_size) == bool(self.region_um):
+            problems.append("levels 2 needs region_size (pixels) or region_um (microns), one of them")
+        if self.pooling == "counts":
+            problems.append("pooling counts needs one attention grid; use features or votes with levels 2")
+        return problems
 
     @property
     def settled_eval_n_patches(self) -> int:

@@ -19,7 +19,10 @@ arguments, ``n_classes``, ``channels``, the sampling settings of
 ``scale``, ``replace``, ``estimator``, ``entropy_weight``, ``feature_scale``), the four
 extension slots as plain specs (``"pooling": {"name": "counts", "none_class": true,
 "floor": 0.02}``; ``support``, ``prior`` and ``gain`` likewise or null:
-:mod:`ats_cli.extensions`) and ``input``, how training read its inputs.
+:mod:`ats_cli.extensions`) and ``input``, how training read its inputs. A two-level
+``ats`` model (:class:`~ats_cli.core.nested_model.NestedATSModel`) adds ``levels`` (2),
+``regions``, ``region_size`` and ``coarse_scale`` (:func:`levels_spec`); a one-level
+spec has none of them, as before they existed.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ if TYPE_CHECKING:
     from ats_cli.config import TrainConfig
 
 __all__ = ["SPEC_VERSION", "UnknownMethodError", "available_methods", "check_model", "check_patch_size",
-           "create_model", "model_spec", "register_method"]
+           "create_model", "levels_spec", "model_spec", "register_method"]
 
 # The spec layout this ats writes and reads (see the module docstring). A change of what a
 # key means bumps it; a checkpoint of another version is refused by name (ats_cli.checkpoint).
@@ -97,9 +100,34 @@ def model_spec(cfg: TrainConfig, *, n_classes: int, channels: int, mpp: float | 
         "entropy_weight": cfg.entropy,
         "feature_scale": cfg.feature_scale,
         **extension_specs(cfg),
+        **levels_spec(cfg, mpp),
         # how inputs were read in training: predict and visualize read them alike by default
         "input": {**cfg.input_options(), **({"mpp": float(mpp)} if mpp else {}), "resample": True},
     }
+
+
+def levels_spec(cfg: TrainConfig, mpp: float | None) -> dict[str, Any]:
+    """A two-level model's keys (:class:`~ats_cli.core.nested_model.NestedATSModel`), none
+    for one level, whose spec stays as it was: ``levels`` 2, ``regions`` (k), ``region_size``
+    (full-resolution pixels: ``--region-size``, or ``--region-um`` at ``mpp`` rounded to a
+    multiple of the patch side) and ``coarse_scale`` (the coarse view's, ``--coarse-px``
+    pixels per region side; ``scale`` stays the region views'). Raises ValueError in one
+    line for a region that cannot be cut into patches or microns without a pixel size."""
+    if cfg.levels == 1:
+        return {}
+    from ats_cli.core.nested_model import coarse_scale_for
+
+    region = cfg.region_size
+    if cfg.region_um:
+        if not mpp:
+            raise ValueError(f"--region-um {cfg.region_um:g}: the microns per pixel are unknown (give --mpp, or "
+                             "slides that record it), so give --region-size in pixels")
+        region = max(1, round(cfg.region_um / mpp / cfg.patch_size)) * cfg.patch_size
+    elif region % cfg.patch_size:
+        raise ValueError(f"--region-size {region} is not a multiple of --patch-size {cfg.patch_size}: the patches "
+                         "of a region would not tile it")
+    return {"levels": 2, "regions": cfg.regions, "region_size": region,
+            "coarse_scale": coarse_scale_for(region, cfg.coarse_px)}
 
 
 def extension_specs(cfg: TrainConfig) -> dict[str, dict[str, Any] | None]:
@@ -129,10 +157,15 @@ def _features(spec: dict[str, Any]) -> nn.Module:
 def _sampling_model(spec: dict[str, Any], attention: nn.Module, *, prior: bool = True) -> ATSModel:
     """ATS with ``attention``: the learned network for ``ats``, a fixed one for ``uniform``
     (``prior`` False: nothing reshapes a uniform attention)."""
-    return ATSModel(
-        attention,
-        _features(spec),
-        spec["n_classes"],
+    settings = _sampling_settings(spec)
+    if not prior:
+        settings["prior"] = None
+    return ATSModel(attention, _features(spec), spec["n_classes"], **settings)
+
+
+def _sampling_settings(spec: dict[str, Any]) -> dict[str, Any]:
+    """:class:`ATSModel`'s keyword arguments from a spec."""
+    return dict(
         n_patches=spec["n_patches"],
         patch_size=tuple(spec["patch_size"]),
         scale=spec["scale"],
@@ -143,14 +176,22 @@ def _sampling_model(spec: dict[str, Any], attention: nn.Module, *, prior: bool =
         feature_scale=spec["feature_scale"],
         pooling=spec["pooling"],
         support=spec["support"],
-        prior=spec["prior"] if prior else None,
+        prior=spec["prior"],
         gain=spec["gain"],
     )
 
 
 @register_method("ats")
 def _ats(spec: dict[str, Any]) -> nn.Module:
-    return _sampling_model(spec, nets.create(spec["attention_net"], kind="attention", **spec["attention_kwargs"]))
+    attention = nets.create(spec["attention_net"], kind="attention", **spec["attention_kwargs"])
+    if spec.get("levels", 1) == 2:  # the coarse attention is a second net of the same kind
+        from ats_cli.core.nested_model import NestedATSModel
+
+        coarse = nets.create(spec["attention_net"], kind="attention", **spec["attention_kwargs"])
+        return NestedATSModel(coarse, attention, _features(spec), spec["n_classes"], regions=spec["regions"],
+                              region_size=spec["region_size"], coarse_scale=spec["coarse_scale"],
+                              **_sampling_settings(spec))
+    return _sampling_model(spec, attention)
 
 
 @register_method("uniform")

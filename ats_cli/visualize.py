@@ -290,18 +290,24 @@ def render_attention(
     n = len(record.offsets)
     estimator = getattr(net, "active_estimator", None)  # Deep MIL: no sampling, no estimator
     sampling = f"{n} {'patch' if n == 1 else 'patches'}, seed {seed}"
+    extent = _attention_extent(net, opened)
+    if record.regions:  # two levels: the coarse attention lies over the region grid
+        rows, cols = record.region_grid
+        side = record.regions[0].size
+        extent = (0.0, float(cols * side), float(rows * side), 0.0)
+        sampling = f"{len(record.regions)} regions x {n // len(record.regions)} patches, seed {seed}"
     if getattr(net, "replace", False):
         sampling += ", with replacement"
     elif weights is not None and estimator:
         sampling += f", {estimator} estimator"
     figure = AttentionFigure(
         image_name=Path(image).name, size=tuple(opened.source.size), background=background,
-        attention=record.attention, attention_extent=_attention_extent(net, opened), patch_size=record.patch_size,
+        attention=record.attention, attention_extent=extent, patch_size=record.patch_size,
         sites=patch_sites(record.offsets.tolist(), record.sampled_probs.tolist(), weights, contributions),
         patches=output.patches[0].detach().cpu().float().numpy(), prediction=predictor.classes[k],
         probability=float(probs[k]), ranking=ranking, label=info.label if info else None,
         boxes=info.boxes if info else [], model_name=predictor.path.name, sampling=sampling,
-        entropy=float(output.entropy[0]))
+        entropy=float(output.entropy[0]), regions=record.regions or ())
     drawn = draw_attention(figure, out, dpi=dpi)
     return RenderSummary(Path(out), drawn.size_px, prediction=figure.prediction, probability=figure.probability,
                          label=figure.label, n_boxes=len(figure.boxes), n_sites=len(drawn.sites),

@@ -67,20 +67,22 @@ def make_model(path: Path) -> None:
     save_checkpoint(path, spec=spec, classes=["a", "b"], model=create_model(spec))
 
 
-def measure(args: list[str]) -> tuple[float, float]:
+def measure(args: list[str], *, cpu: bool = False) -> tuple[float, ...]:
     """Wall time and peak RSS (MB) of ``python ARGS`` run in a fresh grandchild process, so
-    that RUSAGE_CHILDREN sees that process alone."""
+    that RUSAGE_CHILDREN sees that process alone; with ``cpu``, also its CPU time (user +
+    system, s), which a loaded machine inflates less than the wall time."""
     code = (
         "import resource, subprocess, sys, time;"
         "t=time.perf_counter();"
         f"r=subprocess.run([sys.executable,*{args!r}],capture_output=True,text=True);"
         "dt=time.perf_counter()-t;"
         "assert r.returncode==0, r.stdout+r.stderr;"
-        "print(dt, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss/1024)"
+        "u=resource.getrusage(resource.RUSAGE_CHILDREN);"
+        "print(dt, u.ru_maxrss/1024, u.ru_utime+u.ru_stime)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=ROOT).stdout.split()
-    return float(out[0]), float(out[1])
+    return (float(out[0]), float(out[1]), float(out[2])) if cpu else (float(out[0]), float(out[1]))
 
 
 def run_baseline() -> tuple[float, float]:

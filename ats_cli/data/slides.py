@@ -296,6 +296,30 @@ class SlideReader:
         view = self.low_res(low_res_size(self.size, scale))
         return torch.from_numpy(view.copy()).permute(2, 0, 1).float() / 255.0
 
+    def read_view(self, offsets: torch.Tensor, size: tuple[int, int], view_size: tuple[int, int]) -> torch.Tensor:
+        """Views [n, C, vh, vw] (float, [0, 1]) of the regions of ``size`` at ``offsets`` [n, 2]
+        (row, col; both in the pixels :meth:`read_patches` hands out), each resized to
+        ``view_size``: a two-level model's region views (:mod:`ats_cli.core.nested_model`).
+        Each is read from the coarsest pyramid level at least as fine as the view, so its cost
+        is set by the view, not by the region's size at full resolution; zeros outside."""
+        h, w = int(size[0]), int(size[1])
+        d = self.patch_downsample  # level-0 pixels per pixel handed out
+        need = min(h / view_size[0], w / view_size[1]) * d  # level-0 pixels per view pixel
+        downs = self.downsamples
+        level = max((i for i, ds in enumerate(downs) if ds <= need * (1 + 1e-6)), key=lambda i: downs[i], default=0)
+        s = d / downs[level]  # pixels of that level per pixel handed out
+        rh, rw = max(1, round(h * s)), max(1, round(w * s))
+        if rh * rw > self.max_pixels:
+            raise _too_big(self.path, f"a {w}x{h} region read from level {level}", rh * rw, self.max_pixels)
+        offs = [(round(r * s), round(c * s)) for r, c in offsets.tolist()]
+        with ThreadPoolExecutor(max_workers=min(8, max(1, len(offs)))) as pool:
+            parts = list(pool.map(lambda rc: self.read_region(rc[0], rc[1], rh, rw, level), offs))
+        x = torch.from_numpy(np.stack(parts).transpose(0, 3, 1, 2).copy()).float() / 255.0
+        if (rh, rw) == tuple(view_size):
+            return x
+        return torch.nn.functional.interpolate(x, size=tuple(view_size), mode="bilinear", align_corners=False,
+                                               antialias=True)
+
     def thumbnail(self, max_side: int = 1024) -> np.ndarray:
         H, W = self.dimensions
         s = min(1.0, max_side / max(H, W))

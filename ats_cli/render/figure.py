@@ -26,10 +26,11 @@ from pathlib import Path
 import numpy as np
 
 from ats_cli.render.draw import CMAP, as_image, colorbar, digit_boxes, frame, log_norm, save, short_number
-from ats_cli.render.records import DigitBox, PatchSite
+from ats_cli.render.records import DigitBox, PatchSite, RegionSite
 
 __all__ = ["MAX_STRIP", "AttentionFigure", "FigureResult", "draw_attention"]
 
+REGION_COLOUR = "white"  # a two-level model's drawn regions
 BOX_COLOUR = "#00e5ff"  # sampled patches: cyan stands out on black, gray and inferno alike
 MAX_STRIP = 16  # patches in the strip under the image (the largest), and boxes numbered on it
 STRIP_PER_ROW = 8
@@ -65,6 +66,7 @@ class AttentionFigure:
     model_name: str = ""
     sampling: str = ""  # how the patches were drawn, for the subtitle
     entropy: float = float("nan")  # of the attention, nats
+    regions: Sequence[RegionSite] = ()  # a two-level model's drawn regions (attention: over its region grid)
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ def draw_attention(figure: AttentionFigure, out: str | Path, *, dpi: int = 110) 
     if panel_h > 8.5:  # a tall image: narrower, not taller
         panel_w, panel_h = panel_w * 8.5 / panel_h, 8.5
     panel_h = max(panel_h, 1.5)
-    head_h, caption_h, foot_h = 0.72, 0.62 + (0.16 if outside else 0.0), 0.1
+    head_h, caption_h, foot_h = 0.72, 0.62 + (0.16 if outside else 0.0) + (0.16 if f.regions else 0.0), 0.1
     strip_head_h = 0.45 if f.ranking == "contribution" else 0.3  # the key on a line of its own
     cell, gap = 0.78, 0.14  # a strip patch and the gap between two
     row_h = 0.2 + cell * ph / pw + 0.06 + 0.13 * max(under_lines, 2) + 0.06  # title, patch, the lines under it
@@ -121,6 +123,7 @@ def draw_attention(figure: AttentionFigure, out: str | Path, *, dpi: int = 110) 
               aspect="auto")
     norm = log_norm(att.max(), att.size)
     reach = _heat(ax, att, norm, f.attention_extent, (ph, pw))
+    _regions(ax, f.regions, (ph, pw))
     digit_boxes(ax, f.boxes, labels=True)
     frame(ax, H, W)
     colours = _site_boxes(ax, sites, (ph, pw), labelled=len(shown))
@@ -135,6 +138,12 @@ def draw_attention(figure: AttentionFigure, out: str | Path, *, dpi: int = 110) 
              f"heat: each pixel shows the largest attention of the cells whose patch covers it "
              f"({reach}x{reach} cells of {att.shape[0]}x{att.shape[1]})"
              + ("; red: boxes from the dataset CSV" if f.boxes else "")]
+    if f.regions:
+        side = f.regions[0].size
+        lines[1:2] = [f"heat: the coarse attention over the {att.shape[0]}x{att.shape[1]} regions of {side}x{side}"
+                      + ("; red: boxes from the dataset CSV" if f.boxes else ""),
+                      f"white: the {len(f.regions)} regions drawn (R1-R{len(f.regions)} in draw order, w: weight), "
+                      "each with its own attention on its own scale"]
     if outside:
         lines.append(f"{outside} of the {n} draws fell on probability-0 cells (more draws than cells that may be "
                      "sampled): weight 0, not drawn")
@@ -208,6 +217,20 @@ def _heat(ax, att: np.ndarray, norm, extent, patch_size: tuple[int, int]) -> int
     rgba[..., 3] = HEAT_ALPHA * t**2
     ax.imshow(rgba, extent=extent, interpolation="antialiased", zorder=2, aspect="auto")
     return reach
+
+
+def _regions(ax, regions: Sequence[RegionSite], patch_size: tuple[int, int]) -> None:
+    """A two-level model's drawn regions: each one's fine attention as a heat on its own
+    log scale (it sums to 1 within the region), a white box, and ``R<draw> w <weight>``."""
+    from matplotlib.patches import Rectangle
+
+    for region in regions:
+        _heat(ax, region.fine, log_norm(region.fine.max(), region.fine.size), region.fine_extent, patch_size)
+        ax.add_patch(Rectangle((region.col, region.row), region.size, region.size, fill=False, ec=REGION_COLOUR,
+                               lw=1.4, ls="--", zorder=5))
+        ax.text(region.col + 0.02 * region.size, region.row + 0.03 * region.size,
+                f"R{region.draw} w {short_number(region.weight)}", color="black", fontsize=7, va="top", ha="left",
+                zorder=5, bbox={"facecolor": REGION_COLOUR, "alpha": 0.8, "pad": 1.2, "lw": 0})
 
 
 def _max_filter(t: np.ndarray, size: int) -> np.ndarray:

@@ -20,6 +20,14 @@ DIR`` write one FeatureCollection per image (docs/slides.md, "Attention in QuPat
   image, what QuPath can draw on the slide; ``properties.patch_box`` keeps the box the
   model read (x0, y0, x1, y1), which sticks out of the image at its border, where the
   reader pads with zeros;
+* for a two-level model (:mod:`ats_cli.core.nested_model`) the attention cells are the
+  regions of its grid (``cell i,j`` squares of the region side, their ``attention`` the
+  coarse attention); **one detection per drawn region**, named ``region K`` in draw order,
+  classified ``region``, with the measurements ``attention`` (the coarse attention it was
+  drawn with), ``weight`` (its weight in the outer estimate), ``contribution`` and
+  ``draw_order``; each patch then also has ``region`` (K), its ``attention`` is the fine
+  attention within its region and its ``weight`` its weight in the whole estimate (the
+  region's times its own);
 * the boxes a dataset CSV records for the image (``boxes``/``digits`` columns), when
   known, as annotations classified ``label box``.
 
@@ -49,6 +57,7 @@ from ats_cli.render.records import AttentionRecord, LevelFrame, parse_boxes
 __all__ = [
     "CELL_CLASS",
     "CELL_MASS",
+    "REGION_CLASS",
     "FORMAT_VERSION",
     "LABEL_BOX_CLASS",
     "MAX_CELLS",
@@ -70,6 +79,8 @@ CELL_CMAP = "viridis"
 PATCH_COLOUR = (255, 0, 255)  # magenta: apart from every viridis colour and from pink tissue
 LABEL_BOX_COLOUR = (255, 42, 42)
 CELL_CLASS = "attention"
+REGION_CLASS = "region"
+REGION_COLOUR = (255, 255, 255)  # white: the drawn regions, apart from the magenta patches
 LABEL_BOX_CLASS = "label box"
 # tab10: the classification colours of the classes, in the model's class order
 CLASS_COLOURS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
@@ -117,6 +128,14 @@ def cell_boxes(attention_shape: tuple[int, int], low_size: tuple[int, int], marg
     Y0, X0 = np.meshgrid(y0, x0, indexing="ij")
     Y1, X1 = np.meshgrid(y1, x1, indexing="ij")
     return np.stack([X0.ravel(), Y0.ravel(), X1.ravel(), Y1.ravel()], axis=1)
+
+
+def region_boxes(grid: tuple[int, int], size: int, frame: LevelFrame) -> np.ndarray:
+    """[rows * cols, 4] level-0 boxes (x0, y0, x1, y1) of a two-level model's regions of
+    ``size`` pixels of ``frame``'s level, row-major (the flat index its coarse attention
+    draws), clipped to the image (the last row and column may run past it)."""
+    rows, cols = np.divmod(np.arange(grid[0] * grid[1]), grid[1])
+    return clip_boxes(patch_boxes(np.stack([rows, cols], 1) * size, (size, size), frame), frame)
 
 
 def _num(v: float) -> float | int:
@@ -217,7 +236,9 @@ def feature_collection(
     vmax = max(float(att.max()), 10.0 / n_cells)  # a uniform map sits a decade below the top, as in the PNG
     values = att.ravel()[chosen]
     rgb, vmin, vmax = _cell_colours(values, vmax)
-    cells = cell_boxes(att.shape, record.low_size, record.margin, frame)
+    grid = record.region_grid
+    cells = cell_boxes(att.shape, record.low_size, record.margin, frame) if grid is None \
+        else region_boxes(grid, record.regions[0].size, frame)
     aw = att.shape[1]
     for i, value, col in zip(chosen.tolist(), values.tolist(), rgb.tolist(), strict=True):
         features.append({
@@ -228,9 +249,25 @@ def feature_collection(
                            "measurements": {"attention": _sig(value)}},
         })
 
+    for region in record.regions or ():
+        box = patch_boxes([(region.row, region.col)], (region.size, region.size), frame)
+        measurements = {"attention": _sig(region.attention), "weight": _sig(region.weight),
+                        "draw_order": region.draw}
+        if region.contribution is not None:
+            measurements["contribution"] = _sig(region.contribution)
+        features.append({
+            "type": "Feature",
+            "geometry": {"type": "Polygon", "coordinates": [_ring(clip_boxes(box, frame)[0])]},
+            "properties": {"objectType": "detection", "name": f"region {region.draw}", "color": list(REGION_COLOUR),
+                           "classification": {"name": REGION_CLASS, "color": list(REGION_COLOUR)},
+                           "measurements": measurements, "region_box": [_num(v) for v in box[0]]},
+        })
+    per_region = len(record.offsets) // len(record.regions) if record.regions else 0
     patches = patch_boxes(record.offsets, record.patch_size, frame)
     for j, (box, drawn) in enumerate(zip(patches, clip_boxes(patches, frame), strict=True)):
         measurements = {"attention": _sig(record.sampled_probs[j]), "draw_order": j + 1}
+        if per_region:
+            measurements["region"] = j // per_region + 1
         if record.weights is not None:
             measurements["weight"] = _sig(record.weights[j])
         features.append({
@@ -268,6 +305,12 @@ def feature_collection(
         "cell_colour_scale": {"colormap": CELL_CMAP, "scale": "log10", "min": _sig(vmin), "max": _sig(vmax)},
         "patch_colour": list(PATCH_COLOUR),
     }
+    if grid is not None:  # a two-level model: only its files have this key
+        properties["regions"] = {
+            "count": len(record.regions), "grid": list(grid), "size_level": record.regions[0].size,
+            "size_level0": _num(record.regions[0].size * frame.downsample), "patches_per_region": per_region,
+            "note": "cells are the regions of the grid, their attention the coarse attention; a patch's attention is "
+                    "the fine attention within its region, its weight the region's times its own"}
     return {"type": "FeatureCollection", "properties": properties, "features": features}
 
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["AttentionRecord", "DigitBox", "LevelFrame", "PatchSite", "level_frame", "parse_boxes", "patch_sites"]
+__all__ = ["AttentionRecord", "DigitBox", "LevelFrame", "PatchSite", "RegionSite", "level_frame", "parse_boxes",
+           "patch_sites"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,44 @@ def _numpy(tensor, dtype) -> np.ndarray:
     return np.asarray(tensor.detach().cpu().numpy(), dtype=dtype)
 
 
+@dataclass(frozen=True)
+class RegionSite:
+    """One region a two-level model drew (:mod:`ats_cli.core.nested_model`): its top-left
+    (row, col) and side in full-res pixels, its draw number (1-based), the coarse attention
+    it was drawn with, its weight in the estimate, its share of the prediction, the fine
+    attention over its own view and where that map lies (left, right, bottom, top; full-res
+    pixels, the region less the fine attention net's margin)."""
+
+    row: int
+    col: int
+    size: int
+    draw: int
+    attention: float
+    weight: float
+    contribution: float | None
+    fine: np.ndarray  # [fh, fw], sums to 1
+    fine_extent: tuple[float, float, float, float]
+
+
+def _region_sites(model, output, b: int) -> tuple[RegionSite, ...] | None:
+    """Row ``b``'s drawn regions, for a two-level model's output; None for one level."""
+    if getattr(output, "region_offsets", None) is None:
+        return None
+    size = int(output.region_size)
+    vh, vw = (int(v) for v in model.view_size)
+    m = int(getattr(getattr(model, "attention_net", None), "margin", 0))
+    contributions = getattr(output, "region_contributions", None)
+    sites = []
+    for j, (r, c) in enumerate(_numpy(output.region_offsets[b], np.int64).reshape(-1, 2).tolist()):
+        ry, rx = size / vh, size / vw
+        sites.append(RegionSite(int(r), int(c), size, j + 1, float(output.region_probs[b, j]),
+                                float(output.region_weights[b, j]),
+                                None if contributions is None else float(contributions[b, j]),
+                                _numpy(output.fine_attention[b, j], np.float64),
+                                (c + m * rx, c + (vw - m) * rx, r + (vh - m) * ry, r + m * ry)))
+    return tuple(sites)
+
+
 @dataclass
 class AttentionRecord:
     """One image's attention and sampled patches, in numbers, with where they sit in the file."""
@@ -84,6 +123,14 @@ class AttentionRecord:
     low_size: tuple[int, int]
     margin: int
     frame: LevelFrame
+    # a two-level model's drawn regions (``attention`` is then its coarse attention over the
+    # region grid, ``sampled_probs`` each patch's fine attention within its region); None: one level
+    regions: tuple[RegionSite, ...] | None = None
+
+    @property
+    def region_grid(self) -> tuple[int, int] | None:
+        """(rows, cols) of a two-level model's region grid: its coarse attention's shape."""
+        return None if self.regions is None else (int(self.attention.shape[0]), int(self.attention.shape[1]))
 
     @classmethod
     def from_output(cls, model, opened, output, b: int = 0) -> AttentionRecord:
@@ -103,6 +150,7 @@ class AttentionRecord:
             low_size=tuple(int(v) for v in opened.low.shape[-2:]),
             margin=int(getattr(getattr(model, "attention_net", None), "margin", 0)),
             frame=level_frame(opened.source),
+            regions=_region_sites(model, output, b),
         )
 
 

@@ -1,0 +1,264 @@
+"""Nested (two-level) attention sampling: the estimator is unbiased in value and in the
+gradients w.r.t. the coarse attention, the fine attention and the features, proven by
+Monte Carlo (|z| < 5 over groups of draws, as tests/test_estimator.py), each beside a
+biased variant that the same check rejects by far; then the whole two-level model (every
+parameter of both attention nets, the feature net and the classifier); then its
+configuration errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from ats_cli.core import nested_model
+from ats_cli.core.nested import NestedConfigError, check_regions, nested_expectation, region_offsets
+from ats_cli.core.nested_model import NestedATSModel, region_views
+from ats_cli.core.patches import extract_patches
+from ats_cli.core.sampling import ESTIMATORS, attention_distribution, estimator_threshold, estimator_weights, sample
+from ats_cli.core.source import low_res_view, positions_to_offsets
+from ats_cli.nets import create
+
+Z_MAX = 5.0
+K, M, V, k, n = 6, 8, 3, 3, 3  # regions, cells per region, value size; regions drawn, patches per region
+
+
+def _problem():
+    g = torch.Generator().manual_seed(0)
+    la = (torch.randn(K, generator=g) * 1.2).requires_grad_()
+    lb = (torch.randn(K, M, generator=g) * 1.2).requires_grad_()
+    f = torch.randn(K, M, V, generator=g).requires_grad_()
+    c = torch.tensor([0.7, -1.3, 0.4])
+    return la, lb, f, c
+
+
+def _estimate(la, lb, f, c, draws: int, gen, *, estimator: str, replace: bool, variant: str):
+    """<c, mean over ``draws`` of the nested estimate>, the estimate as ``variant`` makes it."""
+    a = torch.softmax(la, 0).expand(draws, K)
+    outer = sample(a, k, replace=replace, generator=gen)
+    W = estimator_weights(outer.probs, replace=replace, threshold=estimator_threshold(estimator, outer, a))
+    b = torch.softmax(lb, 1)[outer.indices].reshape(draws * k, M)
+    inner = sample(b, n, replace=replace, generator=gen)
+    w = estimator_weights(inner.probs, replace=replace, threshold=estimator_threshold(estimator, inner, b))
+    rows = outer.indices.reshape(-1, 1).expand(-1, n)
+    values = f[rows, inner.indices].view(draws, k, n, V)
+    bp, wv = inner.probs.view(draws, k, n), w.view(draws, k, n)
+    pooled, F = nested_expectation(values, outer.probs, bp, W, wv)
+    if variant == "plain mean over regions":  # biased in value
+        pooled = F.mean(1)
+    elif variant == "outer gradient without inner weights":  # the region's unweighted mean in the a-gradient
+        ratio = outer.probs / outer.probs.detach()
+        pooled = pooled + torch.einsum("bk,bkv->bv", W * (ratio - 1), values.mean(2))
+        pooled = pooled - torch.einsum("bk,bkv->bv", W * (ratio - 1), F)
+    elif variant == "fine gradient without outer weight":  # each region's b-gradient as if W_r = 1
+        ratio = bp / bp.detach()
+        pooled = pooled + torch.einsum("bkn,bknv->bv", (1 - W[..., None]) * wv * (ratio - 1), values)
+    elif variant == "feature gradient without outer weight":  # the f-gradient of a plain mean over regions
+        pooled, _ = nested_expectation(values.detach(), outer.probs, bp, W, wv)  # a- and b-gradients intact
+        drawn = torch.einsum("bkn,bknv->bv", wv, values) / k
+        pooled = pooled + drawn - drawn.detach()
+    return (pooled @ c).mean()
+
+
+def _z(estimator="auto", replace=False, variant="nested", groups=50, per_group=4000):
+    """The largest |z| of value, coarse-attention, fine-attention and feature gradients."""
+    la, lb, f, c = _problem()
+    a, b = torch.softmax(la, 0), torch.softmax(lb, 1)
+    exact = torch.einsum("r,rj,rjv,v->", a, b, f, c)
+    exact_grads = torch.autograd.grad(exact, (la, lb, f))
+    gen = torch.Generator().manual_seed(1)
+    values, grads = [], [[], [], []]
+    for _ in range(groups):
+        est = _estimate(la, lb, f, c, per_group, gen, estimator=estimator, replace=replace, variant=variant)
+        values.append(est.detach())
+        for store, g, x in zip(grads, torch.autograd.grad(est, (la, lb, f), allow_unused=True), (la, lb, f),
+                               strict=True):
+            store.append(torch.zeros_like(x).flatten() if g is None else g.flatten())
+    z = {}
+    for name, samples, truth in zip(("value", "coarse", "fine", "features"),
+                                    [torch.stack(values)[:, None]] + [torch.stack(g) for g in grads],
+                                    [exact.detach().flatten()] + [g.flatten() for g in exact_grads], strict=True):
+        z[name] = _max_z(samples.mean(0), samples.std(0) / groups ** 0.5, truth)
+    return z
+
+
+def _max_z(mean: torch.Tensor, se: torch.Tensor, truth: torch.Tensor) -> float:
+    """The largest |mean - truth| / se. A component whose estimate does not vary beyond
+    float rounding (a bias gradient, constant in every draw; a score bias, which a softmax
+    ignores) is compared with the truth to rounding instead: off it, infinitely biased."""
+    scale = 1.0 + truth.abs()
+    diff = (mean - truth).abs()
+    varies = se > 1e-6 * scale
+    return float(torch.where(varies, diff / se.clamp_min(1e-12), torch.where(diff > 1e-5 * scale, torch.inf, 0.0))
+                 .max())
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_nested_estimate_and_its_three_gradients_are_unbiased(estimator):
+    z = _z(estimator)
+    assert max(z.values()) < Z_MAX, z
+
+
+def test_nested_estimate_is_unbiased_with_replacement():
+    z = _z(replace=True)
+    assert max(z.values()) < Z_MAX, z
+
+
+@pytest.mark.parametrize("variant, fails", [
+    ("plain mean over regions", "value"),
+    ("outer gradient without inner weights", "coarse"),
+    ("fine gradient without outer weight", "fine"),
+    ("feature gradient without outer weight", "features"),
+])
+def test_the_check_rejects_each_biased_variant_where_it_is_biased(variant, fails):
+    """Each wrong variant leaves the other quantities unbiased (it changes one gradient, or
+    only the value), and the check catches the one it breaks."""
+    z = _z("sequential", variant=variant)
+    assert z[fails] > 3 * Z_MAX, z
+    assert all(v < Z_MAX for name, v in z.items() if name != fails and fails != "value"), z
+
+
+# ------------------------------------------------------------------------ the whole model
+SIZE, REGION, PATCH = 64, 16, 4
+
+
+class TinyFeatures(nn.Module):
+    """No batch norm: a patch's feature must not depend on the other draws."""
+
+    out_features = 5
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 5, 3, padding=1)
+
+    def forward(self, x):
+        return torch.amax(torch.tanh(self.conv(x)), dim=(2, 3))
+
+
+def tiny_nested(**kwargs) -> NestedATSModel:
+    torch.manual_seed(3)
+    m = NestedATSModel(create("mnist-attention", in_channels=1, width=4), create("mnist-attention", in_channels=1,
+                       width=4), TinyFeatures(), n_classes=3, regions=3, region_size=REGION, coarse_scale=0.5,
+                       scale=0.5, n_patches=3, patch_size=(PATCH, PATCH), entropy_weight=0.0, feature_scale=3.0,
+                       **kwargs)
+    nn.init.normal_(m.coarse_net.score.weight, std=0.5)  # the last layers start at zero (uniform)
+    nn.init.normal_(m.attention_net.score.weight, std=0.5)
+    return m.train()
+
+
+def _image() -> torch.Tensor:
+    return (torch.rand(1, 1, SIZE, SIZE, generator=torch.Generator().manual_seed(0)) * 255).to(torch.uint8)
+
+
+def _mask() -> torch.Tensor:
+    """A fixed 'tissue' mask on the coarse view: its left three quarters."""
+    mask = torch.zeros(1, SIZE // 2, SIZE // 2, dtype=torch.bool)
+    mask[..., : 3 * SIZE // 8] = True
+    return mask
+
+
+def _exact_logits(m: NestedATSModel, img: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits at the full nested expectation: every region, every cell of it."""
+    low = low_res_view(img, m.scale)
+    a = m.coarse_attention(low, (SIZE, SIZE), mask)[0]  # [G]
+    grid = check_regions((SIZE, SIZE), REGION, m.regions)
+    G = grid[0] * grid[1]
+    roff = region_offsets(torch.arange(G)[None], grid, REGION)  # [1, G, 2]
+    views = region_views(img, roff, REGION, m.view_size)[0]  # [G, C, vh, vw]
+    scores = m.attention_net(views)
+    fatt = tuple(scores.shape[-2:])
+    fmask = None if mask is None else m._region_mask(low, mask, views, (SIZE, SIZE), roff)
+    keep = m._supported_pixels(views, fmask)
+    prior = m._prior_cells(views, keep, fatt)
+    b = attention_distribution(scores if prior is None else scores + prior[:, None], m._support_cells(keep, fatt))
+    cells = torch.arange(b.shape[1])[None].expand(G, -1)
+    within = positions_to_offsets(cells, fatt, (REGION, REGION), m.patch_size, low_size=m.view_size)
+    offsets = (within + roff[0][:, None]).view(1, -1, 2)
+    patches = extract_patches(img, offsets, m.patch_size).float()[0] / 255.0
+    f = m.patch_features(patches).view(G, b.shape[1], -1)
+    return m.classifier(torch.einsum("r,rj,rjd->d", a, b, f))
+
+
+def _model_z(m: NestedATSModel, groups: int = 30, per_group: int = 300, mask: torch.Tensor | None = None) -> float:
+    img = _image()
+    c = torch.tensor([0.7, -1.3, 0.4])
+    params = [p for p in m.parameters() if p.requires_grad]
+    exact_value = (_exact_logits(m, img, mask) * c).sum()
+    exact = torch.cat([g.flatten() for g in torch.autograd.grad(exact_value, params)])
+    low = low_res_view(img, m.scale).expand(per_group, -1, -1, -1)
+    source = img.expand(per_group, -1, -1, -1)
+    gen = torch.Generator().manual_seed(1)
+    vals, grads = [], []
+    for _ in range(groups):
+        masks = None if mask is None else mask.expand(per_group, -1, -1)
+        est = (m(low, source, generator=gen, support_mask=masks).logits * c).sum(1).mean()
+        vals.append(float(est.detach()))
+        got = torch.autograd.grad(est, params, allow_unused=True)  # a biased variant may leave a net out
+        grads.append(torch.cat([torch.zeros_like(p).flatten() if g is None else g.flatten()
+                                for g, p in zip(got, params, strict=True)]))
+    g = torch.stack(grads)
+    se = g.std(0) / groups ** 0.5
+    z = _max_z(g.mean(0), se, exact)
+    v = torch.tensor(vals)
+    return max(z, float((v.mean() - exact_value.detach()).abs() / (v.std() / groups ** 0.5)))
+
+
+def test_the_two_level_model_is_unbiased_in_value_and_every_parameter():
+    """Both attention nets, the feature net and the classifier: the model's own forward
+    pass (coarse view, region grid, region views, fine views, patch offsets) against the
+    exact expectation over every region and every cell."""
+    assert _model_z(tiny_nested()) < Z_MAX
+
+
+def test_the_two_level_model_is_unbiased_with_a_tissue_mask_a_prior_and_a_gain():
+    """The extensions at both levels: a mask that leaves some regions out and cuts others,
+    the rarity prior on the coarse and the fine cells, the learned gain on the features."""
+    m = tiny_nested(prior={"name": "rarity", "weight": 1.0}, gain={"name": "learned"})
+    assert _model_z(m, mask=_mask()) < Z_MAX
+
+
+def test_the_model_check_rejects_a_plain_mean_over_the_regions(monkeypatch):
+    def biased(values, region_probs, patch_probs, region_weights, patch_weights):
+        pooled, inner = nested_expectation(values, region_probs, patch_probs, region_weights, patch_weights)
+        return inner.mean(1), inner
+
+    monkeypatch.setattr(nested_model, "nested_expectation", biased)
+    assert _model_z(tiny_nested()) > 3 * Z_MAX
+
+
+def test_the_output_says_what_the_model_did():
+    """Each patch lies in its region, the patch weights are the products of the two levels'
+    weights, and the patch fields are those of a one-level output (the figure and GeoJSON
+    read them alike)."""
+    m = tiny_nested().eval()
+    out = m(low_res_view(_image(), m.scale), _image(), generator=torch.Generator().manual_seed(0))
+    kk, nn_ = m.regions, m.patches_now
+    assert out.attention.shape == (1, 4, 4) and out.offsets.shape == (1, kk * nn_, 2)
+    region = out.region_offsets[0].repeat_interleave(nn_, 0)
+    centre = out.offsets[0] + PATCH // 2
+    assert ((centre >= region) & (centre < region + REGION)).all()
+    assert len(set(out.region_indices[0].tolist())) == kk
+    torch.testing.assert_close(out.weights[0], (out.region_weights[0][:, None]
+                                                * estimator_weights_of(out, m)).flatten())
+    torch.testing.assert_close(out.region_contributions.sum(), out.contributions.sum(), rtol=1e-9, atol=0)
+
+
+def estimator_weights_of(out, m):
+    """The inner weights, read back as weights / region weight."""
+    return (out.weights[0].view(m.regions, -1) / out.region_weights[0][:, None])
+
+
+@pytest.mark.parametrize("size, region, k, message", [
+    ((64, 64), 128, 1, "larger than"),
+    ((64, 64), 16, 17, "holds only 16 regions"),
+    ((64, 64), 18, 1, "not a multiple of the patch side"),
+])
+def test_bad_configurations_fail_in_one_line(size, region, k, message):
+    with pytest.raises(NestedConfigError, match=message) as err:
+        check_regions(size, region, k, (PATCH, PATCH))
+    assert "\n" not in str(err.value) and "--region" in str(err.value)
+
+
+def test_counts_pooling_is_refused_in_one_line():
+    with pytest.raises(NestedConfigError, match="--pooling counts needs one attention grid"):
+        tiny_nested(pooling={"name": "counts"})

@@ -1,0 +1,170 @@
+"""A two-level model on slides, end to end: train one epoch, predict, visualise, export
+GeoJSON (regions and patches, each with its probability and weight); region views read
+from the pyramid; bad configurations stop with one line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from typer.testing import CliRunner
+
+from ats_cli.cli import app
+from ats_cli.data.slides import open_image
+from ats_cli.data.synthetic_slides import SyntheticSlidesConfig, generate_synthetic_slides
+
+runner = CliRunner()
+SMALL = SyntheticSlidesConfig(n_train=4, n_test=2, size=1024, n_spots=4, max_targets=2, spot_radius=20)
+FLAGS = ["--epochs", "1", "--batch-size", "2", "--scale", "0.125", "--patch-size", "32", "--n-patches", "3",
+         "--levels", "2", "--regions", "3", "--region-size", "256", "--feature-width", "8", "--attention-width", "4",
+         "--workers", "0"]
+
+
+@pytest.fixture(scope="module")
+def slides(tmp_path_factory):
+    out = tmp_path_factory.mktemp("nested") / "data"
+    generate_synthetic_slides(out, SMALL, workers=1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def run(slides, tmp_path_factory):
+    out = tmp_path_factory.mktemp("nested-run") / "run"
+    result = runner.invoke(app, ["train", str(slides), "--out", str(out), *FLAGS])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_region_views_come_from_the_pyramid_level_that_matches(slides):
+    """A 256-pixel region viewed at 64x64 is read from the 4x-smaller level (256x256 for the
+    1024 slide), and is the region of level 0 resized, up to the pyramid's own resampling."""
+    reader = open_image(slides / "train" / "0001.tif")
+    off = torch.tensor([[256, 512]])
+    reads = []
+    read_region = reader.read_region
+    reader.read_region = lambda *args: reads.append(args) or read_region(*args)
+    view = reader.read_view(off, (256, 256), (64, 64))
+    assert reads == [(64, 128, 64, 64, 1)]  # level 1 (4x): the region's 64x64 pixels there, nothing else
+    assert view.shape == (1, 3, 64, 64) and view.dtype == torch.float32
+    full = torch.from_numpy(reader.read_region(256, 512, 256, 256, 0).copy()).permute(2, 0, 1)[None].float() / 255
+    direct = torch.nn.functional.interpolate(full, size=(64, 64), mode="bilinear", antialias=True)
+    assert float((view - direct).abs().mean()) < 0.03
+
+
+def test_a_two_level_model_trains_predicts_visualises_and_exports(run, slides, tmp_path):
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["epoch"] for m in metrics] == [1] and np.isfinite(metrics[0]["train_loss"])
+    spec = torch.load(run / "best.pt", weights_only=True)["spec"]
+    assert (spec["levels"], spec["regions"], spec["region_size"]) == (2, 3, 256)
+    assert spec["coarse_scale"] == pytest.approx(8 / 256) and spec["scale"] == 0.125
+
+    csv_out = tmp_path / "preds.csv"
+    result = runner.invoke(app, ["predict", str(slides / "test.csv"), "--model", str(run), "--out", str(csv_out)])
+    assert result.exit_code == 0, result.output
+    header, *rows = [line.split(",") for line in csv_out.read_text().splitlines()]
+    assert len(rows) == SMALL.n_test
+    for row in rows:
+        assert row[1] in ("normal", "tumor") and float(row[2]) + float(row[3]) == pytest.approx(1, abs=1e-5)
+
+    png = tmp_path / "att.png"
+    result = runner.invoke(app, ["visualize", str(slides / "test" / "0001.tif"), "--model", str(run), "--out",
+                                 str(png)])
+    assert result.exit_code == 0, result.output
+    with Image.open(png) as im:
+        assert im.width > 400 and im.height > 300
+
+    out = tmp_path / "att.geojson"
+    result = runner.invoke(app, ["visualize", str(slides / "test" / "0001.tif"), "--model", str(run), "--out",
+                                 str(out)])
+    assert result.exit_code == 0, result.output
+    collection = json.loads(out.read_text())
+    props = collection["properties"]
+    assert props["regions"]["count"] == 3 and props["regions"]["grid"] == [4, 4]
+    regions = [f for f in collection["features"] if f["properties"].get("classification", {}).get("name") == "region"]
+    patches = [f for f in collection["features"] if f["properties"]["name"].startswith("patch ")]
+    assert len(regions) == 3 and len(patches) == 3 * props["regions"]["patches_per_region"]
+    region_box = {}
+    for f in regions:
+        m = f["properties"]["measurements"]
+        assert 0 < m["attention"] <= 1 and m["weight"] > 0
+        region_box[m["draw_order"]] = f["properties"]["region_box"]
+    for f in patches:
+        m = f["properties"]["measurements"]
+        assert 0 < m["attention"] <= 1 and m["weight"] >= 0
+        x0, y0, x1, y1 = f["properties"]["patch_box"]
+        rx0, ry0, rx1, ry1 = region_box[m["region"]]
+        assert rx0 <= (x0 + x1) / 2 < rx1 and ry0 <= (y0 + y1) / 2 < ry1  # each patch in its region
+    cells = [f for f in collection["features"] if f["properties"].get("classification", {}).get("name") == "attention"]
+    assert cells and all(f["geometry"]["coordinates"][0][2][0] - f["geometry"]["coordinates"][0][0][0] == 256
+                         for f in cells)  # the coarse cells are the regions
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--region-size", "2048"], "larger than"),
+    (["--regions", "17"], "holds only 16 regions"),
+    (["--region-size", "250"], "not a multiple of --patch-size"),
+    (["--region-size", "0"], "region_size (pixels) or region_um"),
+])
+def test_bad_two_level_configurations_stop_with_one_line(slides, tmp_path, flags, message):
+    result = runner.invoke(app, ["train", str(slides), "--out", str(tmp_path / "bad"), *FLAGS, *flags])
+    assert result.exit_code != 0
+    text = " ".join(result.output.split())  # rich wraps long lines
+    assert message in text and "Traceback" not in result.output, result.output
+
+
+def test_region_size_in_microns_is_converted_at_the_model_microns_per_pixel():
+    from ats_cli.config import TrainConfig
+    from ats_cli.models import levels_spec
+
+    cfg = TrainConfig(levels=2, region_um=130.0, patch_size=32, scale=0.125).validate()
+    spec = levels_spec(cfg, 0.5)
+    assert spec["region_size"] == 256  # 260 px, to the nearest multiple of the 32-pixel patch
+    assert spec["coarse_scale"] == pytest.approx(8 / 256)
+    with pytest.raises(ValueError, match="microns per pixel are unknown"):
+        levels_spec(cfg, None)
+    assert levels_spec(TrainConfig(patch_size=32, scale=0.125).validate(), 0.5) == {}  # one level: nothing added
+
+
+def test_the_patches_of_a_drawn_region_lie_on_its_tissue(run, slides):
+    """The coarse tissue mask has 8 pixels per region side; in a drawn region the patches
+    are kept on the tissue of the region's own view, not on the glass beside it."""
+    from ats_cli.data.slides import tissue_mask
+    from ats_cli.predict import load_predictor
+    from ats_cli.visualize import sample_attention
+
+    predictor = load_predictor(run, "cpu")
+    on = total = 0
+    for name in ("0000.tif", "0001.tif"):
+        opened = predictor.opener()(slides / "test" / name, channels=3, scale=predictor.model.scale,
+                                    patch_size=predictor.model.patch_size)
+        fine = tissue_mask(open_image(slides / "test" / name).low_res_view(1 / 8))  # 128x128, 8 px a cell
+        for seed in range(3):
+            out = sample_attention(predictor, opened, n_patches=None, seed=seed)
+            centres = ((out.offsets[0] + 16) // 8).clamp(0, 127)
+            on += int(fine[centres[:, 0], centres[:, 1]].sum())
+            total += len(centres)
+    assert on / total > 0.9, (on, total)
+
+
+def test_a_two_level_model_end_to_end_on_virtual_slides(tmp_path):
+    """The same path on virtual slides (a .vslide.json spec rendered on demand): train one
+    epoch, predict, visualise, export GeoJSON with its regions."""
+    data = tmp_path / "virtual"
+    made = runner.invoke(app, ["make-dataset", "synthetic-slides", str(data), "--size", "1024", "--virtual",
+                               "--n-train", "4", "--n-test", "2", "--spot-radius", "20"])
+    assert made.exit_code == 0, made.output
+    run = tmp_path / "run"
+    result = runner.invoke(app, ["train", str(data), "--out", str(run), *FLAGS])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["predict", str(data / "test.csv"), "--model", str(run), "--out",
+                                 str(tmp_path / "p.csv")])
+    assert result.exit_code == 0 and len((tmp_path / "p.csv").read_text().splitlines()) == 3, result.output
+    slide = data / "test" / "0001.vslide.json"
+    for out in (tmp_path / "v.png", tmp_path / "v.geojson"):
+        result = runner.invoke(app, ["visualize", str(slide), "--model", str(run), "--out", str(out)])
+        assert result.exit_code == 0 and out.stat().st_size > 0, result.output
+    regions = json.loads((tmp_path / "v.geojson").read_text())["properties"]["regions"]
+    assert regions["count"] == 3 and regions["size_level"] == 256
