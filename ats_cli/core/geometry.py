@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ats_cli.core.transfer import to_device
+
 __all__ = ["low_res_size", "low_res_view", "positions_to_offsets"]
 
 
@@ -65,13 +67,17 @@ def positions_to_offsets(
         raise ValueError(
             f"attention map {attention_shape} does not fit in low-res view {low_size} with margin {margin}"
         )
-    sizes = torch.as_tensor(image_size, dtype=torch.float64, device=indices.device).reshape(-1, 1, 2)
+    if isinstance(image_size, torch.Tensor):  # [B, 2], one size per image: a (pinned, queued) copy
+        sizes = to_device(image_size.to(torch.float64).reshape(-1, 1, 2), indices.device)
+        zoom_r, zoom_c = sizes[..., 0] / low_h, sizes[..., 1] / low_w
+    else:  # one size: Python floats, the same float64 division, nothing to copy to the device
+        zoom_r, zoom_c = float(image_size[0]) / low_h, float(image_size[1]) / low_w
     row = torch.div(indices, att_w, rounding_mode="floor").double()
     col = (indices % att_w).double()
     cell_h = (low_h - 2 * margin) / att_h
     cell_w = (low_w - 2 * margin) / att_w
-    centre_r = (margin + (row + 0.5) * cell_h) * (sizes[..., 0] / low_h)
-    centre_c = (margin + (col + 0.5) * cell_w) * (sizes[..., 1] / low_w)
+    centre_r = (margin + (row + 0.5) * cell_h) * zoom_r
+    centre_c = (margin + (col + 0.5) * cell_w) * zoom_c
     top = torch.floor(centre_r - patch_size[0] / 2 + 0.5)
     left = torch.floor(centre_c - patch_size[1] / 2 + 0.5)
     return torch.stack([top, left], dim=-1).long()

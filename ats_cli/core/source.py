@@ -15,7 +15,7 @@ import torch
 
 from ats_cli.core.patches import extract_patches
 
-__all__ = ["PatchSource", "TensorSource", "gather_patches", "source_sizes"]
+__all__ = ["PatchSource", "TensorSource", "gather_patches", "source_shapes", "source_sizes", "uniform_shape"]
 
 
 @runtime_checkable
@@ -59,18 +59,34 @@ class TensorSource:
 Sources = torch.Tensor | Sequence[PatchSource]
 
 
-def source_sizes(sources: Sources) -> torch.Tensor:
-    """Full-resolution sizes [B, 2] of a batch given as a tensor [B, C, H, W] or as sources."""
+def source_shapes(sources: Sources) -> list[tuple[int, int]]:
+    """Full-resolution (H, W) of each image of a batch, as Python ints: known on the host
+    without reading anything from a device (a tensor's shape is host metadata)."""
     if isinstance(sources, torch.Tensor):
-        return torch.tensor([list(sources.shape[-2:])] * sources.shape[0], dtype=torch.long)
-    return torch.tensor([list(s.size) for s in sources], dtype=torch.long)
+        return [(int(sources.shape[-2]), int(sources.shape[-1]))] * sources.shape[0]
+    return [(int(s.size[0]), int(s.size[1])) for s in sources]
+
+
+def source_sizes(sources: Sources) -> torch.Tensor:
+    """Full-resolution sizes [B, 2] (host, int64) of a batch given as a tensor [B, C, H, W] or as sources."""
+    return torch.tensor(source_shapes(sources), dtype=torch.long).reshape(-1, 2)
+
+
+def uniform_shape(shapes: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
+    """The (H, W) every image of the batch shares, or None when they differ."""
+    return shapes[0] if shapes and all(s == shapes[0] for s in shapes) else None
 
 
 def gather_patches(sources: Sources, offsets: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """Patches [B, n, C, h, w] for a batch: one vectorised extraction when the batch is a
-    tensor (on its own device), otherwise one ``read_patches`` call per image."""
+    tensor (on its own device: no host round trip when it is the offsets' device),
+    otherwise one ``read_patches`` call per image on the host.
+
+    Lazy sources read on the host what the device drew, so their offsets cross to the host
+    once per batch (one transfer for the whole batch, never one per image)."""
     if isinstance(sources, torch.Tensor):
         return extract_patches(sources, offsets, size)
     if len(sources) != offsets.shape[0]:
         raise ValueError(f"{len(sources)} patch sources for a batch of {offsets.shape[0]}")
-    return torch.stack([src.read_patches(off.cpu(), size) for src, off in zip(sources, offsets, strict=True)])
+    host = offsets.cpu()
+    return torch.stack([src.read_patches(off, size) for src, off in zip(sources, host, strict=True)])
