@@ -37,7 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's ats_cli, not an installed one
 
-from ats_cli.data import slides  # noqa: E402
+from ats_cli.core.threads import READ_THREADS  # noqa: E402
 from ats_cli.data.slides import open_image  # noqa: E402
 
 TILE = 256
@@ -130,7 +130,7 @@ def main() -> None:
         files.append(vips_file)
     else:
         print("vips not installed: tifffile's pyramid only (apt-get install libvips-tools)")
-    print(f"{os.cpu_count()} CPUs, READ_THREADS={slides.READ_THREADS}, torch threads {torch.get_num_threads()}, "
+    print(f"{os.cpu_count()} CPUs, READ_THREADS={READ_THREADS}, torch threads {torch.get_num_threads()}, "
           f"{args.size}x{args.size} RGB, {TILE}x{TILE} JPEG tiles, patches {args.patch}x{args.patch}, "
           f"median of {args.repeats}")
     print("| file | patches | one by one ms | batched + pooled ms | speed-up |")

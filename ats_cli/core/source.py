@@ -14,6 +14,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ats_cli.core.patches import extract_patches
+from ats_cli.core.threads import thread_pool
 
 __all__ = ["PatchSource", "TensorSource", "gather_patches", "source_shapes", "source_sizes", "uniform_shape"]
 
@@ -83,10 +84,13 @@ def gather_patches(sources: Sources, offsets: torch.Tensor, size: tuple[int, int
     otherwise one ``read_patches`` call per image on the host.
 
     Lazy sources read on the host what the device drew, so their offsets cross to the host
-    once per batch (one transfer for the whole batch, never one per image)."""
+    once per batch (one transfer for the whole batch, never one per image), and the images
+    are read concurrently (their reads release the GIL: file reads, zlib, codecs)."""
     if isinstance(sources, torch.Tensor):
         return extract_patches(sources, offsets, size)
     if len(sources) != offsets.shape[0]:
         raise ValueError(f"{len(sources)} patch sources for a batch of {offsets.shape[0]}")
     host = offsets.cpu()
-    return torch.stack([src.read_patches(off, size) for src, off in zip(sources, host, strict=True)])
+    read = lambda k: sources[k].read_patches(host[k], size)  # noqa: E731
+    ks = range(len(sources))
+    return torch.stack(list(thread_pool("sources").map(read, ks) if len(sources) > 1 else map(read, ks)))

@@ -41,13 +41,13 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ats_cli.core.threads import thread_pool
 from ats_cli.data.formats import OPENSLIDE, PILLOW, TIFFFILE, backend
 from ats_cli.data.images import (
     DEFAULT_MAX_PIXELS,
@@ -78,19 +78,6 @@ READERS = ("auto", OPENSLIDE, TIFFFILE, PILLOW)
 MPP_TOLERANCE = 0.05
 PARALLEL_SEGMENT_PIXELS = 4_000_000  # larger strips/tiles are decoded one patch at a time (memory)
 READ_BUDGET_BYTES = 256 << 20  # decoded segments held at once by one read_patches call
-READ_THREADS = 8  # threads that decode a slide's tiles concurrently (the codecs release the GIL)
-_pool: tuple[int, ThreadPoolExecutor] | None = None
-_pool_lock = threading.Lock()
-
-
-def reading_pool() -> ThreadPoolExecutor:
-    """The process's reading threads, started once (not per batch) and again in a forked
-    child (a DataLoader worker), whose copy of the parent's pool has no threads behind it."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="ats-read"))
-        return _pool[1]
 
 
 class SlideReadError(ImageReadError):
@@ -263,7 +250,7 @@ class SlideReader:
         so large that several decoded at once would take too much memory."""
         if self._segment_pixels(level) > PARALLEL_SEGMENT_PIXELS or len(offs) == 1:
             return [self.read_region(r, c, h, w, level) for r, c in offs]
-        return list(reading_pool().map(lambda rc: self.read_region(rc[0], rc[1], h, w, level), offs))
+        return list(thread_pool("tiles").map(lambda rc: self.read_region(rc[0], rc[1], h, w, level), offs))
 
     def read_region(self, row: int, col: int, h: int, w: int, level: int = 0, segments=None) -> np.ndarray:
         """[h, w, C] uint8 of ``level`` starting at (row, col) in that level's pixels;
@@ -528,7 +515,7 @@ class TiffReader(SlideReader):
             if len(wanted) >= room or k == len(offs) - 1:
                 decode = lambda i: self._segment(level, i)  # noqa: E731
                 ids = sorted(wanted)
-                decoded = dict(zip(ids, reading_pool().map(decode, ids) if len(ids) > 1 else map(decode, ids),
+                decoded = dict(zip(ids, thread_pool("tiles").map(decode, ids) if len(ids) > 1 else map(decode, ids),
                                    strict=True))
                 out += [self.read_region(rr, cc, h, w, level, segments=decoded) for rr, cc in group]
                 group, wanted = [], set()
