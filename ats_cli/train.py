@@ -217,12 +217,12 @@ def train_one_epoch(cfg: TrainConfig, ctx: Dist, device: torch.device, net: torc
             # no waiting from here to the end of the step, so Ctrl-C saves a consistent state
             pos.step += 1
             pos.done = min(pos.done + global_batch, len(train_set))
-            if sums.due() or pos.step == total_steps:
+            if sums.due() or pos.step == total_steps or not acc["n"]:
                 sums.flush()
             now = time.perf_counter()
             acc["time"] += now - t_last  # wall time (the ranks run in lockstep)
             t_last = now
-            if progress and acc["n"]:
+            if progress:  # the loss and accuracy as last read (every step on a CPU)
                 progress("train", pos.step, total_steps,
                          {"epoch": pos.epoch + 1, "loss": acc["loss"] / acc["n"], "acc": acc["correct"] / acc["n"]})
     except KeyboardInterrupt:

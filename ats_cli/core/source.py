@@ -85,7 +85,8 @@ def gather_patches(sources: Sources, offsets: torch.Tensor, size: tuple[int, int
 
     Lazy sources read on the host what the device drew, so their offsets cross to the host
     once per batch (one transfer for the whole batch, never one per image), and the images
-    are read concurrently (their reads release the GIL: file reads, zlib, codecs)."""
+    are read concurrently (their reads release the GIL: file reads, zlib, codecs; in-memory
+    images are cut one after the other, each by a kernel that has the intra-op threads)."""
     if isinstance(sources, torch.Tensor):
         return extract_patches(sources, offsets, size)
     if len(sources) != offsets.shape[0]:
@@ -93,4 +94,5 @@ def gather_patches(sources: Sources, offsets: torch.Tensor, size: tuple[int, int
     host = offsets.cpu()
     read = lambda k: sources[k].read_patches(host[k], size)  # noqa: E731
     ks = range(len(sources))
-    return torch.stack(list(thread_pool("sources").map(read, ks) if len(sources) > 1 else map(read, ks)))
+    lazy = len(sources) > 1 and not all(isinstance(src, TensorSource) for src in sources)
+    return torch.stack(list(thread_pool("sources").map(read, ks) if lazy else map(read, ks)))
