@@ -214,9 +214,10 @@ def train_one_epoch(cfg: TrainConfig, ctx: Dist, device: torch.device, net: torc
                                     _seed(cfg.seed, pos.epoch, pos.done, ctx.rank, "augment"))
             train_step(net, model, opt, scaler, batch, device, sums, generator=sampling_gen,
                        autocast=_autocast(cfg, device), augmentation=aug, clip_norm=cfg.clip_norm)
-            # no waiting from here to the end of the step, so Ctrl-C saves a consistent state
+            # the step counted with its statistics (no waiting), so Ctrl-C saves a consistent state
             pos.step += 1
             pos.done = min(pos.done + global_batch, len(train_set))
+            sums.commit()
             if sums.due() or pos.step == total_steps or not acc["n"]:
                 sums.flush()
             now = time.perf_counter()

@@ -48,17 +48,26 @@ class RunningSums:
         self.every = STATS_EVERY if torch.device(device).type == "cuda" else 1  # reading on a CPU costs nothing
         self.sums = to_device(torch.tensor([float(running[k]) for k in self.KEYS], dtype=torch.float64), device)
         self.unread = 0
+        self.staged: torch.Tensor | None = None
 
     def add(self, loss: torch.Tensor, logits: torch.Tensor, entropy: torch.Tensor, labels: torch.Tensor) -> None:
-        """Add one step's statistics (all processes' under torch.distributed), without waiting."""
+        """Stage one step's statistics (all processes' under torch.distributed), without
+        waiting; :meth:`commit` adds them once the step is counted, so that a Ctrl-C in
+        between leaves sums and position in agreement (the step is redone on resume)."""
         n = labels.shape[0]
         step = torch.stack([loss.detach().double() * n, (logits.argmax(1) == labels).sum().double(),
                             entropy.detach().sum().double(),
                             torch.full((), float(n), dtype=torch.float64, device=self.sums.device)])
         if self.distributed:
             dist.all_reduce(step)  # on the device: queued like any kernel
-        self.sums += step
-        self.unread += 1
+        self.staged = step
+
+    def commit(self) -> None:
+        """Add the staged step to the sums (queued, no waiting)."""
+        if self.staged is not None:
+            self.sums += self.staged
+            self.staged = None
+            self.unread += 1
 
     def due(self) -> bool:
         return self.unread >= self.every

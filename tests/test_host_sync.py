@@ -47,9 +47,11 @@ def run_step(model, batch, device="cpu", optimizer=torch.optim.Adam, clip_norm=1
     scaler = torch.amp.GradScaler("cuda", enabled=False)
     sums = RunningSums({"loss": 0.0, "correct": 0.0, "ent": 0.0, "n": 0.0}, torch.device(device))
     gen = torch.Generator(device=device).manual_seed(0)
-    return lambda: train_step(model, model, opt, scaler, batch, torch.device(device), sums, generator=gen,
-                              clip_norm=clip_norm, augmentation=Augmentation.draw(augment, len(batch.labels), 0)
-                              ), sums
+    def step():
+        train_step(model, model, opt, scaler, batch, torch.device(device), sums, generator=gen, clip_norm=clip_norm,
+                   augmentation=Augmentation.draw(augment, len(batch.labels), 0))
+        sums.commit()
+    return step, sums
 
 
 SLOTS = {
@@ -129,9 +131,12 @@ def test_the_running_sums_are_those_of_reading_every_step():
         loss, logits = torch.rand((), generator=g) * 3, torch.randn(5, 3, generator=g)
         ent = torch.rand(5, generator=g)
         sums.add(loss, logits, ent, labels)
+        sums.commit()
         read = [float(loss) * 5, float((logits.argmax(1) == labels).sum()), float(ent.sum()), 5]
         for key, value in zip(("loss", "correct", "ent", "n"), read, strict=True):
             expected[key] += value
+    assert sums.flush() == expected
+    sums.add(loss, logits, ent, labels)  # a step interrupted before it was counted: not in the sums
     assert sums.flush() == expected
 
 
