@@ -157,7 +157,7 @@ def _measure(spec: BenchSpec, image: np.ndarray, threads: int, stage=None) -> di
     """Runs in the fresh process: build the model, one memory step, then timed steps.
     ``stage(text)`` is told as each part begins (the command prints it)."""
     stage = stage or (lambda text: None)
-    from ats_cli.core.geometry import low_res_view
+    from ats_cli.core.source import low_res_view
     from ats_cli.core.transfer import to_device
 
     if threads:

@@ -91,7 +91,7 @@ def batch_sources_on(sources, device: torch.device):
 def train_step(net: torch.nn.Module, model: torch.nn.Module, opt: torch.optim.Optimizer,
                scaler: torch.amp.GradScaler, batch, device: torch.device, sums: RunningSums, *,
                generator: torch.Generator, autocast=None, augmentation=None, clip_norm: float = 0.0) -> None:
-    """Forward, loss, backward and optimiser step on ``batch`` (:class:`~ats_cli.data.loader.Batch`),
+    """Forward, loss, backward and optimiser step on ``batch`` (:class:`~ats_cli.data.inputs.Batch`),
     its statistics added to ``sums``; nothing is read back from the device.
 
     ``net`` is the model or its DistributedDataParallel wrapper, ``model`` the model itself

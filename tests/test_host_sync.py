@@ -18,8 +18,7 @@ from ats_cli import nets
 from ats_cli.augment import Augmentation
 from ats_cli.core import ATSModel, TensorSource, low_res_view
 from ats_cli.core import model as model_module
-from ats_cli.data.inputs import batch_sources
-from ats_cli.data.loader import Batch
+from ats_cli.data.inputs import Batch, batch_sources
 from ats_cli.train_step import RunningSums, train_step
 from tests.hostsync import HostSyncCounter
 
