@@ -162,25 +162,42 @@ def synthetic_slides(
              "stained alike. The layouts do not depend on it (docs/training.md, colour augmentation).")] = 0.0,
     workers: Annotated[int | None, typer.Option(help="Worker processes (default: CPU count); the output does not "
                                                 "depend on it.")] = None,
+    virtual: Annotated[bool, typer.Option(
+        "--virtual", help="Write virtual slides: a small .vslide.json spec per slide, rendered on demand when read "
+                          "(any --size, no pixels on disk; docs/slides.md).")] = False,
+    tiff: Annotated[bool, typer.Option(
+        "--tiff", help="With --virtual: render each virtual slide into a real pyramidal TIFF (lossless, the same "
+                       "pixels) instead of writing its spec.")] = False,
 ) -> None:
     """Generate synthetic whole slides: pyramidal tiled TIFFs of pink "tissue" whose label
     (tumor / normal) is decided by a few small cell clusters that look alike in the
     low-resolution view and differ only at full resolution. See docs/slides.md."""
     from ats_cli.data.synthetic_slides import SyntheticSlidesConfig, check_slides_output, generate_synthetic_slides
 
+    check, generate = check_slides_output, generate_synthetic_slides
+    if tiff and not virtual:
+        raise _fail(ValueError("--tiff renders virtual slides into TIFFs: give --virtual too"))
+    if virtual:
+        from functools import partial
+
+        from ats_cli.data.virtual_slides import check_virtual_output, generate_virtual_slides
+
+        check, generate = partial(check_virtual_output, tiff=tiff), partial(generate_virtual_slides, tiff=tiff)
+
     try:
         config = SyntheticSlidesConfig(n_train=n_train, n_test=n_test, size=size, n_spots=n_spots,
                                        max_targets=max_targets, spot_radius=spot_radius, mpp=mpp,
                                        seed=seed, stain_jitter=stain_jitter).validate()
-        check_slides_output(out, config)
+        check(out, config)
     except (ValueError, OSError) as err:
         raise _fail(err) from None
     workers = workers or os.cpu_count() or 1
-    console.print(f"synthetic slides -> [bold]{out}[/]: {n_train} train + {n_test} test slides, {size}x{size}, "
+    console.print(f"{'virtual ' if virtual else ''}synthetic slides -> [bold]{out}[/]: {n_train} train + {n_test} "
+                  f"test slides, {size}x{size}, "
                   f"{n_spots} clusters, up to {max_targets} targets, {mpp} um/px, seed {seed}"
                   + (f", stain jitter {stain_jitter:g}" if stain_jitter else "") + f", {workers} worker(s)",
                   highlight=False)
-    _generate(lambda progress: generate_synthetic_slides(out, config, workers=workers, progress=progress),
+    _generate(lambda progress: generate(out, config, workers=workers, progress=progress),
               {"train": n_train, "test": n_test})
 
 

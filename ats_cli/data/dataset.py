@@ -67,8 +67,8 @@ from ats_cli.io import atomic_write_text
 
 __all__ = ["DATASET_JSON", "KNOWN_SPLITS", "Dataset", "DatasetError", "Problem", "CsvRow", "CsvTable", "Record",
            "load_dataset", "read_csv", "write_dataset", "BACKENDS", "INPUT_SUFFIXES", "LAZY_BACKENDS", "OPENSLIDE",
-           "PILLOW", "TIFFFILE", "backend", "is_input_file", "is_lazy", "MIN_MPP", "MAX_MPP", "RANGE_TEXT",
-           "mpp_problem"]
+           "PILLOW", "TIFFFILE", "VIRTUAL", "VIRTUAL_SUFFIX", "backend", "is_input_file", "is_lazy", "MIN_MPP",
+           "MAX_MPP", "RANGE_TEXT", "mpp_problem"]
 
 DATASET_JSON = "dataset.json"
 KNOWN_SPLITS = ("train", "val", "test")
@@ -394,8 +394,11 @@ def _short(items: Sequence[str], limit: int = 12) -> str:
 
 # ---------------------------------------------------- which files are inputs, read by what
 
-PILLOW, TIFFFILE, OPENSLIDE = "pillow", "tifffile", "openslide"
-LAZY_BACKENDS = (TIFFFILE, OPENSLIDE)  # read tile by tile, never decoded whole
+PILLOW, TIFFFILE, OPENSLIDE, VIRTUAL = "pillow", "tifffile", "openslide", "virtual"
+LAZY_BACKENDS = (TIFFFILE, OPENSLIDE, VIRTUAL)  # read tile by tile (or rendered region by region), never whole
+# a virtual slide (ats_cli.data.virtual_slides): a JSON spec rendered on demand; the double
+# suffix keeps other JSON files (dataset.json) from being taken for slides
+VIRTUAL_SUFFIX = ".vslide.json"
 
 BACKENDS: Mapping[str, str] = MappingProxyType({
     # decoded whole by PIL, under the pixel budget (ats_cli.data.images)
@@ -406,12 +409,14 @@ BACKENDS: Mapping[str, str] = MappingProxyType({
     # whole-slide formats only OpenSlide reads
     **dict.fromkeys((".svs", ".ndpi", ".mrxs", ".scn", ".vms", ".vmu", ".bif", ".svslide", ".dcm"), OPENSLIDE),
 })
-INPUT_SUFFIXES = tuple(BACKENDS)
+INPUT_SUFFIXES = (*BACKENDS, VIRTUAL_SUFFIX)
 
 
 def backend(path: str | os.PathLike[str]) -> str | None:
     """The backend :data:`BACKENDS` gives ``path``'s suffix (case-insensitive); None for a
     suffix it does not list."""
+    if str(path).lower().endswith(VIRTUAL_SUFFIX):
+        return VIRTUAL
     return BACKENDS.get(Path(path).suffix.lower())
 
 

@@ -87,7 +87,7 @@ def _files(folder: Path, extensions: Iterable[str]) -> list[Path]:
         seen_dirs.add(real)
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for name in sorted(filenames):
-            if not name.startswith(".") and Path(name).suffix.lower() in exts:
+            if not name.startswith(".") and name.lower().endswith(tuple(exts)):  # .vslide.json: two suffixes
                 file = Path(dirpath) / name
                 key = os.path.realpath(file)
                 if key not in seen_files:

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from ats_cli.core.threads import thread_pool
-from ats_cli.data.dataset import OPENSLIDE, PILLOW, TIFFFILE, backend, mpp_problem
+from ats_cli.data.dataset import OPENSLIDE, PILLOW, TIFFFILE, VIRTUAL, backend, mpp_problem
 from ats_cli.data.images import (
     DEFAULT_MAX_PIXELS,
     ImageReadError,
@@ -68,9 +68,9 @@ from ats_cli.data.tiff_meta import (
 )
 
 __all__ = ["SlideReadError", "SlideInfo", "SlideReader", "open_image", "tissue_mask", "choose_level", "READERS",
-           "MPP_TOLERANCE"]
+           "MPP_TOLERANCE", "VirtualSlideReader"]
 
-READERS = ("auto", OPENSLIDE, TIFFFILE, PILLOW)
+READERS = ("auto", OPENSLIDE, TIFFFILE, PILLOW)  # --reader's choices; "virtual" is chosen by the .vslide.json suffix
 # Two pixel sizes closer than this (relative) are the same magnification: scanners record
 # 0.2520 or 0.2527 um/px for "0.25", and a 5% change of scale is within the variation the
 # model already sees between slides. Such a level is read as it is, never resampled.
@@ -625,6 +625,42 @@ class OpenSlideReader(SlideReader):
         self._slide.close()
 
 
+class VirtualSlideReader(SlideReader):
+    """A virtual slide (``.vslide.json``, :mod:`ats_cli.data.virtual_slides`) read like a
+    pyramidal slide: levels ``floor(side / d)`` for the spec's downsamples, each region
+    rendered on demand, at a cost set by its pixels, not by the slide's."""
+
+    name = VIRTUAL
+    BAND_PIXELS = 1 << 20  # a larger region is rendered this many pixels at a time
+
+    def __init__(self, path: Path, max_pixels: int | None = None):
+        from ats_cli.data.virtual_slides import VirtualSlide, level_sizes, load_spec
+
+        self.max_pixels = max_pixels_limit(max_pixels)
+        self.spec = load_spec(path)
+        self.slide = VirtualSlide(self.spec)
+        super().__init__(path, level_sizes(self.spec), 3, "virtual", (self.spec.mpp, self.spec.mpp))
+        self.mpp_source = "the spec's mpp"
+
+    @property
+    def downsamples(self) -> list[float]:
+        return [float(d) for d in self.spec.downsamples]
+
+    def _read_region(self, row, col, h, w, level):
+        if h * w > self.max_pixels:
+            raise _too_big(self.path, f"a {w}x{h} region of level {level}", h * w, self.max_pixels)
+        d, step = self.spec.downsamples[level], max(1, self.BAND_PIXELS // w)
+        if h <= step:
+            return self.slide.render(row, col, h, w, d, level)
+        out = np.empty((h, w, 3), np.uint8)
+        for r in range(0, h, step):
+            out[r:r + step] = self.slide.render(row + r, col, min(step, h - r), w, d, level)
+        return out
+
+    def _segment_rows(self, level: int) -> int:
+        return 256
+
+
 def open_image(
     path: str | os.PathLike[str], reader: str = "auto", max_pixels: int | None = None
 ) -> SlideReader:
@@ -641,13 +677,15 @@ def open_image(
     its smallest level (to refuse a missing codec now); the others check on reading.
     """
     path = Path(path)
-    if reader not in READERS:
+    if reader not in (*READERS, VIRTUAL):  # virtual: by name only when a pickled reader is reopened
         raise ValueError(f"unknown reader {reader!r}; choose from {', '.join(READERS)}")
     if not path.exists():
         raise SlideReadError(path, "file not found")
     if path.is_dir():
         raise SlideReadError(path, "is a directory, not an image file")
     max_pixels = max_pixels_limit(max_pixels)
+    if reader == VIRTUAL or (reader == "auto" and backend(path) == VIRTUAL):
+        return VirtualSlideReader(path, max_pixels)
     if reader != "auto":
         return _READER_CLASSES[reader](path, max_pixels)
     reader = backend(path) or PILLOW
