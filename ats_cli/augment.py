@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ats_cli.core.transfer import to_device
+
 __all__ = ["MODES", "RUIFROK_HED", "STAIN_SCALE", "STAIN_SHIFT", "BRIGHTNESS", "CONTRAST", "Augmentation",
            "brightness_contrast", "dihedral", "hed_jitter"]
 
@@ -66,7 +68,7 @@ CONTRAST = 0.1
 
 def _stain_matrices(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     m = torch.tensor(RUIFROK_HED, dtype=torch.float64)
-    return m.float().to(device), torch.linalg.inv(m).float().to(device)
+    return to_device(m.float(), device), to_device(torch.linalg.inv(m).float(), device)
 
 
 def _mix(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
@@ -101,16 +103,19 @@ def brightness_contrast(images: torch.Tensor, brightness: torch.Tensor, contrast
 def dihedral(patches: torch.Tensor, ops: torch.Tensor) -> torch.Tensor:
     """Each patch of ``patches`` [B, n, C, h, w] turned by ``ops`` [B, n] in 0..7: rotated by
     ``(op % 4) * 90`` degrees, then mirrored left-right if ``op >= 4`` (the 8 symmetries of
-    a square). A non-square patch takes only ops 0, 2, 4, 6 (those that keep its shape)."""
-    flat, ops = patches.flatten(0, 1), ops.flatten()
+    a square). A non-square patch takes only ops 0, 2, 4, 6 (those that keep its shape).
+    ``ops`` are drawn on the host (:meth:`Augmentation.patches`) and the choices made there,
+    so that patches on a device are turned without reading anything back from it."""
+    flat, ops = patches.flatten(0, 1), ops.flatten().cpu()
     if flat.shape[-1] != flat.shape[-2] and bool((ops % 2 == 1).any()):
         raise ValueError("a non-square patch can only be turned by 0 or 180 degrees (even ops)")
     out = flat.clone()
     for op in range(1, 8):
         chosen = (ops == op).nonzero().squeeze(1)
         if len(chosen):
-            turned = torch.rot90(flat[chosen], op % 4, dims=(-2, -1))
-            out[chosen] = turned.flip(-1) if op >= 4 else turned
+            chosen = to_device(chosen, flat.device)
+            turned = torch.rot90(flat.index_select(0, chosen), op % 4, dims=(-2, -1))
+            out.index_copy_(0, chosen, turned.flip(-1) if op >= 4 else turned)
     return out.view_as(patches)
 
 
@@ -155,8 +160,8 @@ class Augmentation:
         brightness and contrast."""
         dev = images.device
         if images.shape[-3] == 3:
-            images = hed_jitter(images, self.alpha.to(dev), self.beta.to(dev))
-        return brightness_contrast(images.float(), self.brightness.to(dev), self.contrast.to(dev))
+            images = hed_jitter(images, to_device(self.alpha, dev), to_device(self.beta, dev))
+        return brightness_contrast(images.float(), to_device(self.brightness, dev), to_device(self.contrast, dev))
 
     def low(self, low: torch.Tensor) -> torch.Tensor:
         """The low-res views [B, C, h, w]: colour only (their geometry is the positions')."""
@@ -170,4 +175,4 @@ class Augmentation:
             return out
         B, n, _, h, w = out.shape
         ops = torch.randint(0, 8 if h == w else 4, (B, n), generator=self.generator)
-        return dihedral(out, (ops if h == w else 2 * ops).to(out.device))
+        return dihedral(out, ops if h == w else 2 * ops)

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from ats_cli.core.model import ATSOutput, pixels_to_float
 from ats_cli.core.sampling import entropy
-from ats_cli.core.source import Sources, gather_patches, source_sizes
+from ats_cli.core.source import Sources, gather_patches, source_shapes, uniform_shape
+from ats_cli.core.transfer import to_device
 
 __all__ = ["UniformAttention", "DeepMIL", "CNNClassifier", "grid_offsets"]
 
@@ -85,13 +86,15 @@ class DeepMIL(nn.Module):
         accepted for a common interface and ignored: Deep MIL is deterministic and always
         reads the whole grid, as the baseline of the thesis does. ``patch_transform``: as
         :meth:`ats_cli.core.model.ATSModel.forward`'s (training's augmentation)."""
-        sizes = source_sizes(sources)
-        if (sizes != sizes[0]).any():
+        size = uniform_shape(source_shapes(sources))
+        if size is None:
             raise ValueError("Deep MIL needs the images of a batch to share a size; use --batch-size 1")
-        grid, shape = grid_offsets(tuple(sizes[0].tolist()), self.patch_size, self.stride)
+        grid, shape = grid_offsets(size, self.patch_size, self.stride)
         B = low.shape[0]
         offsets = grid[None].expand(B, -1, -1).contiguous()
-        patches = pixels_to_float(gather_patches(sources, offsets, self.patch_size).to(low.device))
+        if isinstance(sources, torch.Tensor):  # cut where the images are
+            offsets = to_device(offsets, sources.device)
+        patches = pixels_to_float(to_device(gather_patches(sources, offsets, self.patch_size), low.device))
         if patch_transform is not None:
             patches = patch_transform(patches)
         feats = F.normalize(self.feature_net(patches.flatten(0, 1)).view(B, grid.shape[0], -1), dim=-1)
@@ -102,7 +105,7 @@ class DeepMIL(nn.Module):
             logits=self.classifier(pooled),
             attention=a.view(B, *shape),
             indices=torch.arange(grid.shape[0], device=low.device).expand(B, -1),
-            offsets=offsets.to(low.device),
+            offsets=to_device(offsets, low.device),
             sampled_probs=a,
             entropy=entropy(a),
             patches=patches if return_patches else None,

@@ -1,9 +1,11 @@
 """`ats benchmark`: time and peak memory per sample of one training step, per method.
 
-What one measurement is (thesis §3.4, "time and memory per sample"): at batch size 1,
-from the uint8 full-resolution image on the host to the updated gradients -- the
-low-res view, the patch reading/extraction, the host-to-device copy, the forward pass,
-the loss and the backward pass. The first step is a warm-up (one-time library
+What one measurement is (thesis §3.4, "time and memory per sample"): at batch size 1
+(``batch_size`` copies of the image per step, the figures divided by it), from the uint8
+full-resolution image on the host to the updated gradients -- the host-to-device copy
+of the image (pinned, asynchronous: :mod:`ats_cli.core.transfer`), the low-res view (on
+the step's device, where the image then is), the patch extraction, the forward pass, the
+loss and the backward pass. The first step is a warm-up (one-time library
 set-up), the second the memory step (below); the time is the median of ``repeats``
 further steps.
 
@@ -67,6 +69,7 @@ class BenchSpec:
     feature_width: int = 32
     device: str = "cpu"
     repeats: int = 3
+    batch_size: int = 1
 
     def train_config(self) -> TrainConfig:
         """The training configuration whose model this row measures: ``ats train``'s
@@ -155,6 +158,7 @@ def _measure(spec: BenchSpec, image: np.ndarray, threads: int, stage=None) -> di
     ``stage(text)`` is told as each part begins (the command prints it)."""
     stage = stage or (lambda text: None)
     from ats_cli.core.source import low_res_view
+    from ats_cli.core.transfer import to_device
 
     if threads:
         torch.set_num_threads(threads)
@@ -163,13 +167,16 @@ def _measure(spec: BenchSpec, image: np.ndarray, threads: int, stage=None) -> di
     # 10 classes, as Megapixel MNIST: the classifier is a small part of a step's cost
     model = create_model(model_spec(spec.train_config(), n_classes=10, channels=image.shape[0])).to(device).train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
-    full = torch.from_numpy(image)[None]  # [1, C, H, W] uint8, stays on the host like a dataset image
-    target = torch.zeros(1, dtype=torch.long, device=device)
+    B = spec.batch_size
+    full = torch.from_numpy(image)[None].expand(B, *image.shape).contiguous()  # [B, C, H, W] uint8 on the host
+    if device.type == "cuda":
+        full = full.pin_memory()  # as the training loader hands it over
+    target = torch.zeros(B, dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(0)
 
     def step() -> None:
-        low = low_res_view(full, spec.scale).to(device)
-        out = model(low, full, generator=gen)
+        images = to_device(full, device)
+        out = model(low_res_view(images, spec.scale), images, generator=gen)
         opt.zero_grad(set_to_none=True)
         model.loss(out, target).backward()
         opt.step()
@@ -199,7 +206,7 @@ def _measure(spec: BenchSpec, image: np.ndarray, threads: int, stage=None) -> di
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    return {"time_ms_per_sample": 1000 * statistics.median(times), "peak_mem_mb_per_sample": peak_mb}
+    return {"time_ms_per_sample": 1000 * statistics.median(times) / B, "peak_mem_mb_per_sample": peak_mb / B}
 
 
 def _child(spec: BenchSpec, image_path: str, threads: int, queue) -> None:
@@ -281,7 +288,7 @@ def run_benchmark(image: np.ndarray, methods: list[str], n_patches: list[int], *
         t0 = time.perf_counter()
         result, error = _run_isolated(spec, str(image_path), threads,
                                       stage=(lambda text, spec=spec: stage(spec, text)) if stage else None)
-        row = {"method": method, "n_patches": n, "device": spec.device,
+        row = {"method": method, "n_patches": n, "device": spec.device, "batch_size": spec.batch_size,
                "image_size": [int(image.shape[1]), int(image.shape[2])],
                "time_ms_per_sample": None, "peak_mem_mb_per_sample": None}
         row.update(result or {"error": error})

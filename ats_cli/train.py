@@ -69,6 +69,7 @@ from ats_cli.runtime import (
     shard_batches,
     training_set_identity,
 )
+from ats_cli.train_step import RunningSums, train_step
 
 __all__ = ["train", "train_one_epoch", "evaluate", "loader_workers", "TrainingInterrupted"]
 
@@ -223,6 +224,7 @@ def train_one_epoch(cfg: TrainConfig, ctx: Dist, device: torch.device, net: torc
     sampling_gen = torch.Generator(device=device)
     total_steps = pos.step + len(batches)
     acc = pos.running
+    sums = RunningSums(acc, device, distributed=ctx.enabled)  # read every few steps: ats_cli.train_step
     train_mode(net)
     t_last = time.perf_counter()
     try:
@@ -230,40 +232,27 @@ def train_one_epoch(cfg: TrainConfig, ctx: Dist, device: torch.device, net: torc
             batch: Batch
             for group in opt.param_groups:
                 group["lr"] = _lr_at(cfg, pos.epoch + pos.done / len(train_set)) * group.get("lr_scale", 1.0)
-            labels = batch.labels.to(device)
             sampling_gen.manual_seed(_seed(cfg.seed, pos.epoch, pos.done, ctx.rank))
-            low = batch.low.to(device, non_blocking=True)
             # ats_cli.augment: the same per-image colours for the low-res view and its patches
             # (none, the settled value for images without a tissue mask: nothing is drawn)
             aug = None if cfg.augment == "none" else Augmentation.draw(
-                cfg.augment, len(low), _seed(cfg.seed, pos.epoch, pos.done, ctx.rank, "augment"))
-            extra = {"patch_transform": aug.patches} if aug else {}
-            with _autocast(cfg, device):
-                out = net(aug.low(low) if aug else low, batch.sources, generator=sampling_gen,
-                          support_mask=batch.support_on(device), **extra)
-                loss = model.loss(out, labels)
-            opt.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()  # DDP averages the gradients over the ranks here
-            n = len(labels)
-            stats = all_reduce([float(loss.detach()) * n, float((out.logits.argmax(1) == labels).sum()),
-                                float(out.entropy.detach().sum()), n], ctx, device)
-            if cfg.clip_norm:
-                scaler.unscale_(opt)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
-            scaler.step(opt)
-            scaler.update()
-            # no waiting from here to the end of the step, so Ctrl-C saves a consistent state
+                cfg.augment, len(batch.labels), _seed(cfg.seed, pos.epoch, pos.done, ctx.rank, "augment"))
+            train_step(net, model, opt, scaler, batch, device, sums, generator=sampling_gen,
+                       autocast=_autocast(cfg, device), augmentation=aug, clip_norm=cfg.clip_norm)
+            # the step counted with its statistics (no waiting), so Ctrl-C saves a consistent state
             pos.step += 1
             pos.done = min(pos.done + global_batch, len(train_set))
+            sums.commit()
+            if sums.due() or pos.step == total_steps or not acc["n"]:
+                sums.flush()
             now = time.perf_counter()
-            for key, value in zip(("loss", "correct", "ent", "n"), stats, strict=True):
-                acc[key] += value
             acc["time"] += now - t_last  # wall time (the ranks run in lockstep)
             t_last = now
-            if progress:
+            if progress:  # the loss and accuracy as last read (every step on a CPU)
                 progress("train", pos.step, total_steps,
                          {"epoch": pos.epoch + 1, "loss": acc["loss"] / acc["n"], "acc": acc["correct"] / acc["n"]})
     except KeyboardInterrupt:
+        sums.flush()
         save(pos)
         raise TrainingInterrupted(f"interrupted at epoch {pos.epoch + 1}, step {pos.step}; state saved to "
                                   f"{Path(cfg.out) / 'last.pt'}; continue with --resume") from None

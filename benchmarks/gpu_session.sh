@@ -1,33 +1,39 @@
 #!/usr/bin/env bash
-# Issue 22 in one call: every GPU measurement the issue asks for, on a bare GPU machine.
+# Issue 39 in one call: every GPU measurement the issue asks for, on a bare GPU machine.
 #
-#   bash benchmarks/gpu_session.sh                 # on the GPU machine; results in $OUT/gpu22
+#   bash benchmarks/gpu_session.sh                 # on the GPU machine; results in $OUT/gpu39
 #   SMALL=1 bash benchmarks/gpu_session.sh         # dry run anywhere: sizes shrunk, the CPU if no CUDA
 #   bash benchmarks/gpu_session.sh --source-hash   # hash of the code it runs (compare with env.txt)
 #
 # Steps, each printed with its command, time-boxed (`timeout`) inside one overall budget
 # (BUDGET_S, default 540 s) and followed by its exit code; a failing step does not stop the next:
+#   install    `pip install --no-deps --no-build-isolation -e .` (INSTALL=0 skips it; the steps run
+#              from the checkout through PYTHONPATH either way)
 #   env        nvidia-smi, driver / nvcc / torch / Python versions, commit (git, else $COMMIT), source hash
-#   build      the native CPU and CUDA patch kernels (csrc/), in parallel, cached in $ATS_CACHE
-#   pytest     tests/test_native.py (its 21 CUDA tests run where there is a GPU)
-#   patches    benchmarks/patch_extraction.py on CUDA: GB/s and share of the copy bandwidth measured
-#              in the same run, native kernel vs torch gather, the host -> device breakdown
-#   benchmark  `ats benchmark` at the paper spec (1500x1500 Megapixel MNIST, batch 1, forward +
-#              backward): ATS-5/10/50, Deep MIL, CNN; time and peak torch.cuda.max_memory_allocated
-#   dataset    a paper-spec Megapixel MNIST set (1500x1500, 50 noise patches, the bundled digits)
-#   train-*    `ats train`, default recipe, 2 epochs: fp32, --amp bf16, then (time left) bf16 with
-#              12 loader workers; nvidia-smi samples utilization.gpu every second beside each run
+#   build+data the native CPU and CUDA patch kernels (csrc/, cached in $ATS_CACHE) beside the making of
+#              a paper-spec Megapixel MNIST set (1500x1500, 1280 + 64 images) and its prepared layout
+#   pytest     tests/test_native.py tests/test_host_sync.py: the kernels bit for bit against the torch
+#              path, the wide uint8 kernel, and a training step under set_sync_debug_mode (CUDA tests)
+#   patches    benchmarks/patch_extraction.py on CUDA: the kernel's GB/s and share of the device's copy
+#              bandwidth measured in the same run, against torch's gather, the host -> device breakdown
+#   bench-b*   `ats benchmark` at the paper spec, batch 1 and 32: ATS-10 against Deep MIL, time and
+#              peak memory per sample (forward + backward, from the uint8 image on the host)
+#   loader     benchmarks/loader.py: loader samples/s per CPU core and its time split (read, view,
+#              patches), source PNGs against the prepared layout, one thread
+#   train-*    `ats train` from the prepared layout, 2 epochs, --workers 16: batch 32 and 1, fp32 and
+#              --amp bf16; nvidia-smi samples utilization.gpu (the share of time a kernel runs) beside
 #   summary    summary.md: tables for benchmarks/README.md, the issue's targets checked
 #
-# Results, 8 files (what the device tool brings back): $OUT/gpu22/{session.log, env.txt, pytest.txt,
-# patch_extraction.json, benchmark.json, train.json, summary.md, details.tar.gz}.
+# Results, 8 files (what the device tool brings back): $OUT/gpu39/{session.log, env.txt, pytest.txt,
+# patch_extraction.json, benchmark.json, train.json (with the loader's figures), summary.md, details.tar.gz}.
 # Python: $PY, else ./.venv/bin/python, else python3 (on the GPU image: the one with torch). The
-# package runs from the checkout (PYTHONPATH; `python -m ats_cli` is `ats`): nothing is installed.
+# package runs from the checkout (PYTHONPATH; `python -m ats_cli` is `ats`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 SMALL=${SMALL:-0}
 BUDGET_S=${BUDGET_S:-540}
+INSTALL=${INSTALL:-1}
 
 if [[ -n "${PY:-}" ]]; then :
 elif [[ -x .venv/bin/python ]]; then PY=.venv/bin/python
@@ -101,26 +107,41 @@ build_kernels() {
     return $((rc || cpu_rc))
 }
 
+make_data() {  # make_data DIR LOG: the dataset, then its prepared layout (what training reads)
+    local data=$1 log=$2 rc
+    {
+        if [[ "$SMALL" == 1 ]]; then
+            "${ATS[@]}" make-dataset megapixel-mnist "$data" --preset small --n-train 64 --n-test 8 --offline --workers 2
+        else
+            "${ATS[@]}" make-dataset megapixel-mnist "$data" --preset paper --n-train 1280 --n-test 64 --offline
+        fi
+        rc=$?
+        echo "make-dataset rc=$rc"
+        ((rc == 0)) && "${ATS[@]}" make-dataset prepare "$data" && echo "prepare rc=0"
+    } > "$log" 2>&1
+}
+
 case "${1:-}" in
     "") ;;
     --source-hash) source_hash; exit 0 ;;
     --env-info) env_info; exit 0 ;;
     --build-kernels) build_kernels; exit $? ;;
-    *) echo "usage: [SMALL=1] [OUT=DIR] [BUDGET_S=540] [COMMIT=SHA] bash $0 [--source-hash]" >&2; exit 2 ;;
+    --make-data) make_data "$2" "$3"; exit $? ;;
+    *) echo "usage: [SMALL=1] [OUT=DIR] [BUDGET_S=540] [INSTALL=0] [COMMIT=SHA] bash $0 [--source-hash]" >&2; exit 2 ;;
 esac
 
 # ---- the session ------------------------------------------------------------------------------
 START=$(date +%s)
 DEADLINE=$((START + BUDGET_S))
 OUT=${OUT:-/tmp/ats_gpu_session_out}
-RES="$OUT/gpu22"                            # what comes back: 8 files
+RES="$OUT/gpu39"                            # what comes back: 8 files
 WORK=${WORK:-/tmp/ats_gpu_session_work}     # the rest; its small files go into details.tar.gz
 rm -rf "$RES" "$WORK"
 mkdir -p "$RES" "$WORK"
 exec > >(tee -a "$RES/session.log") 2>&1
 TEE=$!
 
-echo "### ats issue 22 GPU session: $(date -u +%FT%TZ), SMALL=$SMALL, budget ${BUDGET_S}s, device $DEV"
+echo "### ats issue 39 GPU session: $(date -u +%FT%TZ), SMALL=$SMALL, budget ${BUDGET_S}s, device $DEV"
 echo "### python: $PY; 'ats' below is: ${ATS[*]} (PYTHONPATH=$REPO)"
 if [[ "$HAS_CUDA" == 0 ]]; then
     if [[ "$SMALL" == 1 ]]; then
@@ -157,15 +178,28 @@ step() {  # step NAME LIMIT_S CMD...: CMD time-boxed within the budget; prints i
 }
 skip() { echo; echo "=== [$1] skipped: no CUDA"; printf '%s\tskipped: no CUDA\t0\t-\n' "$1" >> "$WORK/steps.tsv"; }
 
+if [[ "$INSTALL" == 1 ]]; then
+    step install 90 "$PY" -m pip install -q --no-deps --no-build-isolation --no-cache-dir -e .
+fi
+
 step env 60 bash -c "set -o pipefail; ${ME[*]} --env-info 2>&1 | tee '$RES/env.txt'"
 
+# the kernels compile while the CPUs also make the dataset: neither waits for the other
+DATA="$WORK/mnist_paper"
+(timeout -k 10 300 "${ME[@]}" --make-data "$DATA" "$WORK/make_data.log"; echo $? > "$WORK/make_data.rc") &
+DATA_PID=$!
 step build 300 "${ME[@]}" --build-kernels
+echo; echo "=== [data] waiting for the dataset ($(($(date +%s) - START))s into the session)"
+wait "$DATA_PID"
+cat "$WORK/make_data.log" | tail -5
+printf 'data\t%s\t-\t%s\n' "$(cat "$WORK/make_data.rc" 2>/dev/null || echo '?')" \
+    "make-dataset megapixel-mnist + make-dataset prepare (beside the build)" >> "$WORK/steps.tsv"
 
-step pytest 180 bash -c "set -o pipefail; '$PY' -m pytest tests/test_native.py -q -p no:cacheprovider 2>&1 \
-| tee '$RES/pytest.txt'"
+step pytest 150 bash -c "set -o pipefail; '$PY' -m pytest tests/test_native.py tests/test_host_sync.py -q \
+-p no:cacheprovider 2>&1 | tee '$RES/pytest.txt'"
 
 if [[ "$HAS_CUDA" == 1 ]]; then
-    step patches 150 "$PY" benchmarks/patch_extraction.py --device cuda --repeats 20 \
+    step patches 90 "$PY" benchmarks/patch_extraction.py --device cuda --repeats 20 \
         --json "$RES/patch_extraction.json"
 elif [[ "$SMALL" == 1 ]]; then
     step patches 120 "$PY" benchmarks/patch_extraction.py --device auto --small --repeats 1 \
@@ -174,53 +208,54 @@ else
     skip patches
 fi
 
-if [[ "$HAS_CUDA" == 1 ]]; then
-    step benchmark 200 "${ATS[@]}" benchmark --device cuda --image-size 1500 --methods ats,deepmil,cnn \
-        --n-patches 5,10,50 --repeats 10 --json "$RES/benchmark.json"
-elif [[ "$SMALL" == 1 ]]; then
-    step benchmark 200 "${ATS[@]}" benchmark --device cpu --image-size 300 --methods ats,deepmil,cnn \
-        --n-patches 5,10 --repeats 1 --threads 1 --json "$RES/benchmark.json"
+for b in 1 32; do
+    if [[ "$HAS_CUDA" == 1 ]]; then
+        step "bench-b$b" 90 "${ATS[@]}" benchmark --device cuda --image-size 1500 --methods ats,deepmil \
+            --n-patches 10 --repeats 10 --batch-size "$b" --json "$WORK/benchmark_b$b.json"
+    elif [[ "$SMALL" == 1 ]]; then
+        step "bench-b$b" 120 "${ATS[@]}" benchmark --device cpu --image-size 300 --methods ats,deepmil \
+            --n-patches 10 --repeats 1 --threads 1 --batch-size "$((b > 1 ? 2 : 1))" --json "$WORK/benchmark_b$b.json"
+    else
+        skip "bench-b$b"
+    fi
+done
+
+if [[ -f "$DATA/dataset.json" ]]; then
+    step loader 90 env OMP_NUM_THREADS=1 "$PY" benchmarks/loader.py "$DATA" --images 32 \
+        --repeats "$([[ "$SMALL" == 1 ]] && echo 1 || echo 3)" --json "$WORK/loader.json"
 else
-    skip benchmark
+    echo; echo "=== [loader] skipped: no dataset (see the data step)"
 fi
 
-DATA="$WORK/mnist_paper"
 if [[ "$HAS_CUDA" == 1 ]]; then
-    step dataset 90 "${ATS[@]}" make-dataset megapixel-mnist "$DATA" --preset paper --n-train 1280 \
-        --n-test 64 --offline
-    TRAIN_ARGS=(--epochs 2 --device cuda)
+    TRAIN_ARGS=(--epochs 2 --device cuda --workers 16)
 elif [[ "$SMALL" == 1 ]]; then
-    step dataset 90 "${ATS[@]}" make-dataset megapixel-mnist "$DATA" --preset small --n-train 32 --n-test 8 \
-        --offline --workers 2
-    TRAIN_ARGS=(--epochs 2 --device cpu --batch-size 8 --workers 1)
-else
-    skip dataset
+    TRAIN_ARGS=(--epochs 2 --device cpu --workers 1)
 fi
-
 train_variant() {  # train_variant NAME EXTRA_ARGS...: one run, nvidia-smi sampling beside it
     local name=$1 smi=""
     shift
     if [[ "$HAS_CUDA" == 1 ]] && command -v nvidia-smi >/dev/null; then
-        nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader,nounits -l 1 \
+        nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader,nounits -lms 500 \
             > "$WORK/util_$name.csv" 2>/dev/null &
         smi=$!
     else
         echo; echo "=== [train-$name] GPU utilisation: skipped: no CUDA"
     fi
     date +%s.%N > "$WORK/start_$name"
-    step "train-$name" 200 "${ATS[@]}" train "$DATA" --out "$WORK/run_$name" "${TRAIN_ARGS[@]}" "$@"
+    step "train-$name" 100 "${ATS[@]}" train "$DATA" --out "$WORK/run_$name" "${TRAIN_ARGS[@]}" "$@"
     date +%s.%N > "$WORK/end_$name"
     if [[ -n "$smi" ]]; then kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null; fi
     return 0
 }
-if [[ -f "$DATA/dataset.json" ]]; then
-    train_variant fp32
-    train_variant bf16 --amp bf16
-    if [[ "$HAS_CUDA" == 1 ]] && ((DEADLINE - $(date +%s) > 150)); then
-        train_variant bf16-w12 --amp bf16 --workers 12
-    fi
+if [[ -f "$DATA/dataset.json" && ( "$HAS_CUDA" == 1 || "$SMALL" == 1 ) ]]; then
+    B32=32; [[ "$SMALL" == 1 ]] && B32=8
+    train_variant "b${B32}-fp32" --batch-size "$B32"
+    train_variant "b${B32}-bf16" --batch-size "$B32" --amp bf16
+    train_variant b1-fp32 --batch-size 1
+    train_variant b1-bf16 --batch-size 1 --amp bf16
 else
-    echo; echo "=== [train] skipped: no dataset (see the dataset step)"
+    echo; echo "=== [train] skipped: no dataset, or no CUDA without SMALL=1"
 fi
 
 echo

@@ -1,12 +1,13 @@
 """The summary of a benchmarks/gpu_session.sh run: summary.md (tables for benchmarks/README.md,
-the issue-22 targets checked) and train.json, from the files the session left.
+the issue-39 targets checked), benchmark.json and train.json, from the files the session left.
 
     python benchmarks/gpu_session_summary.py RESULTS_DIR WORK_DIR
 
-RESULTS_DIR holds env.txt, pytest.txt, patch_extraction.json, benchmark.json (each only if
-its step ran); WORK_DIR holds steps.tsv, the training runs (run_NAME/), their start/end times
-(start_NAME, end_NAME) and nvidia-smi's samples (util_NAME.csv: timestamp, utilization.gpu %,
-memory.used MiB, one a second).
+RESULTS_DIR holds env.txt, pytest.txt, patch_extraction.json (each only if its step ran);
+WORK_DIR holds steps.tsv, `ats benchmark`'s rows per batch size (benchmark_bN.json, merged
+into RESULTS_DIR/benchmark.json), the loader's figures (loader.json, copied into train.json),
+the training runs (run_NAME/), their start/end times (start_NAME, end_NAME) and nvidia-smi's
+samples (util_NAME.csv: timestamp, utilization.gpu %, memory.used MiB, two a second).
 """
 
 from __future__ import annotations
@@ -74,10 +75,18 @@ def benchmark_section(path: Path) -> list[str]:
     rows = json.loads(path.read_text())
     if not rows:
         return ["", "## `ats benchmark`: no rows"]
+    out = []
+    for batch in sorted({r.get("batch_size", 1) for r in rows}):
+        out += benchmark_rows([r for r in rows if r.get("batch_size", 1) == batch], batch)
+    return out
+
+
+def benchmark_rows(rows: list[dict], batch: int) -> list[str]:
     ok = [r for r in rows if r.get("time_ms_per_sample") is not None]
     ref = next((r for r in ok if r["method"] == "ats" and r["n_patches"] == 10), None)
     size = rows[0]["image_size"]
-    out = ["", f"## `ats benchmark` ({rows[0]['device']}, {size[0]}x{size[1]}, batch 1, forward + backward)", "",
+    out = ["", f"## `ats benchmark` ({rows[0]['device']}, {size[0]}x{size[1]}, batch {batch}, forward + backward, "
+               "per sample)", "",
            "| method | time (ms) | peak mem (MB) | time / ATS-10 | mem / ATS-10 |", "|---|---:|---:|---:|---:|"]
     for r in rows:
         name = r["method"] + (f"-{r['n_patches']}" if r["n_patches"] else "")
@@ -91,9 +100,32 @@ def benchmark_section(path: Path) -> list[str]:
     if ref and mil:
         ft = mil["time_ms_per_sample"] / ref["time_ms_per_sample"]
         fm = mil["peak_mem_mb_per_sample"] / max(ref["peak_mem_mb_per_sample"], 1e-9)
-        out += ["", f"ATS-10 against Deep MIL: {ft:.1f}x faster (target >= 50x: {ft >= 50}), {fm:.1f}x less "
-                    f"peak memory (target >= 30x: {fm >= 30})"]
+        out += ["", f"ATS-10 against Deep MIL at batch {batch}: {ft:.1f}x faster (target >= 50x: {ft >= 50}), "
+                    f"{fm:.1f}x less peak memory (target >= 30x: {fm >= 30})"]
     return out
+
+
+def loader_section(data: dict) -> list[str]:
+    loader = data["loader"]
+    out = ["", f"## Loader (`benchmarks/loader.py`, {data.get('device', '?')}, one thread, {loader['images']} images, "
+               f"{loader['n_patches']} patches of {loader['patch_size']}, best repeat)", "",
+           "| layout | read ms | view ms | patches ms | ms / sample | samples/s per core |",
+           "|---|---:|---:|---:|---:|---:|"]
+    for name, r in loader["rows"].items():
+        out.append(f"| {name} | {r['read_ms']:.3f} | {r['view_ms']:.3f} | {r['patches_ms']:.3f} | "
+                   f"{r['total_ms']:.3f} | {r['samples_per_s']:,.0f} |")
+    best = loader["rows"].get("ImageDataset, tiles", {}).get("samples_per_s")
+    if best is not None:
+        out += ["", f"prepared layout through ImageDataset: {best:,.0f} samples/s per core (target >= 2,000: "
+                    f"{best >= 2000})"]
+    return out
+
+
+def _rows(path: Path) -> list[dict]:
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        return []
 
 
 def read_util(path: Path) -> list[tuple[float, float, float]]:
@@ -141,7 +173,8 @@ def train_runs(work: Path) -> dict[str, dict]:
 
 
 def train_section(runs: dict[str, dict]) -> list[str]:
-    out = ["", "## `ats train` (default recipe, 2 epochs; epoch 2's figures: epoch 1 includes the start-up)", "",
+    out = ["", "## `ats train` (prepared layout, default recipe, 2 epochs, flags in the steps table; epoch 2's "
+               "figures: epoch 1 includes the start-up)", "",
            "| run | epoch 2 samples/s | ms / sample | peak mem (MB) | GPU util, epoch 2 (mean %) | "
            "GPU util, whole run (mean %) | wall s |", "|---|---:|---:|---:|---:|---:|---:|"]
     for name, e in runs.items():
@@ -150,20 +183,33 @@ def train_section(runs: dict[str, dict]) -> list[str]:
         out.append(f"| {name} | {fmt(last.get('samples_per_s'), '.1f')} | {fmt(last.get('ms_per_sample'), '.2f')} | "
                    f"{fmt(last.get('peak_mem_mb'), '.0f')} | {fmt(u.get('mean_epoch2'), '.0f')} | "
                    f"{fmt(u.get('mean_whole_run'), '.0f')} | {fmt(e['wall_s'], '.0f')} |")
+    best = max(runs.items(), key=lambda kv: (kv[1]["epochs"][-1].get("samples_per_s", 0) if kv[1]["epochs"] else 0))
+    last = best[1]["epochs"][-1] if best[1]["epochs"] else {}
+    util = (best[1].get("gpu_util") or {}).get("mean_epoch2")
+    if last:
+        out += ["", f"fastest run {best[0]}: {last['samples_per_s']:,.0f} samples/s (target >= 3,000: "
+                    f"{last['samples_per_s'] >= 3000}), GPU busy {fmt(util, '.0f')}% (target >= 60%: "
+                    f"{util is not None and util >= 60})"]
     return out
 
 
 def main(res: Path, work: Path) -> str:
-    out = ["# Issue 22 GPU session: summary", ""]
+    out = ["# Issue 39 GPU session: summary", ""]
     env = res / "env.txt"
     if env.exists():
         keep = [line for line in env.read_text().splitlines() if line.lstrip().startswith(ENV_KEYS)]
         out += ["```", *keep, "```", ""]
+        if "device 0: none" in env.read_text():
+            out += ["**No CUDA device: a dry run (SMALL sizes, on the CPU), not figures; the targets below "
+                    "do not apply.**", ""]
     out += steps_table(work)
     pytest_out = res / "pytest.txt"
     if pytest_out.exists():
         lines = [line for line in pytest_out.read_text().splitlines() if line.strip()]
-        out += ["", f"**pytest tests/test_native.py**: `{lines[-1] if lines else 'no output'}`"]
+        out += ["", f"**pytest tests/test_native.py tests/test_host_sync.py**: `{lines[-1] if lines else 'no output'}`"]
+    benches = [row for path in sorted(work.glob("benchmark_b*.json")) for row in _rows(path)]
+    if benches:
+        (res / "benchmark.json").write_text(json.dumps(benches, indent=2) + "\n")
     sections = [(res / "patch_extraction.json", patches_section), (res / "benchmark.json", benchmark_section)]
     for path, section in sections:
         if path.exists():
@@ -171,9 +217,17 @@ def main(res: Path, work: Path) -> str:
                 out += section(path)
             except (ValueError, KeyError, TypeError) as e:  # a partial file: say so, keep the rest
                 out += ["", f"{path.name}: unreadable ({type(e).__name__}: {e})"]
+    loader = None
+    if (work / "loader.json").exists():
+        try:
+            loader = json.loads((work / "loader.json").read_text())
+            out += loader_section(loader)
+        except (ValueError, KeyError, TypeError) as e:
+            out += ["", f"loader.json: unreadable ({type(e).__name__}: {e})"]
     runs = train_runs(work)
+    if runs or loader:
+        (res / "train.json").write_text(json.dumps({"runs": runs, "loader": loader}, indent=1) + "\n")
     if runs:
-        (res / "train.json").write_text(json.dumps(runs, indent=1) + "\n")
         out += train_section(runs)
     text = "\n".join(out) + "\n"
     (res / "summary.md").write_text(text)

@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ats_cli.config import TrainConfig
+from ats_cli.config import DATA_DEFAULTS, usable_hints
 from ats_cli.core.source import TensorSource
 from ats_cli.data.dataset import load_dataset
 from ats_cli.data.images import read_image
@@ -72,9 +72,10 @@ def raw_patches(image: np.ndarray, offsets: np.ndarray, size: tuple[int, int]) -
 
 
 def bench_loader(data, args, folder: Path) -> dict:
-    cfg = TrainConfig(scale=args.scale, n_patches=args.patches, patch_size=args.patch_size)
-    cfg.from_data(data.hints)
-    channels, scale, ps, n = int(data.hints.get("channels", 1)), cfg.scale, cfg.patch_size, cfg.n_patches
+    hints = {**DATA_DEFAULTS, **usable_hints(data.hints)}  # what `ats train` settles on when not given
+    channels = int(data.hints.get("channels", 1))
+    scale, ps, n = (args.scale or float(hints["scale"]), args.patch_size or int(hints["patch_size"]),
+                    args.patches or int(hints["n_patches"]))
     records = data["train"][:args.images]
     paths = [r.path for r in records]
     rng = np.random.default_rng(0)

@@ -1,9 +1,9 @@
-// CUDA kernels for patch extraction (issue 6). One thread per OUTPUT ELEMENT, in the
-// output's memory order, with a grid-stride loop: neighbouring threads read
-// neighbouring pixels of the same image row (NCHW) or the same pixel's channels
-// (channels-last) and write neighbouring outputs, so both sides are coalesced, unlike a
-// thread per patch. 64-bit indices throughout; launched on the current stream of the
-// tensors' own device.
+// CUDA kernels for patch extraction (issue 6). Forward: one thread per 16 OUTPUT BYTES
+// in the output's memory order (ats_patches_wide.cuh, issue 39), with a grid-stride loop:
+// neighbouring threads read neighbouring pixels of the same image row (NCHW) or the same
+// pixel's channels (channels-last) and write neighbouring 16-byte chunks, so both sides
+// are coalesced and wide. Backward: one thread per output element (atomic adds). 64-bit
+// indices throughout; launched on the current stream of the tensors' own device.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/Atomic.cuh>
@@ -13,6 +13,7 @@
 #include <algorithm>
 
 #include "ats_patches.h"
+#include "ats_patches_wide.cuh"
 
 namespace {
 
@@ -41,11 +42,13 @@ __device__ __forceinline__ int64_t source_of(int64_t i, const ats::Geometry& g, 
 
 template <typename T>
 __global__ void extract_kernel(const T* __restrict__ img, const int64_t* __restrict__ off, T* __restrict__ out,
-                               const ats::Geometry g, const int64_t total) {
+                               const ats::Geometry g, const int64_t total, const int64_t L,
+                               const bool src_rows_contiguous) {
+  constexpr int64_t V = 16 / sizeof(T);
+  const int64_t chunks = (total + V - 1) / V;
   const int64_t stride = static_cast<int64_t>(blockDim.x) * gridDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
-    const int64_t s = source_of(i, g, off);
-    out[i] = s >= 0 ? img[s] : T(0);
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < chunks; k += stride) {
+    ats::extract_chunk<T>(img, off, out, g, total, L, src_rows_contiguous, k);
   }
 }
 
@@ -74,10 +77,15 @@ void extract_cuda(const at::Tensor& images, const at::Tensor& offsets, at::Tenso
   const int64_t total = out.numel();
   constexpr int threads = 256;
   auto stream = at::cuda::getCurrentCUDAStream();
+  // a "row" of the output (ats_patches_wide.cuh) and whether its source is one contiguous run
+  const int64_t L = g.channels_last ? g.w * g.C : g.w;
+  const bool src_rows_contiguous = g.channels_last ? (g.sC == 1 && g.sW == g.C) : g.sW == 1;
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(out.const_data_ptr()) % 16 == 0, "patch output not 16-byte aligned");
   AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, images.scalar_type(), "ats_extract_cuda", [&] {
-    extract_kernel<scalar_t><<<blocks_for(total, threads), threads, 0, stream>>>(
+    constexpr int64_t V = 16 / sizeof(scalar_t);
+    extract_kernel<scalar_t><<<blocks_for((total + V - 1) / V, threads), threads, 0, stream>>>(
         images.const_data_ptr<scalar_t>(), offsets.const_data_ptr<int64_t>(), out.mutable_data_ptr<scalar_t>(), g,
-        total);
+        total, L, src_rows_contiguous);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -23,9 +23,9 @@ def test_quick_json_smoke(tmp_path):
     assert [(r["method"], r["n_patches"]) for r in rows] == [("ats", 10), ("uniform", 10), ("deepmil", None),
                                                              ("cnn", None)]
     for r in rows:
-        assert set(r) == {"method", "n_patches", "device", "image_size", "time_ms_per_sample",
+        assert set(r) == {"method", "n_patches", "device", "batch_size", "image_size", "time_ms_per_sample",
                           "peak_mem_mb_per_sample"}, r
-        assert r["device"] == "cpu" and r["image_size"] == [128, 128]
+        assert r["device"] == "cpu" and r["image_size"] == [128, 128] and r["batch_size"] == 1
         assert r["time_ms_per_sample"] > 0 and r["peak_mem_mb_per_sample"] >= 0
     # Deep MIL reads all 225 grid patches, ATS 10: it must need more memory for its step
     deepmil = next(r for r in rows if r["method"] == "deepmil")
@@ -37,6 +37,18 @@ def test_quick_json_smoke(tmp_path):
             assert f"[{i}/4] {row}: {part}" in result.stderr, result.stderr
         assert re.search(rf"\[{i}/4\] {row}: [\d.]+ ms, [\d.]+ MB per sample \(row took", result.stderr)
     assert "time / ATS-10" in result.stdout and "warm-up" not in result.stdout
+
+
+def test_a_batch_is_measured_per_sample(tmp_path):
+    """--batch-size B: B copies of the image in one step, the row per sample and saying B."""
+    out = tmp_path / "rows.json"
+    result = runner.invoke(app, ["benchmark", "--quick", "--methods", "ats", "--image-size", "96", "--patch-size",
+                                 "16", "--scale", "0.5", "--feature-width", "8", "--threads", "1", "--batch-size", "3",
+                                 "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(out.read_text())
+    assert row["batch_size"] == 3 and row["time_ms_per_sample"] > 0
+    assert "batch 3" in result.stdout
 
 
 def test_unknown_method_and_bad_counts_are_errors():

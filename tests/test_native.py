@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -45,6 +46,9 @@ def random_case(g: torch.Generator, dtype: torch.dtype, layout: str, device: str
     elif layout == "strided":  # a view with gaps: every other column of a wider image
         wide = (torch.rand(B, C, H, 2 * W, generator=g) * 255).to(dtype)
         images = wide[..., ::2]
+    elif layout == "cropped":  # contiguous rows at odd addresses: a crop one column in of a wider image
+        wide = (torch.rand(B, C, H, W + 3, generator=g) * 255).to(dtype)
+        images = wide[..., 1:W + 1]
     # Offsets inside, across every border, and wholly outside the image.
     offsets = torch.stack(
         [torch.randint(-h - 3, H + 3, (B, n), generator=g), torch.randint(-w - 3, W + 3, (B, n), generator=g)], -1
@@ -52,7 +56,7 @@ def random_case(g: torch.Generator, dtype: torch.dtype, layout: str, device: str
     return images.to(device), offsets.to(device), (h, w)
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "strided"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "strided", "cropped"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cpu_kernel_equals_torch_path_bit_for_bit(cpu_kernel, dtype, layout):
     g = torch.Generator().manual_seed(10 * DTYPES.index(dtype) + len(layout))
@@ -125,11 +129,26 @@ def test_ats_doctor_reports_the_patch_paths(monkeypatch):
     assert "patches on cpu" in result.output and "ATS_NATIVE=0" in result.output
 
 
+def test_the_cuda_gather_chunk_logic_on_the_host(tmp_path):
+    """The CUDA forward's per-chunk code (csrc/ats_patches_wide.cuh: 16 bytes per thread,
+    realigned word loads) compiled for the host and compared with the definition on 6,000
+    random cases (csrc/check_wide.cpp): its logic is checked on every machine with a C++
+    compiler, a GPU or not."""
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    binary = tmp_path / "check_wide"
+    subprocess.run([compiler, "-O2", "-std=c++17", "-I", str(native.CSRC), str(native.CSRC / "check_wide.cpp"),
+                    "-o", str(binary)], check=True, capture_output=True)
+    done = subprocess.run([str(binary)], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.startswith("0 of 6000"), done.stdout
+
+
 # ---- CUDA: these run only where a GPU is present ------------------------------------------
 
 
 @needs_gpu
-@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "strided"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "strided", "cropped"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cuda_kernel_equals_torch_path_bit_for_bit(cuda_kernel, dtype, layout):
     g = torch.Generator().manual_seed(100 + 10 * DTYPES.index(dtype) + len(layout))

@@ -42,14 +42,16 @@ def benchmark(
     attention_net: str = typer.Option("mnist-attention", help="Attention network (ATS)."),
     attention_width: int = typer.Option(8, min=1, help="Attention network channels (block-attention: use 32)."),
     repeats: int = typer.Option(3, min=1, help="Timed steps per row (median) after the warm-up/memory step."),
+    batch_size: int = typer.Option(1, min=1, help="Images per step (copies of the one image); figures are per "
+                                   "sample, the step's divided by it."),
     device: str = DEVICE_OPTION,
     threads: int = typer.Option(0, min=0, help="torch CPU threads per measurement; 0 = torch's default."),
     quick: bool = typer.Option(False, "--quick", help="A 500x500 image, n_patches 10, one timed step: "
                                "about a minute on a 2-core CPU."),
     json_out: Path = typer.Option(None, "--json", help="Also write the rows as JSON to this file."),
 ) -> None:
-    """Time and peak memory per sample of a training step (batch size 1, patch reading
-    and host-to-device copy included), each method in a fresh process, with ratios to ATS.
+    """Time and peak memory per sample of a training step (batch size 1 unless
+    --batch-size, patch reading and host-to-device copy included), each method in a fresh process, with ratios to ATS.
     How memory is measured: ats_cli/benchmark.py and docs/benchmark.md."""
     from ats_cli.benchmark import ALL_METHODS, benchmark_image, dataset_defaults, plan, ratio_to_ats, run_benchmark
     from ats_cli.nets import UnknownNetworkError
@@ -105,13 +107,14 @@ def benchmark(
                 image, names, counts, tmp_dir=tmp, threads=threads, progress=progress, stage=stage,
                 finished=finished, patch_size=patch_size, scale=scale, feature_net=feature_net,
                 feature_width=feature_width, attention_net=attention_net, attention_width=attention_width,
-                device=dev, repeats=repeats)
+                device=dev, repeats=repeats, batch_size=batch_size)
         except (ValueError, UnknownNetworkError) as e:
             console.print(f"[red]error:[/] {e}")
             raise typer.Exit(2) from None
     ref = ratio_to_ats(rows, ref_n)
     ref_name = f"ATS-{ref['n_patches']}" if ref else "ATS"
-    table = Table(title=f"Per sample, one training step, batch 1 | {image.shape[1]}x{image.shape[2]} | {dev}")
+    table = Table(title=f"Per sample, one training step, batch {batch_size} | {image.shape[1]}x{image.shape[2]} | "
+                  f"{dev}")
     for col in ("method", "time (ms)", "peak mem (MB)", f"time / {ref_name}", f"mem / {ref_name}"):
         table.add_column(col, justify="left" if col == "method" else "right")
     for r in rows:

@@ -30,7 +30,8 @@ from ats_cli.core.sampling import (
     expectation,
     sample,
 )
-from ats_cli.core.source import Sources, gather_patches, positions_to_offsets, source_sizes
+from ats_cli.core.source import Sources, gather_patches, positions_to_offsets, source_shapes, uniform_shape
+from ats_cli.core.transfer import to_device
 from ats_cli.extensions import create_extension
 from ats_cli.extensions.gain import Gain
 from ats_cli.extensions.pooling import Pooling, Where
@@ -235,20 +236,22 @@ class ATSModel(nn.Module):
         prior = self._prior_cells(low, keep_px, att_shape)
         if prior is not None:
             scores = scores + prior[:, None].to(scores.dtype)
-        probs = attention_distribution(scores, self._support_cells(keep_px, att_shape))
+        # the support cells are never empty (a blank image gets the whole map): no check, which would wait
+        probs = attention_distribution(scores, self._support_cells(keep_px, att_shape), check=False)
         draw = sample(probs, n, replace=self.replace, generator=generator)
         indices, sampled_probs = draw.indices, draw.probs
 
-        sizes = source_sizes(sources)
+        shapes = source_shapes(sources)  # host ints: a batch of one size maps positions with no size tensor
+        sizes = torch.tensor(shapes, dtype=torch.long)
         offsets = positions_to_offsets(
             indices,
             att_shape,
-            sizes.to(indices.device),
+            uniform_shape(shapes) or sizes,
             self.patch_size,
             low_size=tuple(low.shape[-2:]),
             margin=getattr(self.attention_net, "margin", 0),
         )
-        patches = pixels_to_float(gather_patches(sources, offsets, self.patch_size).to(low.device))
+        patches = pixels_to_float(to_device(gather_patches(sources, offsets, self.patch_size), low.device))
         if patch_transform is not None:
             patches = patch_transform(patches)
         B = low.shape[0]
@@ -256,7 +259,7 @@ class ATSModel(nn.Module):
         feats = (unit if gain is None else gain * unit).view(B, n, -1)
         threshold = estimator_threshold(self.active_estimator, draw, probs)
         weights = estimator_weights(sampled_probs, replace=self.replace, threshold=threshold)
-        where = Where(probs, att_shape, indices, sizes, self.patch_size)
+        where = Where(probs, att_shape, indices, sizes, self.patch_size, shapes)
         values = self.pooling.values(feats, self.classifier, where)
         pooled = expectation(values, sampled_probs, replace=self.replace, weights=weights)
         with torch.no_grad():  # each draw's share, in the unit of what was pooled (see ATSOutput)

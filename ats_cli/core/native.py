@@ -20,6 +20,7 @@ first-use compile (benchmarks/patch_extraction.py; figures in csrc/README.md).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -51,7 +52,7 @@ def _enabled() -> bool:
     return os.environ.get("ATS_NATIVE", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
-HEADERS = ["ats_patches.h"]
+HEADERS = ["ats_geometry.h", "ats_patches.h", "ats_patches_wide.cuh"]
 HEARTBEAT_S = 15.0  # a line on stderr this often while the compiler runs
 
 
@@ -116,17 +117,35 @@ def _announce(message: str) -> None:
     print(f"ats: {message}", file=sys.stderr, flush=True)
 
 
-def _wheel_cuda_includes() -> list[str]:
-    """Headers of the CUDA libraries that torch's pip wheels ship (``nvidia/*/include``).
+def _wheel_cuda_includes(directory: Path, toolkit: str | os.PathLike | None = None) -> list[str]:
+    """Headers of the CUDA libraries that torch's pip wheels ship (``nvidia/*/include``)
+    that the toolkit lacks, linked into ``directory/wheel-include``.
 
     torch's CUDA headers include cuSPARSE/cuBLAS headers that a minimal toolkit (nvcc
-    only) lacks; the wheels torch depends on carry them, matching torch's own CUDA.
+    only) lacks; the wheels torch depends on carry them, matching torch's own CUDA. Only
+    what the toolkit lacks: the wheels also carry the CUDA runtime and CCCL headers of
+    torch's CUDA version, and nvcc refuses runtime headers newer than itself ("CUDA
+    compiler and CUDA toolkit headers are incompatible": torch for CUDA 13.2 with nvcc
+    13.0), so those must come from the toolkit that compiles.
     """
     try:
         import nvidia  # namespace package installed with torch's CUDA wheels
     except ImportError:
         return []
-    return sorted(str(p) for root in nvidia.__path__ for p in Path(root).glob("*/include") if p.is_dir())
+    roots = sorted(p for root in nvidia.__path__ for p in Path(root).glob("*/include") if p.is_dir())
+    own = Path(toolkit) / "include" if toolkit else None
+    if own is None or not own.is_dir():
+        return [str(p) for p in roots]
+    linked = directory / "wheel-include"
+    linked.mkdir(parents=True, exist_ok=True)
+    for root in roots:
+        for entry in sorted(root.iterdir()):
+            target = linked / entry.name
+            if (own / entry.name).exists() or target.exists() or target.is_symlink():
+                continue
+            with contextlib.suppress(FileExistsError):  # another process building the same sources
+                target.symlink_to(entry)
+    return [str(linked)]
 
 
 def _toolkit_ok(home: str | os.PathLike | None) -> bool:
@@ -188,7 +207,8 @@ def build(cuda: bool, verbose: bool = False) -> ModuleType:
             sources=sources,
             extra_cflags=_flags(cuda),
             extra_cuda_cflags=["-O3", "-DATS_WITH_CUDA"],
-            extra_include_paths=[str(directory / "src")] + (_wheel_cuda_includes() if cuda else []),
+            extra_include_paths=[str(directory / "src")]
+            + (_wheel_cuda_includes(directory, cpp_extension.CUDA_HOME) if cuda else []),
             build_directory=str(directory),
             with_cuda=cuda,
             verbose=verbose,

@@ -21,9 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from ats_cli.core.patches import extract_patches
+from ats_cli.core.threads import thread_pool
+from ats_cli.core.transfer import to_device
 
-__all__ = ["PatchSource", "TensorSource", "gather_patches", "source_sizes", "low_res_size", "low_res_view",
-           "positions_to_offsets"]
+__all__ = ["PatchSource", "TensorSource", "gather_patches", "source_shapes", "source_sizes", "uniform_shape",
+           "low_res_size", "low_res_view", "positions_to_offsets"]
 
 
 @runtime_checkable
@@ -67,21 +69,42 @@ class TensorSource:
 Sources = torch.Tensor | Sequence[PatchSource]
 
 
-def source_sizes(sources: Sources) -> torch.Tensor:
-    """Full-resolution sizes [B, 2] of a batch given as a tensor [B, C, H, W] or as sources."""
+def source_shapes(sources: Sources) -> list[tuple[int, int]]:
+    """Full-resolution (H, W) of each image of a batch, as Python ints: known on the host
+    without reading anything from a device (a tensor's shape is host metadata)."""
     if isinstance(sources, torch.Tensor):
-        return torch.tensor([list(sources.shape[-2:])] * sources.shape[0], dtype=torch.long)
-    return torch.tensor([list(s.size) for s in sources], dtype=torch.long)
+        return [(int(sources.shape[-2]), int(sources.shape[-1]))] * sources.shape[0]
+    return [(int(s.size[0]), int(s.size[1])) for s in sources]
+
+
+def source_sizes(sources: Sources) -> torch.Tensor:
+    """Full-resolution sizes [B, 2] (host, int64) of a batch given as a tensor [B, C, H, W] or as sources."""
+    return torch.tensor(source_shapes(sources), dtype=torch.long).reshape(-1, 2)
+
+
+def uniform_shape(shapes: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
+    """The (H, W) every image of the batch shares, or None when they differ."""
+    return shapes[0] if shapes and all(s == shapes[0] for s in shapes) else None
 
 
 def gather_patches(sources: Sources, offsets: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """Patches [B, n, C, h, w] for a batch: one vectorised extraction when the batch is a
-    tensor (on its own device), otherwise one ``read_patches`` call per image."""
+    tensor (on its own device: no host round trip when it is the offsets' device),
+    otherwise one ``read_patches`` call per image on the host.
+
+    Lazy sources read on the host what the device drew, so their offsets cross to the host
+    once per batch (one transfer for the whole batch, never one per image), and the images
+    are read concurrently (their reads release the GIL: file reads, zlib, codecs; in-memory
+    images are cut one after the other, each by a kernel that has the intra-op threads)."""
     if isinstance(sources, torch.Tensor):
         return extract_patches(sources, offsets, size)
     if len(sources) != offsets.shape[0]:
         raise ValueError(f"{len(sources)} patch sources for a batch of {offsets.shape[0]}")
-    return torch.stack([src.read_patches(off.cpu(), size) for src, off in zip(sources, offsets, strict=True)])
+    host = offsets.cpu()
+    read = lambda k: sources[k].read_patches(host[k], size)  # noqa: E731
+    ks = range(len(sources))
+    lazy = len(sources) > 1 and not all(isinstance(src, TensorSource) for src in sources)
+    return torch.stack(list(thread_pool("sources").map(read, ks) if lazy else map(read, ks)))
 
 
 def low_res_size(image_size: tuple[int, int], scale: float) -> tuple[int, int]:
@@ -135,13 +158,17 @@ def positions_to_offsets(
         raise ValueError(
             f"attention map {attention_shape} does not fit in low-res view {low_size} with margin {margin}"
         )
-    sizes = torch.as_tensor(image_size, dtype=torch.float64, device=indices.device).reshape(-1, 1, 2)
+    if isinstance(image_size, torch.Tensor):  # [B, 2], one size per image: a (pinned, queued) copy
+        sizes = to_device(image_size.to(torch.float64).reshape(-1, 1, 2), indices.device)
+        zoom_r, zoom_c = sizes[..., 0] / low_h, sizes[..., 1] / low_w
+    else:  # one size: Python floats, the same float64 division, nothing to copy to the device
+        zoom_r, zoom_c = float(image_size[0]) / low_h, float(image_size[1]) / low_w
     row = torch.div(indices, att_w, rounding_mode="floor").double()
     col = (indices % att_w).double()
     cell_h = (low_h - 2 * margin) / att_h
     cell_w = (low_w - 2 * margin) / att_w
-    centre_r = (margin + (row + 0.5) * cell_h) * (sizes[..., 0] / low_h)
-    centre_c = (margin + (col + 0.5) * cell_w) * (sizes[..., 1] / low_w)
+    centre_r = (margin + (row + 0.5) * cell_h) * zoom_r
+    centre_c = (margin + (col + 0.5) * cell_w) * zoom_c
     top = torch.floor(centre_r - patch_size[0] / 2 + 0.5)
     left = torch.floor(centre_c - patch_size[1] / 2 + 0.5)
     return torch.stack([top, left], dim=-1).long()

@@ -453,7 +453,13 @@ class Batch:
     support: torch.Tensor | None = None  # [B, h, w] bool: tissue masks (True everywhere for images without one)
 
     def pin_memory(self) -> Batch:
-        self.low = self.low.pin_memory()
+        """Page-locked copies (the DataLoader's pin thread calls this), so that the training
+        step's copies to the GPU are queued without the host waiting (ats_cli.core.transfer)."""
+        self.low, self.labels = self.low.pin_memory(), self.labels.pin_memory()
+        if isinstance(self.sources, torch.Tensor):
+            self.sources = self.sources.pin_memory()
+        if self.support is not None:
+            self.support = self.support.pin_memory()
         return self
 
     def support_on(self, device: torch.device) -> torch.Tensor | None:

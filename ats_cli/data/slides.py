@@ -41,13 +41,13 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ats_cli.core.threads import thread_pool
 from ats_cli.data.dataset import OPENSLIDE, PILLOW, TIFFFILE, VIRTUAL, backend, mpp_problem
 from ats_cli.data.images import (
     DEFAULT_MAX_PIXELS,
@@ -76,6 +76,7 @@ READERS = ("auto", OPENSLIDE, TIFFFILE, PILLOW)  # --reader's choices; "virtual"
 # model already sees between slides. Such a level is read as it is, never resampled.
 MPP_TOLERANCE = 0.05
 PARALLEL_SEGMENT_PIXELS = 4_000_000  # larger strips/tiles are decoded one patch at a time (memory)
+READ_BUDGET_BYTES = 256 << 20  # decoded segments held at once by one read_patches call
 
 
 class SlideReadError(ImageReadError):
@@ -158,11 +159,13 @@ class SlideReader:
                                f"{self.level}", rh * rw, self.max_pixels)
         else:
             rh, rw = h, w
-        threads = 1 if self._segment_pixels(self.level) > PARALLEL_SEGMENT_PIXELS else min(8, max(1, len(offs)))
-        with ThreadPoolExecutor(max_workers=threads) as pool:
-            parts = list(pool.map(lambda rc: self.read_region(rc[0], rc[1], rh, rw, self.level), offs))
-        if not parts:
+        if not offs:
             return torch.zeros((0, self.channels, h, w), dtype=torch.uint8)
+        # in tile order (row-major position): neighbours share tiles and a backend's cache
+        order = sorted(range(len(offs)), key=offs.__getitem__)
+        parts = [None] * len(offs)
+        for k, part in zip(order, self._read_regions([offs[k] for k in order], rh, rw, self.level), strict=True):
+            parts[k] = part
         out = torch.from_numpy(np.stack(parts).transpose(0, 3, 1, 2).copy())
         if (rh, rw) != (h, w):
             out = _resample(out, (h, w))
@@ -240,19 +243,29 @@ class SlideReader:
             raise SlideReadError(self.path, f"has {len(self.levels)} levels, level {level} does not exist")
         self.level, self.factor = level, 1.0
 
-    def read_region(self, row: int, col: int, h: int, w: int, level: int = 0) -> np.ndarray:
+    def _read_regions(self, offs: list[tuple[int, int]], h: int, w: int, level: int) -> list[np.ndarray]:
+        """:meth:`read_region` at each of ``offs`` (in tile order), concurrently on the
+        shared reading threads (decoders release the GIL); one at a time where a segment is
+        so large that several decoded at once would take too much memory."""
+        if self._segment_pixels(level) > PARALLEL_SEGMENT_PIXELS or len(offs) == 1:
+            return [self.read_region(r, c, h, w, level) for r, c in offs]
+        return list(thread_pool("tiles").map(lambda rc: self.read_region(rc[0], rc[1], h, w, level), offs))
+
+    def read_region(self, row: int, col: int, h: int, w: int, level: int = 0, segments=None) -> np.ndarray:
         """[h, w, C] uint8 of ``level`` starting at (row, col) in that level's pixels;
         zeros where the region leaves the image. May be a read-only view (of a decoded
-        strip or tile): copy it before writing to it."""
+        strip or tile): copy it before writing to it. ``segments``: a reader's segments
+        already decoded (:meth:`TiffReader._read_regions`), else it decodes what it needs."""
         H, W = self.levels[level]
+        more = {} if segments is None else {"segments": segments}
         r0, c0, r1, c1 = max(row, 0), max(col, 0), min(row + h, H), min(col + w, W)
         if (r0, c0, r1, c1) == (row, col, row + h, col + w):  # inside the image: no second copy
-            region = self._read_region(row, col, h, w, level)
+            region = self._read_region(row, col, h, w, level, **more)
             if region.shape[2] == self.channels:
                 return region
         out = np.zeros((h, w, self.channels), dtype=np.uint8)
         if r1 > r0 and c1 > c0:
-            out[r0 - row : r1 - row, c0 - col : c1 - col] = self._read_region(r0, c0, r1 - r0, c1 - c0, level)
+            out[r0 - row : r1 - row, c0 - col : c1 - col] = self._read_region(r0, c0, r1 - r0, c1 - c0, level, **more)
         return out  # a 1-channel region broadcasts into 3 channels when as_channels(3) asked for it
 
     def low_res(self, size: tuple[int, int]) -> np.ndarray:
@@ -498,20 +511,57 @@ class TiffReader(SlideReader):
         page = self._pages[level]
         return int(page.chunks[0]) * int(page.chunks[1])
 
-    def _read_region(self, row, col, h, w, level):
+    def _segments_of(self, row: int, col: int, h: int, w: int, level: int) -> list[int]:
+        """Numbers of the segments (row-major) a region inside the image overlaps."""
+        page = self._pages[level]
+        ch, cw = page.chunks[0], page.chunks[1]
+        return [ty * page.chunked[1] + tx for ty in range(row // ch, (row + h - 1) // ch + 1)
+                for tx in range(col // cw, (col + w - 1) // cw + 1)]
+
+    def _read_regions(self, offs, h, w, level):
+        """Each segment the patches overlap decoded once, concurrently on the shared reading
+        threads, then the patches cut from them: patches drawn close together (the
+        attention's favourites) share tiles, which a read per patch decoded again each time.
+        Patches go in groups (in tile order) whose decoded segments fit in
+        ``READ_BUDGET_BYTES``, so memory stays bounded however many patches are asked for."""
+        if self._segment_pixels(level) > PARALLEL_SEGMENT_PIXELS:
+            return super()._read_regions(offs, h, w, level)
+        self._check_segment_size(level)
+        H, W = self.levels[level]
+        room = max(1, READ_BUDGET_BYTES // (self._segment_pixels(level) * max(1, self._channels)))
+        out, group, wanted = [], [], set()
+        for k, (r, c) in enumerate(offs):
+            r0, c0 = max(r, 0), max(c, 0)
+            if min(r + h, H) > r0 and min(c + w, W) > c0:
+                wanted.update(self._segments_of(r0, c0, min(r + h, H) - r0, min(c + w, W) - c0, level))
+            group.append((r, c))
+            if len(wanted) >= room or k == len(offs) - 1:
+                decode = lambda i: self._segment(level, i)  # noqa: E731
+                ids = sorted(wanted)
+                decoded = dict(zip(ids, thread_pool("tiles").map(decode, ids) if len(ids) > 1 else map(decode, ids),
+                                   strict=True))
+                out += [self.read_region(rr, cc, h, w, level, segments=decoded) for rr, cc in group]
+                group, wanted = [], set()
+        return out
+
+    def _check_segment_size(self, level: int) -> None:
+        page = self._pages[level]
+        ch, cw = page.chunks[0], page.chunks[1]
+        if ch * cw > self.max_pixels:  # from the header, before decoding: one segment is decoded whole
+            kind = "tile" if page.is_tiled else "strip"
+            raise _too_big(self.path, f"{kind}s of level {level} are {cw}x{ch}", ch * cw, self.max_pixels)
+
+    def _read_region(self, row, col, h, w, level, segments=None):
         page = self._pages[level]
         ch, cw = page.chunks[0], page.chunks[1]
         n_across = page.chunked[1]
-        kind = "tile" if page.is_tiled else "strip"
-        if ch * cw > self.max_pixels:  # from the header, before decoding: one segment is decoded whole
-            raise _too_big(self.path, f"{kind}s of level {level} are {cw}x{ch}", ch * cw, self.max_pixels)
-        tiles = [(ty, tx) for ty in range(row // ch, (row + h - 1) // ch + 1)
-                 for tx in range(col // cw, (col + w - 1) // cw + 1)]
+        self._check_segment_size(level)
+        tiles = [divmod(i, n_across) for i in self._segments_of(row, col, h, w, level)]
         keep = self._keep
         out = None
         for ty, tx in tiles:
             index = ty * n_across + tx
-            seg = self._segment(level, index)
+            seg = segments[index] if segments is not None else self._segment(level, index)
             if seg is None:  # sparse tile: background
                 continue
             y0, x0 = ty * ch, tx * cw

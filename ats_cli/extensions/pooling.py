@@ -36,6 +36,9 @@ class Where:
     indices: torch.Tensor  # [B, n] the cells the values are for
     sizes: torch.Tensor  # [B, 2] the full-resolution (H, W) of each image: the cell size
     patch_size: tuple[int, int]  # full-resolution (ph, pw)
+    # the same sizes as host ints, for choices made on the host (a window's size): reading
+    # ``sizes`` there would wait for the device if they lived on it; () = read ``sizes``
+    shapes: tuple[tuple[int, int], ...] | list[tuple[int, int]] = ()
 
 
 class Pooling(nn.Module):

@@ -27,6 +27,7 @@ more than in a vote.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
@@ -39,22 +40,24 @@ from ats_cli.registry import ExtensionError, register_extension
 __all__ = ["CountPooling", "local_mass"]
 
 
-def local_mass(probs: torch.Tensor, att_shape: tuple[int, int], sizes: torch.Tensor,
+def local_mass(probs: torch.Tensor, att_shape: tuple[int, int], sizes: torch.Tensor | Sequence[tuple[int, int]],
                patch_size: tuple[int, int]) -> torch.Tensor:
     """[B, K]: for every cell, the attention mass of the cells whose centres lie within one
     patch of it (a window of ``ceil(patch / cell)`` cells, made odd), with ``probs`` [B, K]
-    over the attention grid ``att_shape`` and ``sizes`` [B, 2] the full-resolution (H, W)
-    that sets the cell size."""
+    over the attention grid ``att_shape`` and ``sizes`` the full-resolution (H, W) of each
+    image, which sets the cell size: host ints, or a [B, 2] tensor (read on the host)."""
     h, w = att_shape
     out = probs.new_empty(probs.shape)
+    pairs = sizes.tolist() if isinstance(sizes, torch.Tensor) else sizes
     windows = [(math.ceil(patch_size[0] * h / float(H)) | 1, math.ceil(patch_size[1] * w / float(W)) | 1)
-               for H, W in sizes.tolist()]
+               for H, W in pairs]
     for window in set(windows):
-        rows = [b for b, k in enumerate(windows) if k == window]
-        grid = probs[rows].view(len(rows), 1, h, w)
+        # one window for the batch (images of one size): the whole batch, no index list to copy
+        rows = slice(None) if len(set(windows)) == 1 else [b for b, k in enumerate(windows) if k == window]
+        grid = probs[rows].view(-1, 1, h, w)
         summed = F.avg_pool2d(grid, window, stride=1, padding=(window[0] // 2, window[1] // 2),
                               count_include_pad=True) * (window[0] * window[1])
-        out[rows] = summed.view(len(rows), -1)
+        out[rows] = summed.view(grid.shape[0], -1)
     return out
 
 
@@ -70,7 +73,7 @@ class CountPooling(VotePooling):
     def values(self, feats: torch.Tensor, classifier: nn.Linear, where: Where | None = None) -> torch.Tensor:
         if where is None:
             raise ValueError("pooling 'counts' needs the attention around the draws (where)")
-        mass = local_mass(where.probs, where.att_shape, where.sizes.to(where.probs.device), where.patch_size)
+        mass = local_mass(where.probs, where.att_shape, where.shapes or where.sizes, where.patch_size)
         return self.count(self.probabilities(feats, classifier), mass.gather(1, where.indices))
 
     def count(self, votes: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:

@@ -33,20 +33,28 @@ def rarity(low: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
     r ~ 1, whatever the stain, brightness or contrast of the image. Medians, not means and
     standard deviations, so that the few unusual pixels being looked for do not set the
     scale they are measured in.
+
+    Computed for the whole batch at once, with no value read back from the device (an
+    image without a supported pixel uses all of them, chosen on the device): the medians
+    are order statistics of the supported values, sorted with the others set to +inf.
     """
     with torch.no_grad():
-        x = low.float()
-        out = torch.zeros_like(x[:, :1])
-        for b in range(x.shape[0]):
-            pixels = x[b].flatten(1)  # [C, h*w]
-            chosen = pixels[:, keep[b].flatten()] if keep is not None else pixels
-            if chosen.shape[1] == 0:
-                chosen = pixels
-            centre = chosen.median(dim=1).values[:, None]
-            dist = (pixels - centre).norm(dim=0)
-            ref = (chosen - centre).norm(dim=0).median().clamp_min(1e-3)
-            out[b, 0] = (dist / ref).view(x.shape[-2:])
-        return out
+        x = low.float().flatten(2)  # [B, C, h*w]
+        chosen = torch.ones_like(x[:, 0], dtype=torch.bool) if keep is None else keep.flatten(1).to(x.device)
+        chosen = chosen | ~chosen.any(1, keepdim=True)  # none supported: all of them
+        centre = _median(x, chosen[:, None])[..., None]  # [B, C, 1]
+        dist = (x - centre).norm(dim=1)  # [B, h*w]
+        ref = _median(dist, chosen).clamp_min(1e-3)
+        return (dist / ref[:, None]).view(low.shape[0], 1, *low.shape[-2:])
+
+
+def _median(values: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """``torch.median`` (the lower middle value) of ``values`` [..., N] over the entries
+    ``chosen`` (bool, broadcast to it; at least one per row), per row."""
+    chosen = chosen.expand_as(values)
+    ranked = values.masked_fill(~chosen, torch.inf).sort(dim=-1).values
+    middle = (chosen.sum(-1, keepdim=True) - 1) // 2
+    return ranked.gather(-1, middle)[..., 0]
 
 
 @register_extension("prior", "rarity")
