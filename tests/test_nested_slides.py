@@ -45,7 +45,7 @@ def test_region_views_come_from_the_pyramid_level_that_matches(slides):
     off = torch.tensor([[256, 512]])
     reads = []
     read_region = reader.read_region
-    reader.read_region = lambda *args: reads.append(args) or read_region(*args)
+    reader.read_region = lambda *args, **kw: reads.append(args) or read_region(*args, **kw)
     view = reader.read_view(off, (256, 256), (64, 64))
     assert reads == [(64, 128, 64, 64, 1)]  # level 1 (4x): the region's 64x64 pixels there, nothing else
     assert view.shape == (1, 3, 64, 64) and view.dtype == torch.float32

@@ -325,8 +325,7 @@ class SlideReader:
         if rh * rw > self.max_pixels:
             raise _too_big(self.path, f"a {w}x{h} region read from level {level}", rh * rw, self.max_pixels)
         offs = [(round(r * s), round(c * s)) for r, c in offsets.tolist()]
-        with ThreadPoolExecutor(max_workers=min(8, max(1, len(offs)))) as pool:
-            parts = list(pool.map(lambda rc: self.read_region(rc[0], rc[1], rh, rw, level), offs))
+        parts = self._read_regions(offs, rh, rw, level)
         x = torch.from_numpy(np.stack(parts).transpose(0, 3, 1, 2).copy()).float() / 255.0
         if (rh, rw) == tuple(view_size):
             return x
