@@ -97,6 +97,11 @@ class TrainConfig:
                                                   "on": "a patch read as none votes little"})
     count_floor: float = _key(0.0, "With --pooling counts: an object with less than this share of the attention "
                               "counts in proportion to it, not once (0 = every object once, 1 = votes)", METHOD_PANEL)
+    # on: each patch's position in the image goes into its feature (ats_cli.extensions.position)
+    position_features: str = _key("off", "Each patch's position in the image in its feature: {choices}; "
+                                  "docs/training.md", METHOD_PANEL,
+                                  choices={"off": "what a patch shows, not where: the thesis",
+                                           "on": "for labels that depend on where (the top-most digit)"})
     # more patches at evaluation cost no memory for gradients and cut the estimator's noise;
     # -1 = auto = twice the training count, recorded in the model
     eval_n_patches: int = _key(-1, "Patches sampled at evaluation and prediction (the model records it); 0 = as "

@@ -48,6 +48,7 @@ from ats_cli.distributed import Dist, all_reduce, broadcast_buffers, from_main, 
 from ats_cli.inference import predict_probs
 from ats_cli.io import atomic_path, atomic_write_text
 from ats_cli.models import check_patch_size, create_model, model_spec
+from ats_cli.multilabel import confusion_counts, correct, exact_matches, macro_f1, step_loss
 from ats_cli.rundir import (
     append_metrics,
     check_training_set,
@@ -215,11 +216,11 @@ def train_one_epoch(cfg: TrainConfig, ctx: Dist, device: torch.device, net: torc
             with _autocast(cfg, device):
                 out = net(aug.low(low) if aug else low, batch.sources, generator=sampling_gen,
                           support_mask=batch.support_on(device), **extra)
-                loss = model.loss(out, labels)
+                loss = step_loss(model, out, labels)  # multi-hot labels: a sigmoid per class
             opt.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()  # DDP averages the gradients over the ranks here
             n = len(labels)
-            stats = all_reduce([float(loss.detach()) * n, float((out.logits.argmax(1) == labels).sum()),
+            stats = all_reduce([float(loss.detach()) * n, correct(out.logits, labels),
                                 float(out.entropy.detach().sum()), n], ctx, device)
             if cfg.clip_norm:
                 scaler.unscale_(opt)
@@ -293,7 +294,9 @@ def recalibrate_batch_norm(model: torch.nn.Module, loader: DataLoader, device: t
 @torch.no_grad()
 def evaluate(model, loader: DataLoader, device: torch.device, *, n_patches: int | None = None,
              ctx: Dist | None = None) -> dict[str, float]:
-    """Test loss, accuracy and mean attention entropy.
+    """Test loss, accuracy and mean attention entropy; for multi-hot labels the loss is the
+    binary cross-entropy, the accuracy the exact match ratio, and ``macro_f1`` is added
+    (:mod:`ats_cli.multilabel`).
 
     Each batch's sampling is seeded by (EVAL_SEED, index of its first image), so the
     numbers do not depend on the epoch or on which process evaluated which batch: with
@@ -302,19 +305,31 @@ def evaluate(model, loader: DataLoader, device: torch.device, *, n_patches: int 
     ctx = ctx or Dist()
     model.eval()
     gen = torch.Generator(device=device)
-    loss = correct = ent = count = 0.0
+    loss = right = ent = count = 0.0
+    counts = None  # multi-label: true/false positives, false negatives per class
     for batch in readable(loader):
         gen.manual_seed(_seed(EVAL_SEED, int(batch.indices[0])))
         labels = batch.labels.to(device)
         probs, out = predict_probs(model, batch.low.to(device), batch.sources, n_patches=n_patches, generator=gen,
                                    support_mask=batch.support_on(device))
-        loss += float(torch.nn.functional.nll_loss(probs.clamp_min(1e-12).log(), labels, reduction="sum"))
-        correct += float((probs.argmax(1) == labels).sum())
+        if labels.is_floating_point():
+            p = probs.clamp(1e-12, 1 - 1e-12)
+            loss += float(torch.nn.functional.binary_cross_entropy(p, labels, reduction="none").mean(1).sum())
+            right += exact_matches(probs, labels)
+            batch_counts = confusion_counts(probs, labels).cpu()
+            counts = batch_counts if counts is None else counts + batch_counts
+        else:
+            loss += float(torch.nn.functional.nll_loss(probs.clamp_min(1e-12).log(), labels, reduction="sum"))
+            right += float((probs.argmax(1) == labels).sum())
         ent += float(out.entropy.sum())
         count += len(labels)
     train_mode(model)
-    loss, correct, ent, count = all_reduce([loss, correct, ent, count], ctx, device)
-    return {"loss": loss / max(count, 1), "acc": correct / max(count, 1), "entropy": ent / max(count, 1)}
+    loss, right, ent, count = all_reduce([loss, right, ent, count], ctx, device)
+    result = {"loss": loss / max(count, 1), "acc": right / max(count, 1), "entropy": ent / max(count, 1)}
+    if counts is not None:
+        summed = all_reduce(counts.flatten().tolist(), ctx, device)
+        result["macro_f1"] = macro_f1(torch.tensor(summed, dtype=torch.float64).view(counts.shape))
+    return result
 
 
 def train(
@@ -399,6 +414,8 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
     # ---- model, optimizer, state (the same initial weights on every rank: same seed)
     torch.manual_seed(cfg.seed)
     spec = model_spec(cfg, n_classes=data.num_classes, channels=facts.channels, mpp=settled.mpp)
+    if data.multilabel:  # one sigmoid per class (ats_cli.multilabel); absent: the spec of a single-label run
+        spec["multilabel"] = True
     model = create_model(spec)
     check_patch_size(model, spec)  # a patch the feature net cannot read: one line, before any step
     model = model.to(device)
@@ -480,6 +497,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
             "train_acc": acc["correct"] / acc["n"],
             "test_loss": test["loss"],
             "test_acc": test["acc"],
+            **({"test_macro_f1": test["macro_f1"]} if "macro_f1" in test else {}),
             "entropy": acc["ent"] / acc["n"],
             "samples": int(acc["n"]),
             "samples_per_s": acc["n"] / max(acc["time"], 1e-9),  # all processes together
