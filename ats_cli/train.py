@@ -48,7 +48,7 @@ from ats_cli.distributed import Dist, all_reduce, broadcast_buffers, from_main, 
 from ats_cli.inference import predict_probs
 from ats_cli.io import atomic_path, atomic_write_text
 from ats_cli.models import check_patch_size, create_model, model_spec
-from ats_cli.multilabel import confusion_counts, correct, exact_matches, macro_f1, step_loss
+from ats_cli.multilabel import confusion_counts, correct, exact_matches, is_multilabel, macro_f1, step_loss
 from ats_cli.rundir import (
     append_metrics,
     check_training_set,
@@ -306,7 +306,9 @@ def evaluate(model, loader: DataLoader, device: torch.device, *, n_patches: int 
     model.eval()
     gen = torch.Generator(device=device)
     loss = right = ent = count = 0.0
-    counts = None  # multi-label: true/false positives, false negatives per class
+    # multi-label: true/false positives, false negatives per class, on every rank (even one
+    # without a batch: all of them take part in the reduction below)
+    counts = torch.zeros(3, model.classifier.out_features, dtype=torch.float64) if is_multilabel(model) else None
     for batch in readable(loader):
         gen.manual_seed(_seed(EVAL_SEED, int(batch.indices[0])))
         labels = batch.labels.to(device)
@@ -316,8 +318,7 @@ def evaluate(model, loader: DataLoader, device: torch.device, *, n_patches: int 
             p = probs.clamp(1e-12, 1 - 1e-12)
             loss += float(torch.nn.functional.binary_cross_entropy(p, labels, reduction="none").mean(1).sum())
             right += exact_matches(probs, labels)
-            batch_counts = confusion_counts(probs, labels).cpu()
-            counts = batch_counts if counts is None else counts + batch_counts
+            counts += confusion_counts(probs, labels).cpu()
         else:
             loss += float(torch.nn.functional.nll_loss(probs.clamp_min(1e-12).log(), labels, reduction="sum"))
             right += float((probs.argmax(1) == labels).sum())
