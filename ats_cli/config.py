@@ -172,6 +172,8 @@ class TrainConfig:
             problems.append("none_class on needs pooling votes or counts (pooled features have no per-patch vote)")
         if self.pooling != "features" and self.method in ("cnn", "deepmil"):
             problems.append(f"pooling {self.pooling}: method {self.method} does not pool by attention sampling")
+        if self.position_features == "on" and self.method in ("cnn", "deepmil"):
+            problems.append(f"position_features on: method {self.method} does not pool sampled patches")
         if self.rarity_prior < 0 and self.rarity_prior != -1:
             problems.append(f"rarity_prior must be >= 0, or -1 for auto (got {self.rarity_prior})")
         if self.workers < -1:

@@ -5,10 +5,11 @@ from the command line's config and back from its checkpoint."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 
-from ats_cli.config import TrainConfig
+from ats_cli.config import ConfigError, TrainConfig
 from ats_cli.extensions.position import PositionFeatures, patch_centres
 from ats_cli.models import create_model, model_spec
 from tests.montecarlo import Z_MAX, TinyFeatures, cell_positions, image, tiny_model, z_of_estimate
@@ -64,3 +65,8 @@ def test_the_option_is_in_the_spec_and_rebuilds_the_same_model():
     again = create_model(spec)
     again.load_state_dict(m.state_dict())
     assert any(k.startswith("position.") for k in m.state_dict())
+
+
+def test_a_method_without_sampled_patches_refuses_the_option():
+    with pytest.raises(ConfigError, match="position_features on: method deepmil does not pool sampled patches"):
+        TrainConfig(position_features="on", method="deepmil").validate()
