@@ -88,12 +88,18 @@ def decide(probs: Sequence[float], classes: Sequence[str], threshold: float = DE
 
 
 def loss(model: Any, out: Any, target: torch.Tensor) -> torch.Tensor:
-    """Binary cross-entropy with logits (mean over images and classes), minus the model's
-    entropy bonus where it has one (thesis eq. 3.21, as :meth:`ATSModel.loss` for a
-    single label). ``target`` [B, classes] the multi-hot labels."""
+    """Binary cross-entropy with logits, summed over the classes and averaged over the
+    images, minus the model's entropy bonus where it has one (thesis eq. 3.21, as
+    :meth:`ATSModel.loss` for a single label). ``target`` [B, classes] the multi-hot labels.
+
+    Summed, not averaged, over the classes: the sum is the negative log-likelihood of the
+    image's label set under one Bernoulli per class, as the cross-entropy is that of its one
+    label, so the entropy weight lambda and the gradient clipping mean what they mean for a
+    single label. A mean over 10 classes would shrink the likelihood's gradient tenfold
+    against the entropy bonus and keep the attention near uniform."""
     import torch.nn.functional as F
 
-    bce = F.binary_cross_entropy_with_logits(out.logits.float(), target.float())
+    bce = F.binary_cross_entropy_with_logits(out.logits.float(), target.float(), reduction="none").sum(-1).mean()
     weight = float(getattr(model, "entropy_weight", 0.0))
     return bce - weight * out.entropy.mean() if weight else bce
 

@@ -316,7 +316,7 @@ def evaluate(model, loader: DataLoader, device: torch.device, *, n_patches: int 
                                    support_mask=batch.support_on(device))
         if labels.is_floating_point():
             p = probs.clamp(1e-12, 1 - 1e-12)
-            loss += float(torch.nn.functional.binary_cross_entropy(p, labels, reduction="none").mean(1).sum())
+            loss += float(torch.nn.functional.binary_cross_entropy(p, labels, reduction="sum"))  # as in training
             right += exact_matches(probs, labels)
             counts += confusion_counts(probs, labels).cpu()
         else:

@@ -192,7 +192,8 @@ def test_a_threshold_for_a_single_label_model_is_refused(tmp_path):
 
 def test_the_multilabel_loss_is_bce_minus_the_entropy_bonus():
     """One sigmoid per class: the loss of a multi-hot batch is the binary cross-entropy of the
-    logits, minus lambda H(attention) as for one label (thesis eq. 3.21); class indices keep
+    logits summed over the classes (the label set's negative log-likelihood), minus lambda
+    H(attention) as for one label (thesis eq. 3.21); class indices keep
     the model's own cross-entropy."""
     from types import SimpleNamespace
 
@@ -201,7 +202,7 @@ def test_the_multilabel_loss_is_bce_minus_the_entropy_bonus():
     model = SimpleNamespace(entropy_weight=0.1, loss=lambda out, target: torch.tensor(-1.0))
     out = SimpleNamespace(logits=torch.tensor([[2.0, -1.0, 0.5]]), entropy=torch.tensor([3.0]))
     target = torch.tensor([[1.0, 0.0, 0.0]])
-    expected = -(torch.log(torch.sigmoid(torch.tensor([2.0, 1.0, -0.5])))).mean() - 0.1 * 3.0
+    expected = -(torch.log(torch.sigmoid(torch.tensor([2.0, 1.0, -0.5])))).sum() - 0.1 * 3.0  # summed: the NLL
     assert float(step_loss(model, out, target)) == pytest.approx(float(expected), rel=1e-6)
     assert float(step_loss(model, out, torch.tensor([0]))) == -1.0
     assert correct(out.logits, target) == 0.0 and correct(out.logits, torch.tensor([[1.0, 0.0, 1.0]])) == 1.0
