@@ -7,7 +7,8 @@ resolution. Cost and memory depend on the number and size of the patches, not on
 the size of the image.
 
 The method lives in :mod:`ats_cli.core`, the thesis's baselines in
-:mod:`ats_cli.baselines`; networks are created by name through :mod:`ats_cli.nets`, and
+:mod:`ats_cli.baselines`; networks and extensions are created by name through one
+registry (:mod:`ats_cli.registry`; :mod:`ats_cli.nets`), and
 models (ATS or a baseline) from a checkpoint's spec through
 :func:`ats_cli.models.create_model`, with what a task adds to the method as named
 extensions (:mod:`ats_cli.extensions`); the command line (:mod:`ats_cli.cli`) is a thin shell.

@@ -154,7 +154,7 @@ def _measure(spec: BenchSpec, image: np.ndarray, threads: int, stage=None) -> di
     """Runs in the fresh process: build the model, one memory step, then timed steps.
     ``stage(text)`` is told as each part begins (the command prints it)."""
     stage = stage or (lambda text: None)
-    from ats_cli.core.geometry import low_res_view
+    from ats_cli.core.source import low_res_view
 
     if threads:
         torch.set_num_threads(threads)

@@ -1,19 +1,53 @@
-"""Training configuration: plain values, overridable from a TOML file and the command line.
+"""Training configuration: plain values, overridable from a TOML file and the command line,
+and settled from the data in one place.
 
 Precedence: defaults < ``--config FILE`` < flags. Values left to the data (0, -1, auto)
-are decided when the run starts (:mod:`ats_cli.settle`), and the settled values are written
-to ``RUN_DIR/config.json`` so every run records exactly what it did.
+are decided when the run starts (:func:`settle`, below), and the settled values are
+written to ``RUN_DIR/config.json`` so every run records exactly what it did. One module,
+because it is one concern: what the run is configured to do, and why. The fields (with
+their help and allowed values) come first, then the settling.
+
+**Settling: every value left to the data, decided in one place.** Some training
+settings mean "decide from the data": the sizes at 0 (dataset.json's hint, else
+:data:`DATA_DEFAULTS`), ``--patch-um`` / ``--low-res-um`` (microns, turned into
+pixels at the model's microns per pixel), ``--eval-n-patches -1`` and the four that look
+at the training images (``--min-brightness``, ``--rarity-prior``, ``--augment``,
+``--patch-gain``). Two steps decide them:
+
+* :func:`gather_facts` reads what the rules need from the dataset, once: the hints, the
+  microns per pixel the training files record, and a look at the first training images
+  (:class:`DataFacts`, a plain record).
+* :func:`settle` decides, from the flags and the facts alone: no I/O, nothing mutated, the
+  same answer every time. It returns the settled configuration (no auto value left) and
+  one :class:`Reason` per value, "scale 0.12: dataset.json hint".
+
+``ats train`` prints the reasons, saves them with the facts in ``RUN/settled.json`` and
+builds the model from the settled configuration, which ``RUN/config.json`` holds.
+``--resume`` settles the saved configuration against the saved facts: nothing is left to
+decide, so the run continues with exactly what it started with, without looking again.
+
+A value the user gives (flag, ``--config`` file, a resumed config.json) always wins.
 """
 
 from __future__ import annotations
 
 import json
 import tomllib
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["TrainConfig", "ConfigError", "allowed_values", "load_config_file", "resolve_config"]
+from ats_cli.registry import extension_choices
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from ats_cli.data.dataset import Dataset
+
+__all__ = ["TrainConfig", "ConfigError", "allowed_values", "load_config_file", "resolve_config",
+           "AUTO_MIN_BRIGHTNESS", "AUTO_PROBE_IMAGES", "AUTO_RARITY_PRIOR", "DATA_DEFAULTS", "DataFacts", "Reason",
+           "SETTLED_JSON", "Settled", "gather_facts", "load_facts", "looks_at_images", "save_settled", "settle",
+           "usable_hints"]
 
 
 class ConfigError(ValueError):
@@ -48,11 +82,11 @@ class TrainConfig:
     method: str = _key("ats", "{choices}", METHOD_PANEL, choices={
         "ats": "", "uniform": "fixed uniform attention", "deepmil": "gated attention over all grid patches",
         "cnn": "ResNet-18 on the low-res view"})
-    # 0 = the dataset's hint (dataset.json "hints"), else ats_cli.settle.DATA_DEFAULTS (the paper's Megapixel MNIST)
+    # 0 = the dataset's hint (dataset.json "hints"), else ats_cli.config.DATA_DEFAULTS (the paper's Megapixel MNIST)
     n_patches: int = _key(0, "Patches sampled per image", METHOD_PANEL)
     patch_size: int = _key(0, "Patch side, full-res pixels", METHOD_PANEL)
     scale: float = _key(0.0, "Scale of the low-res view", METHOD_PANEL)
-    # the same two in microns, for slides (ats_cli.data.magnification): converted at the
+    # the same two in microns, for slides (ats_cli.data.inputs): converted at the
     # model's mpp (--mpp, else the training slides' own) into patch_size and scale
     patch_um: float = _key(0.0, "Slides: patch side in microns, instead of --patch-size (at --mpp, else the training "
                            "slides' microns per pixel)", METHOD_PANEL, means="off")
@@ -67,7 +101,7 @@ class TrainConfig:
         "threshold": "", "sequential": "the thesis's, appendix B.3"})
     entropy: float = _key(0.01, "Entropy regulariser weight lambda", METHOD_PANEL)
     # > 0: the support extension "bright" (ats_cli.extensions.support_bright; black backgrounds);
-    # 0 = off; -1 = auto: AUTO_MIN_BRIGHTNESS when the training images have a black background (ats_cli.settle)
+    # 0 = off; -1 = auto: AUTO_MIN_BRIGHTNESS when the training images have a black background (ats_cli.config)
     min_brightness: float = _key(-1.0, "Never sample low-res cells darker than this; 0 = off; -1 = auto: 0.15 when "
                                  "the training images have a black background, else off", METHOD_PANEL, means="auto")
     # > 0: the prior extension "rarity", the attention starts where the image looks unusual
@@ -87,11 +121,7 @@ class TrainConfig:
     # the pooling extension: what the estimator averages (ats_cli.extensions.pooling*); none_class
     # and count_floor are its options (ats_cli.models.extension_specs)
     pooling: str = _key("features", "What attention sampling averages over the patches: {choices}; "
-                        "docs/training.md", METHOD_PANEL,
-                        choices={"features": "their features, then the classifier: the thesis",
-                                 "votes": "each patch's class probabilities: a soft vote",
-                                 "counts": "those over the attention mass around each patch: each object counts "
-                                           "once"})
+                        "docs/training.md", METHOD_PANEL, choices=extension_choices("pooling"))
     none_class: str = _key("off", "A per-patch logit for no class here, with --pooling votes or counts: {choices}",
                            METHOD_PANEL, choices={"off": "every patch spreads a whole vote over the classes",
                                                   "on": "a patch read as none votes little"})
@@ -196,7 +226,7 @@ class TrainConfig:
     @property
     def settled_eval_n_patches(self) -> int:
         """``eval_n_patches`` with auto (-1) read as twice ``n_patches``, as
-        :func:`ats_cli.settle.settle` settles it (a settled configuration has no -1)."""
+        :func:`ats_cli.config.settle` settles it (a settled configuration has no -1)."""
         return 2 * self.n_patches if self.eval_n_patches == -1 else self.eval_n_patches
 
     def to_dict(self) -> dict[str, Any]:
@@ -234,7 +264,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 def resolve_config(file: str | Path | None = None, **overrides: Any) -> TrainConfig:
     """Defaults, then the file (a TOML file, or a run's config.json when it is resumed),
     then the overrides that are not None: the flags of a run. What they leave to the data
-    is settled when the run starts (:mod:`ats_cli.settle`)."""
+    is settled when the run starts (:mod:`ats_cli.config`)."""
     values: dict[str, Any] = load_config_file(file) if file else {}
     values.update({k: v for k, v in overrides.items() if v is not None})
     types = {f.name: type(f.default) for f in fields(TrainConfig)}
@@ -245,3 +275,339 @@ def resolve_config(file: str | Path | None = None, **overrides: Any) -> TrainCon
         elif not isinstance(v, want) or (want is int and isinstance(v, bool)):
             raise ConfigError(f"config key {k!r} must be {want.__name__}, got {v!r}")
     return TrainConfig(**values).validate()
+
+
+# ================================================ settling: the values left to the data
+# what n_patches, patch_size and scale become when neither the user nor the dataset says: the paper's Megapixel MNIST
+DATA_DEFAULTS: dict[str, Any] = {"n_patches": 10, "patch_size": 50, "scale": 0.12}
+AUTO_MIN_BRIGHTNESS = 0.15  # --min-brightness auto on a black background (docs/training.md)
+AUTO_RARITY_PRIOR = 2.0  # --rarity-prior auto on slides (docs/training.md)
+AUTO_PROBE_IMAGES = 16  # the first training images looked at
+DARK = 0.05  # a low-res pixel at or below this in every channel is dark
+SETTLED_JSON = "settled.json"
+
+
+@dataclass(frozen=True)
+class DataFacts:
+    """What the rules know of a dataset, as the run's reading flags (--reader, --level,
+    --tissue-mask) read it. Plain values, saved in ``RUN/settled.json``."""
+
+    hints: Mapping[str, float] = field(default_factory=dict)  # dataset.json's usable n_patches, patch_size, scale
+    channels: int = 1
+    files: int = 0  # training files
+    mpps: tuple[float, ...] = ()  # the microns per pixel the training files record (at --level), ascending
+    mpps_agree: bool = False  # every training file records one, all within the readers' tolerance
+    no_mpp: str = ""  # the first training file that records none
+    probed: int = 0  # readable images among the first AUTO_PROBE_IMAGES training images; 0: not looked at
+    dark: float = 0.0  # the median over those of the share of their low-res pixels that are dark
+    masked: int = 0  # how many of those have a tissue mask (slides and TIFFs, --tissue-mask auto)
+
+    @property
+    def slides(self) -> bool:
+        """Most images looked at have a tissue mask."""
+        return self.masked * 2 > self.probed
+
+
+@dataclass(frozen=True)
+class Reason:
+    """One settled value and why: ``str()`` is the line ``ats train`` prints."""
+
+    key: str
+    value: Any
+    why: str
+
+    def __str__(self) -> str:
+        value = f"{self.value:g}" if isinstance(self.value, float) else self.value
+        return f"{self.key} {value}: {self.why}"
+
+
+@dataclass(frozen=True)
+class Settled:
+    """``config``: the flags with every value left to the data decided (the model spec is
+    made from it); ``mpp``: the microns per pixel of the model's patches, None when unknown
+    (predict then reads slides by level)."""
+
+    config: TrainConfig
+    mpp: float | None
+
+
+def settle(flags: TrainConfig, facts: DataFacts) -> tuple[Settled, list[Reason]]:
+    """Decide every value ``flags`` leaves to the data from ``facts``; pure. The reasons
+    come in the order decided, a value given by the user as "given". Raises ConfigError
+    for settings that cannot hold together (microns without a microns per pixel, two
+    forms of one setting that disagree)."""
+    mpp, reasons = _model_mpp(flags, facts)
+    out: dict[str, Any] = {}
+
+    def decide(key: str, value: Any, why: str) -> None:
+        out[key] = value
+        reasons.append(Reason(key, value, why))
+
+    for key in DATA_DEFAULTS:
+        decide(key, *_size(key, flags, facts, mpp))
+    decide("eval_n_patches", *_eval_n_patches(flags, out["n_patches"]))
+    decide("min_brightness", *_min_brightness(flags, facts))
+    decide("augment", *_augment(flags, facts))
+    decide("rarity_prior", *_rarity_prior(flags, facts))
+    decide("patch_gain", *_patch_gain(flags, facts))
+    return Settled(replace(flags, **out).validate(), mpp), reasons
+
+
+# ---------------------------------------------------------------------------- the rules
+
+
+def _um(v: float) -> str:
+    return f"{v:.3g} µm/px"
+
+
+def _model_mpp(flags: TrainConfig, facts: DataFacts) -> tuple[float | None, list[Reason]]:
+    """The microns per pixel the model records (ats_cli.data.inputs says what for):
+    --mpp, every training file is then read at it; else the training files' own when all
+    record one and they agree; else none. Nothing to say for images without microns.
+    A --mpp outside the plausible range is refused by name (:func:`check_mpp_flag`)."""
+    check_mpp_flag(flags.mpp)
+    if flags.mpp:
+        if facts.no_mpp:
+            raise ConfigError(f"{facts.no_mpp}: records no microns per pixel, so it cannot be read at --mpp "
+                              f"{flags.mpp:g} ({facts.files - len(facts.mpps)} of {facts.files} training files do "
+                              "not)")
+        return flags.mpp, [Reason("mpp", _um(flags.mpp), "given: every training slide is read at it")]
+    if facts.mpps_agree:
+        mpp = facts.mpps[len(facts.mpps) // 2]
+        return mpp, [Reason("mpp", _um(mpp), f"the training slides' own ({facts.files} of {facts.files} record it)")]
+    if not facts.mpps:
+        return None, []
+    if facts.no_mpp:
+        why = f"{facts.files - len(facts.mpps)} of {facts.files} training files record no microns per pixel"
+    else:
+        why = (f"the training slides range from {_um(facts.mpps[0])} to {_um(facts.mpps[-1])} (give --mpp to "
+               "train at one physical scale; slides are resampled to it)")
+    return None, [Reason("mpp", "none", why + "; predict reads slides by level")]
+
+
+def _size(key: str, flags: TrainConfig, facts: DataFacts, mpp: float | None) -> tuple[Any, str]:
+    """n_patches, patch_size, scale: given, else (patch_size, scale) from microns, else the
+    dataset's hint (a generator knows its images), else DATA_DEFAULTS. With the microns per
+    pixel known, the reason says what the pixels cover."""
+    given = getattr(flags, key)
+    microns = {"patch_size": flags.patch_um, "scale": flags.low_res_um}.get(key, 0.0)
+    if microns:
+        value, why = _from_microns(key, microns, given, mpp)
+    elif given:
+        value, why = given, "given"
+    elif key in facts.hints:
+        value, why = type(DATA_DEFAULTS[key])(facts.hints[key]), "dataset.json hint"
+    else:
+        value, why = DATA_DEFAULTS[key], "default (the paper's Megapixel MNIST)"
+    if mpp is not None and key == "patch_size":
+        why += f"; {value * mpp:.3g} µm"
+    if mpp is not None and key == "scale":
+        why += f"; a low-res pixel is {_um(mpp / value)}"
+    return value, why
+
+
+def _from_microns(key: str, microns: float, given: float, mpp: float | None) -> tuple[int | float, str]:
+    """A patch side in microns as pixels, or a low-res pixel in microns as a scale, at
+    ``mpp``. The pixel form may be given too when the two agree (a resumed run's
+    config.json holds both)."""
+    flag = {"patch_size": "--patch-um", "scale": "--low-res-um"}[key]
+    if mpp is None:
+        raise ConfigError(f"{flag} {microns:g} needs the microns per pixel: give --mpp, or train on slides that all "
+                          "record the same one")
+    if key == "patch_size":
+        size = patch_pixels(microns, mpp)  # under one pixel or over the pixel budget: refused by name
+        if given and given != size:
+            raise ConfigError(f"{flag} {microns:g} is {size} pixels at {_um(mpp)}, --patch-size is {given}: give one "
+                              "of them")
+        return size, f"{flag} {microns:g} at {_um(mpp)}"
+    scale = mpp / microns
+    if scale > 1:
+        raise ConfigError(f"{flag} {microns:g} is finer than the patches' {_um(mpp)}: the low-res view cannot have "
+                          "more detail than the patches")
+    if given and abs(given - scale) > 1e-6 * scale:
+        raise ConfigError(f"{flag} {microns:g} is a scale of {scale:.6g} at {_um(mpp)}, --scale is {given:g}: give "
+                          "one of them")
+    return scale, f"{flag} {microns:g} at {_um(mpp)}"
+
+
+def _eval_n_patches(flags: TrainConfig, n_patches: int) -> tuple[int, str]:
+    """More patches at evaluation cost no memory for gradients and cut the estimator's
+    noise; twice the training count is where docs/training.md found the gain to end."""
+    if flags.eval_n_patches != -1:
+        return flags.eval_n_patches, "given" + (" (as many as in training)" if flags.eval_n_patches == 0 else "")
+    return 2 * n_patches, "twice n_patches"
+
+
+def _baseline(flags: TrainConfig) -> str:
+    """Why a baseline (--method other than ats) gets the thesis's settings: it samples and
+    trains as the thesis's did, everywhere; "" for ats."""
+    return f"method {flags.method} samples and trains as the thesis's baselines" if flags.method != "ats" else ""
+
+
+def _looked(facts: DataFacts) -> str:
+    """Slides or not, and what says so."""
+    if not facts.probed:
+        return "not slides: no training image was looked at"
+    kind = "slides" if facts.slides else "not slides"
+    return f"{kind}: a tissue mask on {facts.masked} of the first {facts.probed} training images"
+
+
+def _min_brightness(flags: TrainConfig, facts: DataFacts) -> tuple[float, str]:
+    """A black background (most low-res pixels dark, as in Megapixel MNIST, astronomy or
+    fluorescence) gets a brightness support, so the attention never wastes draws on empty
+    canvas; anything else (photographs, slides on white glass, which the tissue mask
+    handles) none."""
+    if flags.min_brightness != -1:
+        return flags.min_brightness, "given"
+    if _baseline(flags):
+        return 0.0, _baseline(flags)
+    if not facts.probed:
+        return 0.0, "no training image was looked at"
+    dark = f"{facts.dark:.0%} of the low-res pixels dark in the first {facts.probed} training images (median)"
+    if facts.dark > 0.5:
+        return AUTO_MIN_BRIGHTNESS, f"a black background, {dark}: only brighter cells are sampled"
+    return 0.0, f"no black background, {dark}"
+
+
+def _augment(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
+    """RGB slides get colour+flips: stain and exposure vary between slides and tissue has
+    no "up". Anything else none: turning a patch changes what a digit means (6 and 9), and
+    other images have no stain to jitter."""
+    if flags.augment != "auto":
+        return flags.augment, "given"
+    if _baseline(flags):
+        return "none", _baseline(flags)
+    if facts.slides and facts.channels == 3:
+        return "colour+flips", f"RGB {_looked(facts)}; stain, exposure and orientation vary"
+    return "none", ("grey " if facts.slides else "") + _looked(facts)
+
+
+def _rarity_prior(flags: TrainConfig, facts: DataFacts) -> tuple[float, str]:
+    """Slides: the few regions that decide a label are lost among thousands of cells, and
+    uniform draws never meet them, so the attention starts on the tissue's unusual cells
+    (ATSModel.prior). On a black canvas the brightness support already does that job."""
+    if flags.rarity_prior != -1:
+        return flags.rarity_prior, "given"
+    if _baseline(flags):
+        return 0.0, _baseline(flags)
+    if facts.slides:
+        return AUTO_RARITY_PRIOR, f"{_looked(facts)}; the attention starts on the unusual cells"
+    return 0.0, _looked(facts)
+
+
+def _patch_gain(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
+    """Slides: a label decided by one small region among look-alikes the attention cannot
+    tell apart (ATSModel's docstring), so one patch that shows the class may outweigh them.
+    Anything else off, so that a label that counts objects weighs each alike."""
+    if flags.patch_gain != "auto":
+        return flags.patch_gain, "given"
+    if _baseline(flags):
+        return "off", _baseline(flags)
+    if facts.slides:
+        return "on", f"{_looked(facts)}; one region showing the class can outweigh the look-alikes"
+    return "off", f"{_looked(facts)}; each object weighs alike"
+
+
+# ---------------------------------------------------------------------------- reading and recording
+
+
+def looks_at_images(flags: TrainConfig) -> bool:
+    """Whether settling ``flags`` needs the look at the first training images."""
+    auto = flags.min_brightness == -1 or flags.rarity_prior == -1 or "auto" in (flags.augment, flags.patch_gain)
+    return auto and flags.method == "ats"
+
+
+def usable_hints(hints: Mapping[str, Any]) -> dict[str, float]:
+    """dataset.json's n_patches, patch_size and scale hints that are positive numbers;
+    of a list (``patch_size: [64, 64]``) the first value."""
+    usable = {}
+    for key in DATA_DEFAULTS:
+        hint = hints.get(key)
+        hint = hint[0] if isinstance(hint, list) and hint else hint
+        if isinstance(hint, int | float) and not isinstance(hint, bool) and hint > 0:
+            usable[key] = hint
+    return usable
+
+
+def gather_facts(flags: TrainConfig, data: Dataset, *, view_cache: Any = None) -> DataFacts:
+    """Read what :func:`settle` needs from ``data``, once: the hints, the microns per pixel
+    of every training file (headers only) and, when a value is left to the images, the
+    first AUTO_PROBE_IMAGES training images, read as training reads them: at the sizes
+    settled from the rest and through ``view_cache``, where a slide's low-res view is then
+    ready for training. Deterministic, so every process of a run gathers alike."""
+    from ats_cli.data.inputs import ImageDataset, Unreadable, file_mpp
+    from ats_cli.data.slides import MPP_TOLERANCE
+
+    reading = flags.input_options()
+    records = data["train"]
+    recorded = [file_mpp(r.path, reader=reading["reader"], level=reading["level"]) for r in records]
+    known = sorted(m for m in recorded if m is not None)
+    missing = [str(r.path) for r, m in zip(records, recorded, strict=True) if m is None]
+    agree = bool(known) and not missing and known[-1] <= known[0] * (1 + MPP_TOLERANCE)
+    facts = DataFacts(hints=usable_hints(data.hints), channels=int(data.hints.get("channels", 1)),
+                      files=len(records), mpps=tuple(known), mpps_agree=agree, no_mpp=missing[0] if missing else "")
+    if not looks_at_images(flags):
+        return facts
+    sizes = settle(flags, facts)[0].config
+    probe = ImageDataset(records[:AUTO_PROBE_IMAGES], channels=facts.channels, scale=sizes.scale,
+                         patch_size=(sizes.patch_size, sizes.patch_size), view_cache=view_cache, **reading)
+    dark, masked = [], 0
+    for i in range(len(probe)):
+        item = probe[i]
+        if isinstance(item, Unreadable):  # named when training reaches it
+            continue
+        dark.append(float((item[0].amax(0) <= DARK).float().mean()))
+        masked += int(item[4] is not None)
+    median = sorted(dark)[len(dark) // 2] if dark else 0.0
+    return replace(facts, probed=len(dark), dark=round(median, 4), masked=masked)
+
+
+def save_settled(run: str | Path, settled: Settled, reasons: list[Reason], facts: DataFacts) -> None:
+    """``RUN/settled.json`` (written whole or not at all): the reasons as printed, the
+    model's microns per pixel and the facts they were settled from."""
+    from ats_cli.io import atomic_write_text
+
+    record = {"reasons": [str(r) for r in reasons], "mpp": settled.mpp, "facts": asdict(facts)}
+    atomic_write_text(Path(run) / SETTLED_JSON, json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+
+
+def load_facts(run: str | Path) -> DataFacts | None:
+    """The facts ``RUN/settled.json`` holds; None when it holds none (a run started by an
+    older ats)."""
+    path = Path(run) / SETTLED_JSON
+    if not path.is_file():
+        return None
+    try:
+        facts = json.loads(path.read_text())["facts"]
+        return DataFacts(**{**facts, "mpps": tuple(facts["mpps"])})
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path}: not a settled.json written by ats train ({e})") from None
+
+
+def check_mpp_flag(value: float, flag: str = "--mpp") -> None:
+    """Refuse ``flag`` ``value`` (0: off, accepted) outside the plausible range with a one-line
+    :class:`ConfigError` naming the flag and the value."""
+    from ats_cli.data.dataset import mpp_problem
+
+    if value and (problem := mpp_problem(value)):
+        raise ConfigError(f"{flag} {value:g} µm/px is {problem} (0 = off)")
+
+
+def patch_pixels(patch_um: float, mpp: float, max_pixels: int | None = None) -> int:
+    """The patch side in pixels that ``--patch-um`` ``patch_um`` is at ``mpp`` µm/px.
+    Raises :class:`ConfigError` (one line, naming the flag, the value and
+    the pixels) when that is less than one pixel, or a patch of more pixels than the
+    pixel budget (``max_pixels``, default :func:`ats_cli.data.images.max_pixels_limit`)."""
+    from ats_cli.data.images import max_pixels_limit
+
+    limit = max_pixels_limit(max_pixels)
+    side = patch_um / mpp
+    if not side >= 0.5:  # it rounds to no pixel at all
+        raise ConfigError(f"--patch-um {patch_um:g} is {side:.3g} pixels at {mpp:.4g} µm/px, less than one pixel: "
+                          "give a larger --patch-um (or --patch-size in pixels)")
+    size = round(side)
+    if size * size > limit:
+        raise ConfigError(f"--patch-um {patch_um:g} is {size:,} pixels at {mpp:.4g} µm/px, a patch of "
+                          f"{size * size:,} pixels, over the limit of {limit:,} pixels decoded at once: give a "
+                          "smaller --patch-um (or --patch-size in pixels)")
+    return size

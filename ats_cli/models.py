@@ -77,7 +77,7 @@ def model_spec(cfg: TrainConfig, *, n_classes: int, channels: int, mpp: float | 
     """The spec of the model ``cfg`` trains on data of ``n_classes`` and ``channels``;
     plain values only, so that a checkpoint holding it loads without running code.
     ``mpp``: the microns per pixel of the model's patches when known (--mpp, else the
-    training slides': :func:`ats_cli.settle.settle`); predict
+    training slides': :func:`ats_cli.config.settle`); predict
     reads slides at that scale (``input.resample``)."""
     return {
         "version": SPEC_VERSION,

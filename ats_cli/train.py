@@ -1,14 +1,14 @@
 """The training loop, readable top to bottom.
 
 One run directory holds everything: ``config.json`` (the settled configuration),
-``settled.json`` (what was left to the data, and why: :mod:`ats_cli.settle`),
+``settled.json`` (what was left to the data, and why: :mod:`ats_cli.config`),
 ``metrics.jsonl`` (one line per epoch), ``last.pt`` and ``best.pt`` (full checkpoints),
 ``epochs/epoch_NNN.pt`` (weights after each epoch, for the attention-evolution figure)
 and ``curves.png``; where the ``tensorboard`` package is installed, also ``tb/`` (the
 same per-epoch records for TensorBoard; :class:`_TensorBoard`).
 
 Several processes (``torchrun`` or ``ats train --devices N``; see
-:mod:`ats_cli.distributed` and docs/distributed.md): ``--batch-size`` is per process, a
+:mod:`ats_cli.runtime` and docs/distributed.md): ``--batch-size`` is per process, a
 step consumes ``batch_size * world_size`` images of the epoch's order (each rank its own
 slice), DDP averages the gradients, metrics are summed over the ranks, and rank 0 alone
 logs and writes files.
@@ -40,28 +40,34 @@ from torch.utils.data import DataLoader
 
 from ats_cli.augment import Augmentation
 from ats_cli.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from ats_cli.config import TrainConfig
+from ats_cli.config import TrainConfig, gather_facts, load_facts, save_settled, settle
 from ats_cli.data.dataset import load_dataset
-from ats_cli.data.loader import Batch, ImageDataset, collate, readable, single_thread_worker
-from ats_cli.data.view_cache import view_cache_for
-from ats_cli.distributed import Dist, all_reduce, broadcast_buffers, from_main, process_group, shard_batches
+from ats_cli.data.inputs import Batch, ImageDataset, collate, readable, single_thread_worker, view_cache_for
 from ats_cli.inference import predict_probs
 from ats_cli.io import atomic_path, atomic_write_text
 from ats_cli.models import check_patch_size, create_model, model_spec
 from ats_cli.multilabel import confusion_counts, correct, exact_matches, is_multilabel, macro_f1, step_loss
-from ats_cli.rundir import (
+from ats_cli.runtime import (
+    Deferred,
+    Dist,
+    all_reduce,
     append_metrics,
+    broadcast_buffers,
     check_training_set,
     claim,
+    deferred_interrupts,
     failed_save,
+    from_main,
     make_dirs,
+    peak_memory_mb,
+    process_group,
+    reset_peak_memory,
     resume_state,
     rewrite_metrics,
     settings_changed,
+    shard_batches,
     training_set_identity,
 )
-from ats_cli.runtime import Deferred, deferred_interrupts, peak_memory_mb, reset_peak_memory
-from ats_cli.settle import gather_facts, load_facts, save_settled, settle
 
 __all__ = ["train", "train_one_epoch", "evaluate", "loader_workers", "TrainingInterrupted"]
 
@@ -211,7 +217,9 @@ def train_one_epoch(cfg: TrainConfig, ctx: Dist, device: torch.device, net: torc
             sampling_gen.manual_seed(_seed(cfg.seed, pos.epoch, pos.done, ctx.rank))
             low = batch.low.to(device, non_blocking=True)
             # ats_cli.augment: the same per-image colours for the low-res view and its patches
-            aug = Augmentation.draw(cfg.augment, len(low), _seed(cfg.seed, pos.epoch, pos.done, ctx.rank, "augment"))
+            # (none, the settled value for images without a tissue mask: nothing is drawn)
+            aug = None if cfg.augment == "none" else Augmentation.draw(
+                cfg.augment, len(low), _seed(cfg.seed, pos.epoch, pos.done, ctx.rank, "augment"))
             extra = {"patch_transform": aug.patches} if aug else {}
             with _autocast(cfg, device):
                 out = net(aug.low(low) if aug else low, batch.sources, generator=sampling_gen,
@@ -344,11 +352,11 @@ def train(
 
     ``progress(phase, step, total, info)`` is called after every training step (the CLI
     draws a progress bar with it); ``log`` receives the settled values with their reasons
-    at the start (:mod:`ats_cli.settle`), then one line per epoch. Both are called on rank
+    at the start (:mod:`ats_cli.config`), then one line per epoch. Both are called on rank
     0 only. Under torchrun (``WORLD_SIZE`` > 1) this joins the process group itself,
     unless the caller already did.
     """
-    # the run directory is this run's alone while it trains (ats_cli.rundir): rank 0 holds its lock
+    # the run directory is this run's alone while it trains (ats_cli.runtime): rank 0 holds its lock
     with process_group(cfg.device) as (ctx, device), claim(cfg.out, resume=resume, enabled=ctx.is_main), \
             _TensorBoard(Path(cfg.out) / "tb", log, enabled=ctx.is_main) as board:
         return _train(cfg, ctx, device, resume=resume, board=board, progress=progress if ctx.is_main else None,
@@ -387,9 +395,9 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
 
     # ---- data: every rank reads the dataset (same path on every node)
     data = load_dataset(cfg.data)
-    train_identity = training_set_identity(data["train"], data.root)  # a resume must find the same (rundir)
-    cache = view_cache_for(run)  # slides' low-res views and tissue masks: made once (ats_cli.data.view_cache)
-    # ---- the values left to the data (ats_cli.settle); a resumed run's were settled when it started
+    train_identity = training_set_identity(data["train"], data.root)  # a resume must find the same (runtime)
+    cache = view_cache_for(run)  # slides' low-res views and tissue masks: made once (ats_cli.data.inputs)
+    # ---- the values left to the data (ats_cli.config); a resumed run's were settled when it started
     saved = load_facts(run) if resume else None
     facts = saved or gather_facts(cfg, data, view_cache=cache)
     settled, reasons = settle(cfg, facts)
@@ -511,7 +519,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
         }
         history.append(record)
         stop = Deferred()
-        if ctx.is_main:  # checkpoints first, last.pt marks the epoch done, its metrics line last (ats_cli.rundir)
+        if ctx.is_main:  # checkpoints first, last.pt marks the epoch done, its metrics line last (ats_cli.runtime)
             with deferred_interrupts() as stop:  # a stop signal during the saves: finish them, then stop (below)
                 try:
                     save_checkpoint(run / "epochs" / f"epoch_{epoch + 1:03d}.pt", spec=spec, classes=data.classes,

@@ -182,7 +182,7 @@ class RenderSummary:
     n_boxes: int = 0
     n_sites: int = 0  # distinct sampled patch locations, one box each
     strip: tuple[tuple[int, int], ...] = ()  # (row, col) of the patches in the strip, in its order
-    reading: str | None = None  # how a slide was read (ats_cli.data.magnification.describe_reading)
+    reading: str | None = None  # how a slide was read (ats_cli.data.inputs.describe_reading)
 
 
 @dataclass(frozen=True)
@@ -197,7 +197,7 @@ class GeoJSONSummary:
     level: int
     downsample: float
     label: str | None = None
-    reading: str | None = None  # how the slide was read (ats_cli.data.magnification.describe_reading)
+    reading: str | None = None  # how the slide was read (ats_cli.data.inputs.describe_reading)
     preview: Path | None = None
     preview_px: tuple[int, int] | None = None  # (width, height)
 

@@ -49,7 +49,7 @@ def measure(model_path: str, data: str, n: int, n_patches: int | None, seed: int
     import torch
 
     from ats_cli.checkpoint import load_model
-    from ats_cli.core.geometry import positions_to_offsets
+    from ats_cli.core.source import positions_to_offsets
     from ats_cli.data import load_dataset
     from ats_cli.data.images import ImageReadError, read_image
     from ats_cli.data.inputs import low_res_view

@@ -28,10 +28,9 @@ from pathlib import Path
 
 import torch
 
-from ats_cli.core.geometry import positions_to_offsets
 from ats_cli.core.model import pixels_to_float
 from ats_cli.core.sampling import attention_distribution, entropy, estimator_threshold, expectation, sample
-from ats_cli.core.source import gather_patches, source_sizes
+from ats_cli.core.source import gather_patches, positions_to_offsets, source_sizes
 from ats_cli.extensions.pooling import Where
 from ats_cli.predict import load_predictor, resolve_inputs
 

@@ -49,11 +49,8 @@ from ats_cli.config import TrainConfig
 from ats_cli.core.source import TensorSource
 from ats_cli.data.dataset import load_dataset
 from ats_cli.data.images import read_image
-from ats_cli.data.inputs import low_res_view
-from ats_cli.data.loader import ImageDataset
-from ats_cli.data.prepared import PreparedStore, prepare
-from ats_cli.data.prepared.entry import _sparse, entry_source, entry_view, read_entry
-from ats_cli.data.prepared.store import file_stamp
+from ats_cli.data.inputs import ImageDataset, low_res_view
+from ats_cli.data.prepared import PreparedStore, _sparse, entry_source, entry_view, file_stamp, prepare, read_entry
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ats_cli.core.geometry import low_res_view, positions_to_offsets
 from ats_cli.core.model import ATSModel
 from ats_cli.core.patches import extract_patches
 from ats_cli.core.sampling import attention_distribution
+from ats_cli.core.source import low_res_view, positions_to_offsets
 from ats_cli.extensions.pooling import FeaturePooling, Where
 from ats_cli.extensions.position import patch_centres
 from ats_cli.nets import create

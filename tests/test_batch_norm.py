@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from ats_cli.core.geometry import low_res_view
 from ats_cli.core.model import ATSModel
-from ats_cli.data.loader import Batch
+from ats_cli.core.source import low_res_view
+from ats_cli.data.inputs import Batch
 from ats_cli.nets import create
 from ats_cli.train import recalibrate_batch_norm
 

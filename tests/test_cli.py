@@ -20,8 +20,7 @@ from typer.testing import CliRunner
 
 from ats_cli import __version__
 from ats_cli.cli import app
-from ats_cli.config import TrainConfig
-from ats_cli.settle import AUTO_MIN_BRIGHTNESS
+from ats_cli.config import AUTO_MIN_BRIGHTNESS, TrainConfig
 
 runner = CliRunner()
 COMMANDS = ("make-dataset", "train", "predict", "visualize", "info", "benchmark", "doctor", "selfcheck")

@@ -3,6 +3,7 @@ from TrainConfig's fields, and the options several commands share are the same e
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -13,8 +14,7 @@ import typer
 from typer.testing import CliRunner
 
 from ats_cli.cli import app
-from ats_cli.config import ConfigError, TrainConfig, allowed_values, resolve_config
-from ats_cli.settle import DATA_DEFAULTS
+from ats_cli.config import DATA_DEFAULTS, ConfigError, TrainConfig, allowed_values, resolve_config
 
 COMMANDS = typer.main.get_command(app).commands
 CLI_ONLY = {"config", "resume", "overwrite", "devices"}  # ats train's parameters that are not fields
@@ -114,7 +114,7 @@ def test_validate_allows_exactly_the_values_the_help_lists():
 
 
 def test_min_brightness_auto_value_in_the_help_is_the_one_training_uses():
-    from ats_cli.settle import AUTO_MIN_BRIGHTNESS
+    from ats_cli.config import AUTO_MIN_BRIGHTNESS
 
     assert f"-1 = auto: {AUTO_MIN_BRIGHTNESS:g} when" in _option_line(_help_lines("train"), "--min-brightness")
 
@@ -175,3 +175,37 @@ def test_cli_definition_does_not_import_torch():
     """`ats --help` and every command's parsing stay quick: torch is imported by the commands' bodies."""
     code = "import sys, ats_cli.cli; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_an_extension_file_adds_its_flag_value(tmp_path):
+    """Adding a pooling is adding a file: its name becomes a --pooling value (help and
+    validation) without touching config.py, and the model builds it from the spec."""
+    import shutil
+    from pathlib import Path
+
+    import ats_cli
+
+    package = tmp_path / "ats_cli"
+    shutil.copytree(Path(ats_cli.__file__).parent, package, ignore=shutil.ignore_patterns("__pycache__"))
+    (package / "extensions" / "pooling_mean.py").write_text(
+        "from ats_cli.extensions.pooling import FeaturePooling\n"
+        "from ats_cli.registry import register_extension\n\n\n"
+        '@register_extension("pooling", "mean", note="a test pooling")\n'
+        "class MeanPooling(FeaturePooling):\n    pass\n")
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from ats_cli.cli import app\n"
+        "from ats_cli.config import TrainConfig, allowed_values\n"
+        "assert 'torch' not in sys.modules\n"
+        "assert allowed_values()['pooling'] == ('features', 'votes', 'counts', 'mean'), allowed_values()['pooling']\n"
+        "TrainConfig(data='d', out='o', pooling='mean').validate()\n"
+        "out = CliRunner().invoke(app, ['train', '--help'], env={'COLUMNS': '1000'}, terminal_width=1000).output\n"
+        "assert 'mean (a test pooling)' in out, out\n"
+        "from ats_cli.extensions import available_extensions, create_extension\n"
+        "assert available_extensions('pooling') == ['features', 'votes', 'counts', 'mean']\n"
+        "made = create_extension('pooling', {'name': 'mean'}, features=4, n_classes=2)\n"
+        "assert type(made).__name__ == 'MeanPooling'\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=tmp_path)

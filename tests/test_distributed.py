@@ -28,8 +28,8 @@ from ats_cli.checkpoint import load_checkpoint
 from ats_cli.cli import app
 from ats_cli.config import resolve_config
 from ats_cli.core import ATSModel, Draw, low_res_view
-from ats_cli.distributed import Dist, launch_command, shard_batches
 from ats_cli.models import create_model
+from ats_cli.runtime import Dist, launch_command, shard_batches
 from ats_cli.train import TrainingInterrupted, train
 
 N_TRAIN = 48
@@ -289,7 +289,7 @@ def test_stopping_the_launcher_stops_its_workers(tmp_path, sig):
     workers, and the launcher waits for them: nothing is left running unseen."""
     pids = tmp_path / "pids"
     launcher = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from ats_cli.distributed import run_launched; "
+        [sys.executable, "-c", "import sys; from ats_cli.runtime import run_launched; "
                                f"sys.exit(run_launched([sys.executable, '-c', {_FAKE_TORCHRUN!r}, {str(pids)!r}]))"],
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent),
                                                           os.environ.get("PYTHONPATH", "")])})

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from ats_cli.core import model as model_module
-from ats_cli.core.geometry import low_res_view
+from ats_cli.core.source import low_res_view
 from ats_cli.extensions import (
     KINDS,
     ExtensionError,

@@ -231,7 +231,7 @@ def test_2_a_second_train_into_a_directory_in_use_is_refused(squares, tmp_path):
 def test_2_a_lock_left_by_a_killed_process_is_taken_over(squares, tmp_path):
     run = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from ats_cli.rundir import RunLock; "
+        [sys.executable, "-c", "import sys, time; from ats_cli.runtime import RunLock; "
          "RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(120)", str(run)],
         stdout=subprocess.PIPE, text=True)
     try:
@@ -293,7 +293,7 @@ def test_3_the_low_res_view_read_in_bands_equals_the_whole_read(monkeypatch):
     import torch.nn.functional as F
 
     import ats_cli.data.images as images
-    from ats_cli.core.geometry import low_res_view
+    from ats_cli.core.source import low_res_view
     from ats_cli.data.inputs import low_res_view as banded_view
     from ats_cli.data.slides import ArrayReader
 

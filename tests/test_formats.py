@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from ats_cli.data import DatasetError, dataset_from_folder, load_dataset
-from ats_cli.data.formats import BACKENDS, PILLOW, backend
+from ats_cli.data.dataset import BACKENDS, PILLOW, backend
 from ats_cli.data.images import ImageReadError, decode_pil, pil_channels, read_image
 from ats_cli.data.slides import SlideReadError, open_image
 from ats_cli.predict import read_inputs_csv, resolve_inputs

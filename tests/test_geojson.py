@@ -21,7 +21,7 @@ import ats_cli.visualize as visualize_mod
 from ats_cli.checkpoint import save_checkpoint
 from ats_cli.cli import app
 from ats_cli.config import TrainConfig
-from ats_cli.core.geometry import positions_to_offsets
+from ats_cli.core.source import positions_to_offsets
 from ats_cli.models import check_model, create_model, model_spec
 from ats_cli.predict import load_predictor, resolve_inputs
 from ats_cli.render.geojson import (

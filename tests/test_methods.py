@@ -11,8 +11,8 @@ from ats_cli.baselines import CNNClassifier, DeepMIL, UniformAttention, grid_off
 from ats_cli.checkpoint import CheckpointError, load_model, save_checkpoint
 from ats_cli.cli import app
 from ats_cli.config import ConfigError, TrainConfig, resolve_config
-from ats_cli.core.geometry import low_res_view
 from ats_cli.core.model import ATSModel
+from ats_cli.core.source import low_res_view
 from ats_cli.models import UnknownMethodError, available_methods, create_model, model_spec
 from ats_cli.nets import create
 from ats_cli.train import train

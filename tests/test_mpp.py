@@ -1,5 +1,5 @@
 """Magnification: a model records the microns per pixel it was trained at, and a slide
-scanned at another resolution is read at that scale (ats_cli.data.magnification), so a
+scanned at another resolution is read at that scale (ats_cli.data.inputs), so a
 40x and a 20x scan of the same tissue give the same answer within noise, and the GeoJSON
 still lands on each file's own level-0 pixels."""
 
@@ -18,13 +18,12 @@ from typer.testing import CliRunner
 
 from ats_cli.checkpoint import save_checkpoint
 from ats_cli.cli import app
-from ats_cli.config import ConfigError, TrainConfig
+from ats_cli.config import ConfigError, TrainConfig, gather_facts, settle
 from ats_cli.data.dataset import load_dataset, write_dataset
 from ats_cli.data.slides import choose_level, open_image
 from ats_cli.data.synthetic_slides import SyntheticSlidesConfig, render_slide, write_pyramid
 from ats_cli.models import create_model, model_spec
 from ats_cli.predict import InputItem, load_predictor
-from ats_cli.settle import gather_facts, settle
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()

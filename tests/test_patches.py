@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ats_cli.core.geometry import low_res_size, low_res_view, positions_to_offsets
 from ats_cli.core.patches import extract_patches
+from ats_cli.core.source import low_res_size, low_res_view, positions_to_offsets
 
 
 def naive(images, offsets, size):

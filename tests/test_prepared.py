@@ -25,10 +25,8 @@ from PIL import Image
 from ats_cli.config import resolve_config
 from ats_cli.core.source import gather_patches
 from ats_cli.data.dataset import load_dataset, write_dataset
-from ats_cli.data.inputs import open_input
-from ats_cli.data.loader import ImageDataset, Unreadable, collate
-from ats_cli.data.prepared import PreparedSource, PreparedStore, prepare, store_folder
-from ats_cli.data.prepared.prepare import preparer_lock
+from ats_cli.data.inputs import ImageDataset, Unreadable, collate, open_input
+from ats_cli.data.prepared import PreparedSource, PreparedStore, prepare, preparer_lock, store_folder
 from ats_cli.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -269,7 +267,7 @@ def test_preparing_stops_before_the_disk_fills_and_the_loader_reads_the_sources(
 
 def test_an_entry_made_by_other_library_versions_is_prepared_again(tmp_path, monkeypatch):
     """Pillow decodes and torch resizes: another version may give other bits."""
-    import ats_cli.data.prepared.store as store_module
+    import ats_cli.data.prepared as store_module
 
     data = _dataset(tmp_path / "d", sizes=((40, 40),) * 2)
     store = _store(data)

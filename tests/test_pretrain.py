@@ -199,11 +199,11 @@ def _test_patches(data: Path) -> tuple[torch.Tensor, np.ndarray]:
 def test_attention_targets_weigh_each_digit_alike(tmp_path: Path) -> None:
     """Stage 1b's target: every digit of the image gets the same mass, over cells ats train
     may sample whose patch (cut where ats train would cut it) holds that digit whole."""
-    from ats_cli.core.geometry import positions_to_offsets
+    from ats_cli.config import DataFacts, settle, usable_hints
+    from ats_cli.core.source import positions_to_offsets
     from ats_cli.data.megapixel_mnist import box_fractions
     from ats_cli.models import create_model, model_spec
     from ats_cli.render.records import parse_boxes
-    from ats_cli.settle import DataFacts, settle, usable_hints
 
     data = load_dataset(_data(tmp_path / "mix", n_noise=6))
     cfg = TrainConfig(data=str(data.root), attention_net="block-attention", attention_width=16, feature_width=16,

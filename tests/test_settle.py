@@ -12,18 +12,19 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ats_cli.config import ConfigError, TrainConfig
-from ats_cli.data.dataset import load_dataset, write_dataset
-from ats_cli.settle import (
+from ats_cli.config import (
     AUTO_MIN_BRIGHTNESS,
     AUTO_RARITY_PRIOR,
     DATA_DEFAULTS,
+    ConfigError,
     DataFacts,
+    TrainConfig,
     gather_facts,
     load_facts,
     save_settled,
     settle,
 )
+from ats_cli.data.dataset import load_dataset, write_dataset
 
 SETTLED = ("n_patches", "patch_size", "scale", "eval_n_patches", "min_brightness", "augment", "rarity_prior",
            "patch_gain")

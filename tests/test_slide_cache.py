@@ -1,4 +1,4 @@
-"""Training at slide scale: the low-res view cache (ats_cli.data.view_cache) and the
+"""Training at slide scale: the low-res view cache (ats_cli.data.inputs) and the
 synthetic-slides generator rendering and writing in bands (bounded memory at any size)."""
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ from typer.testing import CliRunner
 
 from ats_cli.cli import app
 from ats_cli.data import synthetic_slides as ss
-from ats_cli.data.inputs import open_input
-from ats_cli.data.loader import ImageDataset
+from ats_cli.data.inputs import VIEW_CACHE_ENV as ENV
+from ats_cli.data.inputs import ImageDataset, ViewCache, open_input
 from ats_cli.data.slides import SlideReader
-from ats_cli.data.view_cache import ENV, ViewCache
 
 runner = CliRunner()
 SMALL = ss.SyntheticSlidesConfig(n_train=4, n_test=2, size=1024, n_spots=4, max_targets=2, spot_radius=20)

@@ -151,7 +151,7 @@ def test_train_predict_visualize_on_slides_end_to_end(slides, tmp_path):
         assert all(np.isfinite(m[k]) and m[k] >= 0 for k in ("train_loss", "test_loss", "entropy", "lr"))
         assert 0 <= m["train_acc"] <= 1 and 0 <= m["test_acc"] <= 1
     spec = torch.load(run / "best.pt", weights_only=True)["spec"]
-    # the training slides' own microns per pixel, recorded (ats_cli.data.magnification)
+    # the training slides' own microns per pixel, recorded (ats_cli.data.inputs)
     assert spec["input"] == {"reader": None, "level": None, "mpp": 0.5, "tissue": True, "resample": True}
     assert spec["channels"] == 3
     predictor = load_predictor(run, "cpu")  # the run directory stands for its best.pt

@@ -141,7 +141,7 @@ def test_low_res_comes_from_a_small_level(generic, monkeypatch):
         assert view.shape == (100, 120, 3)
         assert used and set(used) == {2}  # level 2 is 175x225 >= 100x120: level 0 is never read
         # the view is the image, not noise: it matches a direct resize of level 0 closely
-        from ats_cli.core.geometry import low_res_view
+        from ats_cli.core.source import low_res_view
 
         whole = torch.from_numpy(levels[0]).permute(2, 0, 1)
         want = low_res_view(whole, 100 / 700)  # 100x129 from level 0, read whole only here

@@ -28,20 +28,19 @@ from ats_cli.config import ConfigError, TrainConfig, resolve_config
 from ats_cli.data import dataset_from_folder
 from ats_cli.data.dataset import DatasetError, Record, load_dataset, write_dataset
 from ats_cli.data.images import ImageReadError, read_image
-from ats_cli.data.inputs import open_input
+from ats_cli.data.inputs import ViewCache, open_input, view_cache_for
 from ats_cli.data.slides import SlideReadError, open_image
-from ats_cli.data.view_cache import ViewCache, view_cache_for
 from ats_cli.models import create_model, model_spec
-from ats_cli.rundir import RunDirError
+from ats_cli.runtime import RunDirError
 from ats_cli.train import train
 
 runner = CliRunner(env={"COLUMNS": "1000"})
 
 
 def settle_physical_scale(cfg: TrainConfig, records: list[Record], _log=None) -> float | None:
-    """The microns per pixel ats train settles for these training files (ats_cli.settle), by the
+    """The microns per pixel ats train settles for these training files (ats_cli.config), by the
     same two steps: the files' facts, then the pure settling."""
-    from ats_cli.settle import gather_facts, settle
+    from ats_cli.config import gather_facts, settle
 
     class Training:
         hints: dict = {}

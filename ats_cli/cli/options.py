@@ -7,7 +7,7 @@ options from the same fields with :func:`config_option`. A default, an allowed v
 sentence of help is then written in one place, and the commands cannot drift apart
 (tests/test_cli_options.py holds them to it).
 
-Only :mod:`ats_cli.config` and :mod:`ats_cli.settle` are imported here (no torch), so ``ats --help``
+Only :mod:`ats_cli.config` and :mod:`ats_cli.config` are imported here (no torch), so ``ats --help``
 stays quick.
 """
 
@@ -20,8 +20,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ats_cli.config import TrainConfig
-from ats_cli.settle import DATA_DEFAULTS
+from ats_cli.config import DATA_DEFAULTS, TrainConfig
 
 __all__ = ["config_flags", "config_help", "config_option", "tissue_setting", "ReaderOption", "LevelOption",
            "MppOption", "TissueOption", "MaxPixelsOption", "NPatchesOption", "DEVICE_OPTION", "SEED_OPTION"]
@@ -40,7 +39,7 @@ def _shown_default(name: str) -> str | None:
     """The default of TrainConfig field ``name`` as help shows it (None: it has none to show,
     like --init's empty "no checkpoint")."""
     f = FIELDS[name]
-    if name in DATA_DEFAULTS:  # 0 = settled from the data (ats_cli.settle)
+    if name in DATA_DEFAULTS:  # 0 = settled from the data (ats_cli.config)
         return f"the dataset's hint, else {_text(DATA_DEFAULTS[name])}"
     if f.default == "":
         return None
@@ -128,9 +127,9 @@ LevelOption = Annotated[int | None, config_option("level", unset=MODEL_SETTING, 
 
 def _mpp_check(value: float | None) -> float | None:
     """``--mpp``: 0 is off (read by level as it is, ats_cli.data.inputs.open_input), else a
-    plausible microscope scale (ats_cli.data.scale_bounds): a value outside it would
+    plausible microscope scale (ats_cli.data.dataset): a value outside it would
     resample every input by a factor of hundreds or more."""
-    from ats_cli.data.scale_bounds import mpp_problem
+    from ats_cli.data.dataset import mpp_problem
 
     if value is not None and value != 0 and (problem := mpp_problem(value)):
         raise typer.BadParameter(f"{value:g} µm/px is {problem} (0 = off: read by level as it is)")

@@ -90,7 +90,7 @@ def predict(
     else is refused; one run at a time writes FILE (FILE.ats.lock). --devices N (or
     torchrun) shares the inputs among processes and merges one CSV (docs/predict-visualize.md).
     """
-    from ats_cli import distributed
+    from ats_cli import runtime
     from ats_cli.predict.launch import launch
     from ats_cli.predict.run import predict_cohort, predict_here
     from ats_cli.predict.session import Request
@@ -103,7 +103,7 @@ def predict(
         err.print("[red]error:[/] give --level or --mpp, not both")
         raise typer.Exit(2)
     try:
-        ctx = distributed.from_env()
+        ctx = runtime.from_env()
     except ValueError as e:
         err.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(2) from None

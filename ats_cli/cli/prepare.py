@@ -32,10 +32,9 @@ def prepare_dataset(
     read patch by patch already and are left alone."""
     import os
 
-    from ats_cli.config import TrainConfig
+    from ats_cli.config import DataFacts, TrainConfig, settle, usable_hints
     from ats_cli.data.dataset import DatasetError, load_dataset
     from ats_cli.data.prepared import PreparedStore, prepare, store_folder
-    from ats_cli.settle import DataFacts, settle, usable_hints
 
     def fail(message: str) -> typer.Exit:
         err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)

@@ -68,7 +68,7 @@ def train(
     overrides = dict(flags)  # the TrainConfig fields' flags; None = not given
     from rich.markup import escape
 
-    from ats_cli import distributed, rundir
+    from ats_cli import runtime
     from ats_cli.config import ConfigError, resolve_config
     from ats_cli.data.dataset import DatasetError
     from ats_cli.runtime import stop_signals_interrupt
@@ -88,14 +88,14 @@ def train(
         overrides.update(data=str(data), out=str(out))
     try:
         cfg = resolve_config(config, **overrides)
-        ctx = distributed.from_env()
+        ctx = runtime.from_env()
     except (ConfigError, ValueError) as e:
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
-    if ctx.is_main:  # one run per directory, one writer at a time (ats_cli/rundir.py)
+    if ctx.is_main:  # one run per directory, one writer at a time (ats_cli/runtime.py)
         try:
-            moved = rundir.prepare(cfg.out, resume=resume is not None, overwrite=overwrite)
-        except rundir.RunDirError as e:
+            moved = runtime.prepare_run(cfg.out, resume=resume is not None, overwrite=overwrite)
+        except runtime.RunDirError as e:
             console.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)
             raise typer.Exit(2) from None
         if moved is not None:
@@ -106,7 +106,7 @@ def train(
             console.print("[red]error:[/] --devices starts the processes itself; under torchrun leave it out")
             raise typer.Exit(2)
         try:
-            raise typer.Exit(distributed.launch(devices, cfg.to_dict(), resume=resume is not None))
+            raise typer.Exit(runtime.launch(devices, cfg.to_dict(), resume=resume is not None))
         except ValueError as e:
             console.print(f"[red]error:[/] {e}")
             raise typer.Exit(2) from None
@@ -145,4 +145,4 @@ def train(
         console.print(f"[green]done:[/] best test {what} {best['test_acc']:.3f} at epoch {best['epoch']}; "
                       f"run directory {cfg.out}")
     if ctx.enabled:  # a worker of torchrun: its process group is gone; leave without the gloo teardown abort
-        distributed.exit_worker(0)
+        runtime.exit_worker(0)

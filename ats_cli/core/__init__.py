@@ -1,6 +1,6 @@
-"""The attention-sampling method: sampling and the estimator, patches, geometry, model."""
+"""The attention-sampling method: sampling and the estimator, patches, the patch source and
+where a patch is, the model."""
 
-from ats_cli.core.geometry import low_res_size, low_res_view, positions_to_offsets
 from ats_cli.core.model import ATSModel, ATSOutput
 from ats_cli.core.patches import extract_patches
 from ats_cli.core.sampling import (
@@ -12,7 +12,14 @@ from ats_cli.core.sampling import (
     expectation,
     sample,
 )
-from ats_cli.core.source import PatchSource, TensorSource, gather_patches
+from ats_cli.core.source import (
+    PatchSource,
+    TensorSource,
+    gather_patches,
+    low_res_size,
+    low_res_view,
+    positions_to_offsets,
+)
 
 __all__ = [
     "ESTIMATORS",

@@ -21,7 +21,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ats_cli.core.geometry import positions_to_offsets
 from ats_cli.core.sampling import (
     ESTIMATORS,
     attention_distribution,
@@ -31,7 +30,7 @@ from ats_cli.core.sampling import (
     expectation,
     sample,
 )
-from ats_cli.core.source import Sources, gather_patches, source_sizes
+from ats_cli.core.source import Sources, gather_patches, positions_to_offsets, source_sizes
 from ats_cli.extensions import create_extension
 from ats_cli.extensions.gain import Gain
 from ats_cli.extensions.pooling import Pooling, Where

@@ -1,19 +1,20 @@
 """Datasets: the one on-disk format, and the generators and converters that produce it.
 
 * :mod:`ats_cli.data.dataset` - the format (``train.csv``/``test.csv``/``val.csv`` +
-  ``dataset.json``), :func:`load_dataset` (validating) and :func:`write_dataset`.
+  ``dataset.json``), :func:`load_dataset` (validating) and :func:`write_dataset`; and
+  what its files may be: the suffix table (which files are inputs, which backend reads
+  each) and the plausible microns per pixel.
 * :mod:`ats_cli.data.folder` - an ImageFolder-style tree -> the format.
-* :mod:`ats_cli.data.formats` - the suffix table: which files are inputs, which backend
-  reads each.
 * :mod:`ats_cli.data.megapixel_mnist` - the Megapixel MNIST generator.
 * :mod:`ats_cli.data.mnist` - where its digits come from (IDX/npz, torchvision, bundled).
 
 Importing this package (the modules above) does not import torch; the optional MNIST
 download imports torchvision lazily, and :mod:`~ats_cli.data.images` (the PIL backend,
 which the from-folder converter uses for headers) only where it returns tensors. These
-modules import torch and are not imported here: :mod:`~ats_cli.data.inputs` and
-:mod:`~ats_cli.data.loader` (reading images for a model), :mod:`~ats_cli.data.slides`
-(lazy slide readers) and :mod:`~ats_cli.data.synthetic_slides` (the slide generator).
+modules import torch and are not imported here: :mod:`~ats_cli.data.inputs` (reading
+an input for a model, one image or a training batch), :mod:`~ats_cli.data.prepared`
+(images decoded once into tiles), :mod:`~ats_cli.data.slides` (lazy slide readers) and
+:mod:`~ats_cli.data.synthetic_slides` (the slide generator).
 """
 
 from ats_cli.data.dataset import Dataset, DatasetError, Problem, Record, load_dataset, write_dataset

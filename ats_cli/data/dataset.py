@@ -19,6 +19,37 @@ one second at load time with the row named, not an hour into training.
 
 Everything is written atomically (:mod:`ats_cli.io`), so a crash never leaves a
 half-written CSV or JSON behind.
+
+This module also says what a dataset's files may be, the two questions a manifest's
+rows raise before any pixel is read, answered once for every command: which files are
+inputs and which backend reads each (the suffix table), and what physical scale a file
+may claim. Standard library only at import: ``ats --help`` and the CLI's option parsing
+reach it.
+
+**Which files are inputs.** ``ats predict DIR`` (which files in a directory are images),
+``ats make-dataset from-folder`` (which files become rows), and
+:func:`ats_cli.data.slides.open_image` (which reader opens a file, for ``ats info``,
+``ats visualize``, ``ats predict`` and the training data loader) all decide from
+:data:`BACKENDS`, so that a file one command accepts is one the others accept and read the
+same way. Every suffix PIL can decode is listed (WebP, GIF and PPM/PGM too): a file listed
+here is one a command picks up from a directory, and a format missing from one command's
+list but not another's was a dataset that trained but could not be predicted by directory.
+
+**What a physical scale may be.** A file's microns per pixel (mpp) decides how much is
+allocated: a slide read at the model's 0.5 µm/px is resampled by ``its mpp / 0.5``, so a
+512-pixel image whose tags say 1000 µm/px becomes a million pixels a side. Metadata is
+whatever a writer put there, so a value is checked here before it is used, and refused by
+name with the value and where it came from (the tag, the file, the flag). The plausible
+range is :data:`MIN_MPP`-:data:`MAX_MPP` µm/px. Light microscopy samples from about 0.05
+µm/px (100x oil immersion on a camera) to a few µm/px (a 1.25x overview); super-resolution
+images reach a few hundredths; 100 µm/px draws a 25 mm slide in 250 pixels, a thumbnail.
+Outside that range the value is not a microscope's: nanometre electron microscopy (not
+what these models read) or, far more often, a print resolution (a photo tool's 72 dpi is
+352.8 µm/px, 300 dpi 84.7). Resampling by such a value would not give wrong-but-usable
+pixels: it would allocate without bound or shrink the image to one pixel, so it is refused
+rather than used. The same bound keeps ``--mpp`` and ``--patch-um`` honest where the
+configuration is settled (:func:`ats_cli.config.check_mpp_flag`,
+:func:`ats_cli.config.patch_pixels`).
 """
 
 from __future__ import annotations
@@ -26,28 +57,21 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from ats_cli.io import atomic_write_text
 from ats_cli.multilabel import SEPARATOR, multi_hot, split_label
 
-__all__ = [
-    "DATASET_JSON",
-    "KNOWN_SPLITS",
-    "Dataset",
-    "DatasetError",
-    "Problem",
-    "CsvRow",
-    "CsvTable",
-    "Record",
-    "load_dataset",
-    "read_csv",
-    "write_dataset",
-]
+__all__ = ["DATASET_JSON", "KNOWN_SPLITS", "Dataset", "DatasetError", "Problem", "CsvRow", "CsvTable", "Record",
+           "load_dataset", "read_csv", "write_dataset", "BACKENDS", "INPUT_SUFFIXES", "LAZY_BACKENDS", "OPENSLIDE",
+           "PILLOW", "TIFFFILE", "backend", "is_input_file", "is_lazy", "MIN_MPP", "MAX_MPP", "RANGE_TEXT",
+           "mpp_problem"]
 
 DATASET_JSON = "dataset.json"
 KNOWN_SPLITS = ("train", "val", "test")
@@ -394,3 +418,54 @@ def _short(items: Sequence[str], limit: int = 12) -> str:
     shown = ", ".join(items[:limit])
     return shown + (f", ... ({len(items)} in all)" if len(items) > limit else "")
 
+
+# ---------------------------------------------------- which files are inputs, read by what
+
+PILLOW, TIFFFILE, OPENSLIDE = "pillow", "tifffile", "openslide"
+LAZY_BACKENDS = (TIFFFILE, OPENSLIDE)  # read tile by tile, never decoded whole
+
+BACKENDS: Mapping[str, str] = MappingProxyType({
+    # decoded whole by PIL, under the pixel budget (ats_cli.data.images)
+    **dict.fromkeys((".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".ppm", ".pgm"), PILLOW),
+    # read lazily by tifffile, or by OpenSlide when it recognises a vendor TIFF in the file
+    # (Aperio, Philips, Ventana); OME-TIFF (.ome.tif) ends in .tif
+    **dict.fromkeys((".tif", ".tiff", ".btf"), TIFFFILE),
+    # whole-slide formats only OpenSlide reads
+    **dict.fromkeys((".svs", ".ndpi", ".mrxs", ".scn", ".vms", ".vmu", ".bif", ".svslide", ".dcm"), OPENSLIDE),
+})
+INPUT_SUFFIXES = tuple(BACKENDS)
+
+
+def backend(path: str | os.PathLike[str]) -> str | None:
+    """The backend :data:`BACKENDS` gives ``path``'s suffix (case-insensitive); None for a
+    suffix it does not list."""
+    return BACKENDS.get(Path(path).suffix.lower())
+
+
+def is_input_file(path: str | os.PathLike[str]) -> bool:
+    """Whether a file found in a directory is an input: a listed suffix, not hidden."""
+    return backend(path) is not None and not Path(path).name.startswith(".")
+
+
+def is_lazy(path: str | os.PathLike[str], reader: str | None = None, level: int | None = None,
+            mpp: float | None = None) -> bool:
+    """Whether ``path`` is read through the lazy slide readers (a lazy backend: TIFFs and
+    slide formats, or any file when a reader, level or mpp is asked for) rather than
+    decoded whole. Here, beside the suffix table it reads: the preparer and the settling of
+    the configuration ask it too, without reading any file."""
+    return reader not in (None, "auto") or level is not None or mpp is not None or backend(path) in LAZY_BACKENDS
+
+
+# ---------------------------------------------------------- what a physical scale may be
+
+MIN_MPP = 0.01
+MAX_MPP = 100.0
+RANGE_TEXT = f"{MIN_MPP:g}-{MAX_MPP:g} µm/px"
+
+
+def mpp_problem(value: float) -> str | None:
+    """Why ``value`` µm/px cannot be a microscope's scale (None when it can): the text
+    to put after the value and its source in a one-line error."""
+    if not (math.isfinite(value) and MIN_MPP <= value <= MAX_MPP):
+        return f"outside the plausible {RANGE_TEXT} of a microscope image"
+    return None

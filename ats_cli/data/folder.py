@@ -18,8 +18,17 @@ from pathlib import Path
 
 import numpy as np
 
-from ats_cli.data.dataset import DATASET_JSON, Dataset, DatasetError, Problem, load_dataset, write_dataset
-from ats_cli.data.formats import INPUT_SUFFIXES, PILLOW, backend
+from ats_cli.data.dataset import (
+    DATASET_JSON,
+    INPUT_SUFFIXES,
+    PILLOW,
+    Dataset,
+    DatasetError,
+    Problem,
+    backend,
+    load_dataset,
+    write_dataset,
+)
 from ats_cli.data.images import pil_channels
 from ats_cli.io import atomic_path
 

@@ -1,4 +1,4 @@
-"""Reading ordinary image files (the ``pillow`` backend of :mod:`ats_cli.data.formats`:
+"""Reading ordinary image files (the ``pillow`` backend of :mod:`ats_cli.data.dataset`:
 PNG, JPEG, ...) into uint8 arrays and tensors, with errors that name the file.
 
 :func:`decode_pil` is the one PIL decoder (:func:`read_image` and the slide module's

@@ -1,23 +1,120 @@
-"""From an input file to what the model needs: low-res view, patch source, tissue mask.
+"""From an input file to what the model needs: low-res view, patch source, tissue mask;
+one image at a time (:func:`open_input`) or a training batch (:class:`ImageDataset`).
 
 :func:`open_input` is the one place this happens, for ``ats predict``, ``ats visualize``
-and training's data loader alike, so an image is read the same way in all three.
+and training's data loader alike, so an image is read the same way in all three. What
+reading a file involves besides decoding lives here with it, one concern ("reading one
+input") in four parts: the reading itself; at what physical scale a slide is read
+(magnification); the per-run cache of slides' low-res views; and the batching of the
+training loader. The decoders are below it (:mod:`ats_cli.data.images` for files read
+whole, :mod:`ats_cli.data.slides` for lazy readers), the prepared layout of ordinary
+images beside it (:mod:`ats_cli.data.prepared`).
+
+**Magnification: models that know their microns.** A pathologist thinks in microns, not
+pixels: a 64-pixel patch of a 40x scan (0.25 µm/px)
+covers a quarter of the tissue the same patch covers on a 20x scan (0.5 µm/px). A model
+trained on one and shown the other sees cells twice the size it learned, and answers
+something else. So a model records the physical scale of its pixels, and every slide is
+read at that scale:
+
+* **Training** records the microns per pixel (mpp) the patches were read at in the
+  model's spec (``input.mpp``): ``--mpp`` when given (every training slide is then read
+  at that scale, :meth:`~ats_cli.data.slides.SlideReader.match_mpp`), else the training
+  slides' own mpp at ``--level`` when all of them record one and agree within
+  :data:`~ats_cli.data.slides.MPP_TOLERANCE`. When they disagree, or some record none,
+  the model records none (and the log says why): predict then reads slides as it always
+  did, by level.
+* ``--patch-um`` / ``--low-res-um`` give the patch side and the low-res view's pixel in
+  microns instead of ``--patch-size`` (pixels) and ``--scale`` (a ratio): at the mpp
+  above they are ``patch_size = round(patch_um / mpp)`` and ``scale = mpp / low_res_um``.
+  The spec stores pixels and the mpp, so the microns follow from it; giving both forms of
+  one setting is accepted only when they agree (a resumed run's config.json holds both).
+* **Predict / visualize**: a slide that records its mpp is read from the coarsest level
+  at or below the model's mpp and resampled by the remaining factor
+  (:func:`~ats_cli.data.slides.choose_level`), patches and low-res view alike, so a patch
+  covers the same tissue on a 40x and a 20x scan. Resampling is per patch (each reads its
+  footprint, at most factor² times its pixels, and is resized to the patch size) and the
+  view comes from the smallest pyramid level large enough, as before: memory stays
+  bounded by the view and the patches. A slide without mpp (or a PNG) is read at the
+  model's level as it is, and the one-line reading note says so. ``--mpp`` overrides the
+  model's mpp; ``--level`` reads that level as it is.
+
+:func:`describe_reading` is that one-line note (``ats predict`` and ``ats visualize`` print
+it); :func:`file_mpp` reads a file's microns per pixel. Training's part, the rule above and
+the conversion of microns into pixels, is settled with the rest of the configuration
+(:mod:`ats_cli.config`).
+
+**The view cache.** The low-res views and tissue masks of slides, computed once per run and kept on disk.
+
+Making a slide's low-res view decodes a whole pyramid level (the smallest one large
+enough, e.g. 5000x5000 pixels for the 1/32 view of a 20000-pixel slide, read through the
+JPEG tiles) and resizes it: seconds per slide, every epoch, in the DataLoader workers,
+while the training step itself reads only n patches. The view does not change between
+epochs (augmentation is applied to it afterwards, in the training step, with new draws
+every epoch: :mod:`ats_cli.augment`), so it is made once and read back.
+
+Where: ``RUN/cache/views/`` by default (``ats train`` passes it; ``ATS_VIEW_CACHE=DIR``
+puts it elsewhere, e.g. to share it between runs on one dataset; ``ATS_VIEW_CACHE=off``
+turns it off). On disk rather than in the training process's memory because the views
+are made in the DataLoader workers, which are new processes every epoch (and new again
+after ``--resume``): a file is what they all see, whatever process made it. Under the run
+directory rather than beside the dataset because a dataset directory may be read-only or
+shared by several people's runs; a run directory is the run's own.
+
+What: one ``.npz`` per (file, what was asked) with the view as uint8 [h, w, C] (what
+``SlideReader.low_res`` returns, so the float view is recomputed bit for bit) and the
+tissue mask as bool [h, w]; loaded with ``allow_pickle=False``: nothing but arrays is ever
+read back. Its name is a hash of the file's resolved path, size, modification time (ns)
+and content digest (:func:`content_digest`: its first and last 64 KiB) and of the
+reader, level, channels, pixel budget and scale: a slide rewritten or touched gets a new
+entry, and so does a slide replaced by another of the same size whose modification time
+was kept (``cp -p``, ``rsync -t``, an archive unpacked), which size and time alone took
+for the old one; old entries are never read again (delete the folder to reclaim
+the space; it is rebuilt on the next epoch). Written atomically (:mod:`ats_cli.io`), so a
+worker killed mid-write or two writing the same entry leave a whole file or none.
+
+A folder that cannot be written (not a directory, read-only, a full disk) is one line of
+warning, once per process, and the run goes on computing views without storing them: the
+cache only saves time, so a run that would have been correct without it is not stopped
+for it (a training run of hours lost to a full cache disk would be the worse answer).
+
+**The training loader.** From dataset records to model inputs: the low-res view is made here, in the
+DataLoader workers, and the full-resolution image stays on the host: a uint8 tensor for
+ordinary images, a lazy reader for slides and TIFFs (the file is reopened in the
+training process, see ``SlideReader.__reduce__``; it is never decoded whole).
+
+The model then reads only the sampled patches from it, so the device never holds more
+than the low-res views and n patches per image, whatever the image size.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
 import os
-from collections.abc import Sequence
+import sys
+import zipfile
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
+from torch.utils.data import Dataset as TorchDataset
 
-from ats_cli.core.geometry import low_res_size
-from ats_cli.core.source import PatchSource, TensorSource
-from ats_cli.data.formats import is_lazy  # importable from here as before
+from ats_cli.core.source import PatchSource, TensorSource, low_res_size
+from ats_cli.data.dataset import Record, is_lazy
 from ats_cli.data.images import ImageReadError, read_image, resize_in_bands
+from ats_cli.io import atomic_path
 
-__all__ = ["OpenedImage", "open_input", "is_lazy", "batch_sources", "batch_support"]
+if TYPE_CHECKING:
+    from ats_cli.data.slides import SlideReader
+
+__all__ = ["OpenedImage", "open_input", "batch_sources", "batch_support", "describe_reading",
+           "announce_readings", "file_mpp", "ViewCache", "view_cache_for", "VIEW_CACHE_ENV", "VIEW_CACHE_FORMAT",
+           "ImageDataset", "Batch", "Unreadable", "collate", "readable", "single_thread_worker"]
 
 
 @dataclass
@@ -28,11 +125,11 @@ class OpenedImage:
     low: torch.Tensor
     source: PatchSource
     support: torch.Tensor | None = None  # bool [h, w] over ``low``: where sampling may go (tissue mask)
-    reading: str | None = None  # how a slide was read (level, resampling), one line: ats_cli.data.magnification
+    reading: str | None = None  # how a slide was read (level, resampling), one line: ats_cli.data.inputs
 
 
 def low_res_view(image: torch.Tensor, scale: float) -> torch.Tensor:
-    """:func:`ats_cli.core.geometry.low_res_view` of a uint8 image [C, H, W], bit for bit,
+    """:func:`ats_cli.core.source.low_res_view` of a uint8 image [C, H, W], bit for bit,
     converting one band of rows to float at a time: the whole image in float32 would be
     four times its size (1.2 GB for a 10000x10000 RGB image), twice over."""
     C, H, W = image.shape
@@ -62,14 +159,14 @@ def open_input(path: str | os.PathLike[str], *, channels: int, scale: float,
     ``ATS_MAX_PIXELS``, else 64 M): larger reads are refused from the file's header.
     ``mpp`` 0 means off, as ``--mpp 0`` does in training: no physical scale is matched and
     the file is read at ``level`` as it is (the way to read a file whose metadata gives
-    an implausible scale, which matching refuses: :mod:`ats_cli.data.scale_bounds`).
+    an implausible scale, which matching refuses: :mod:`ats_cli.data.dataset`).
 
     An image smaller than a patch in either dimension is refused: zero padding would make
     it run, but every patch would then be mostly padding the model never saw in training,
     and the prediction would look confident while meaning little. Raises
     :class:`ImageReadError` naming the file.
     """
-    from ats_cli.data.magnification import describe_reading
+    from ats_cli.data.inputs import describe_reading
     from ats_cli.data.slides import open_image, tissue_mask
 
     if not mpp:  # --mpp 0 (and a model that records none): off, read by level as it is
@@ -113,3 +210,281 @@ def batch_support(masks: Sequence[torch.Tensor | None], view_shape: Sequence[int
     everywhere = torch.ones(tuple(view_shape), dtype=torch.bool)
     return torch.stack([everywhere if m is None else m for m in masks])
 
+
+# ------------------------------------- magnification: how a slide is read, a file's mpp
+def _um(v: float) -> str:
+    return f"{v:.3g} µm/px"
+
+
+def describe_reading(slide: SlideReader, target: float | None) -> str:
+    """How ``slide`` is read, one line: its level, that level's mpp and the resampling
+    (``target``: the mpp asked for, the model's or ``--mpp``; None: none to match)."""
+    mpps = slide.level_mpps
+    level = f"level {slide.level}"
+    if mpps is None:
+        if target is None:
+            return f"{level} read as it is (the file records no microns per pixel)"
+        return (f"{level} read as it is: the file records no microns per pixel, so it cannot be matched to the "
+                f"model's {_um(target)}")
+    here = f"{level} ({_um(mpps[slide.level])})"
+    f = slide.factor
+    if target is None:
+        return f"{here} read as it is (no microns per pixel to match)"
+    if f == 1.0:
+        return f"{here} read as it is for {_um(target)}"
+    if f > 1:
+        return f"{here} downsampled {f:.3g}x to {_um(target)}"
+    return f"{here} upsampled {1 / f:.3g}x to {_um(target)} (the file has nothing finer)"
+
+
+def announce_readings(opener: Callable[..., Any], say: Callable[[str], None]) -> Callable[..., Any]:
+    """``opener`` that also says how a slide was read (:func:`describe_reading`), on one
+    line naming the file, the first time each way of reading occurs: one line for a folder
+    of slides from one scanner, another for the one that differs."""
+    seen: set[str] = set()
+
+    def read(path: Any, *args: Any, **kwargs: Any) -> Any:  # ats_cli.data.inputs.OpenedImage
+        opened = opener(path, *args, **kwargs)
+        note = getattr(opened, "reading", None)
+        if note and note not in seen:
+            seen.add(note)
+            say(f"{path}: {note}")
+        return opened
+
+    return read
+
+
+def file_mpp(path: str | Path, *, reader: str | None = None, level: int | None = None,
+             max_pixels: int | None = None) -> float | None:
+    """Microns per pixel of ``level`` (0 by default) of the file at ``path`` (its header
+    only), or None when it records none, is not read lazily, or cannot be opened (the
+    training loader names unreadable files when it reaches them). Raises
+    :class:`~ats_cli.data.slides.SlideReadError` when the recorded value is out of the
+    plausible range (:mod:`ats_cli.data.dataset`): a model trained at it would
+    record a scale that resamples every slide it reads by hundreds."""
+    from ats_cli.data.dataset import is_lazy
+    from ats_cli.data.slides import open_image
+
+    if not is_lazy(path, reader, level, None):
+        return None
+    try:
+        slide = open_image(path, reader=reader or "auto", max_pixels=max_pixels)
+    except Exception:  # noqa: BLE001 - reported by name when training reads the file
+        return None
+    with slide:
+        mpps = slide.plausible_mpps()  # a scale no microscope has is refused by name (ats_cli.data.dataset.mpp_problem)
+        lv = level or 0
+        return None if mpps is None or lv >= len(mpps) else mpps[lv]
+
+
+# ----------------------------- the view cache: slides' low-res views, made once per run
+VIEW_CACHE_ENV = "ATS_VIEW_CACHE"
+VIEW_CACHE_FORMAT = 1  # bump when what is stored changes: old entries then simply stop matching
+DIGEST_BYTES = 64 << 10  # read from each end of a file for its content digest
+
+
+def content_digest(path: str | os.PathLike[str]) -> str:
+    """A digest of the first and last :data:`DIGEST_BYTES` of ``path``: a TIFF's header
+    and first IFD are at its start, many writers put the IFDs (and the tile offsets) at
+    its end, and the first tiles follow the header; two different slides of one size
+    differ there. Two reads, whatever the file's size."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        h.update(fh.read(DIGEST_BYTES))
+        size = fh.seek(0, os.SEEK_END)
+        if size > DIGEST_BYTES:
+            fh.seek(max(DIGEST_BYTES, size - DIGEST_BYTES))
+            h.update(fh.read(DIGEST_BYTES))
+    return h.hexdigest()
+
+
+class ViewCache:
+    """Low-res views and tissue masks of lazily read slides, one file each in ``folder``."""
+
+    def __init__(self, folder: str | os.PathLike[str]):
+        self.folder = Path(folder)
+        self.writable = True  # False after a write failed: computed, not stored (module docstring)
+
+    def key(self, slide, scale: float) -> str:
+        """The entry's name: the file as it is now (path, size, mtime, content digest) and
+        what is asked of it."""
+        st = os.stat(slide.path)
+        what = {"format": VIEW_CACHE_FORMAT, "path": str(Path(slide.path).resolve()), "bytes": st.st_size,
+                "mtime_ns": st.st_mtime_ns, "content": content_digest(slide.path),
+                "reader": slide.name, "level": slide.level, "size": list(slide.size),
+                "channels": slide.channels, "max_pixels": slide.max_pixels, "scale": repr(float(scale)),
+                "resampled": repr(float(getattr(slide, "factor", 1.0)))}  # --mpp: the level's resampling
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
+
+    def probe(self) -> bool:
+        """Whether the folder can be written, asked of the file system without writing
+        (every rank of a run calls this, and only rank 0 may write): the folder, or the
+        nearest part of its path that exists, must be a writable directory. Warns once
+        when not. A disk that fills later is caught when an entry is stored."""
+        where = self.folder
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        if not where.is_dir():
+            self._give_up(OSError(errno.ENOTDIR, f"{where} is not a directory"))
+        elif not os.access(where, os.W_OK | os.X_OK):
+            self._give_up(OSError(errno.EACCES, f"{where} is not writable"))
+        return self.writable
+
+    def _give_up(self, e: OSError) -> None:
+        self.writable = False
+        print(f"warning: {self.folder}: cannot write the view cache ({e.strerror or e}); going on without it "
+              f"(slower: views are remade every epoch; set {VIEW_CACHE_ENV}=DIR elsewhere, or "
+              f"{VIEW_CACHE_ENV}=off)",
+              file=sys.stderr, flush=True)
+
+    def _store(self, path: Path, low: np.ndarray, mask: np.ndarray) -> None:
+        """Write one entry; a folder that cannot take it is warned about once and left
+        alone from then on (module docstring)."""
+        if not self.writable:
+            return
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+                np.savez(fh, low=low, mask=mask)
+        except OSError as e:
+            self._give_up(e)
+
+    def view(self, slide, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slide.low_res_view(scale), tissue_mask(view))``, from the cache when the entry
+        exists and is whole, else computed and stored."""
+        from ats_cli.core.source import low_res_size
+        from ats_cli.data.slides import tissue_mask
+
+        path = self.folder / f"{self.key(slide, scale)}.npz"
+        size = tuple(low_res_size(slide.size, scale))
+        low = mask = None
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                low, mask = z["low"], z["mask"]
+            if low.dtype != np.uint8 or low.shape != (*size, slide.channels) or mask.shape != size \
+                    or mask.dtype != bool:
+                low = None
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError):  # missing or damaged: recompute
+            low = None
+        if low is None:
+            low = slide.low_res(size)
+            mask = tissue_mask(_as_view(low)).numpy()
+            self._store(path, low, mask)
+        return _as_view(low), torch.from_numpy(np.array(mask, dtype=bool))
+
+
+def _as_view(low: np.ndarray) -> torch.Tensor:
+    """uint8 [h, w, C] -> [C, h, w] float in [0, 1], as ``SlideReader.low_res_view`` makes it."""
+    return torch.from_numpy(np.array(low, copy=True)).permute(2, 0, 1).float() / 255.0
+
+
+def view_cache_for(run: str | os.PathLike[str]) -> ViewCache | None:
+    """The cache a run uses: ``RUN/cache/views``, or ``$ATS_VIEW_CACHE``; None when that is
+    ``off``, or cannot be written (said once, here, in the process that starts the run,
+    rather than once by each DataLoader worker)."""
+    where = os.environ.get(VIEW_CACHE_ENV, "").strip()
+    if where.lower() in ("off", "0", "none", "no"):
+        return None
+    cache = ViewCache(Path(where).expanduser() if where else Path(run) / "cache" / "views")
+    return cache if cache.probe() else None
+
+
+# ---------------------------------------------- the training loader: records to batches
+Item = tuple[torch.Tensor, PatchSource, int, int, "torch.Tensor | None"]
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """An input a DataLoader worker could not read. It travels to the training process as
+    data and is raised there as :class:`ImageReadError` by :func:`readable`: raised inside
+    the worker, torch would re-raise it wrapped in a RuntimeError with the worker's
+    traceback as its message, instead of the one line naming the file."""
+
+    path: str
+    problem: str
+
+
+class ImageDataset(TorchDataset):
+    """Records of one split -> (low-res view, patch source, label, index, tissue mask or
+    None), read by :func:`open_input` exactly as ``ats predict`` reads them: the source is
+    the uint8 image in memory (``TensorSource``) or a lazy slide reader.
+
+    ``reader``/``level``/``mpp``/``tissue`` are ``ats predict``'s options of the same
+    names; a model trained with them is predicted with them (they are saved in its spec).
+    ``view_cache``: where slides' low-res views and tissue masks are kept once made
+    (:mod:`ats_cli.data.inputs`); None: remade at every read. ``prepared``: a
+    :class:`~ats_cli.data.prepared.PreparedStore`; an image with a fresh entry there is
+    read from it (the same view and patches, bit for bit, without decoding), any other
+    from its file.
+    """
+
+    def __init__(self, records: Sequence[Record], *, channels: int, scale: float,
+                 patch_size: tuple[int, int] = (1, 1), reader: str | None = None, level: int | None = None,
+                 mpp: float | None = None, tissue: bool | None = None, view_cache=None, prepared=None):
+        self.records = list(records)
+        self.prepared = prepared
+        self.view_cache = view_cache
+        self.channels = channels
+        self.scale = scale
+        self.options = {"patch_size": patch_size, "reader": reader, "level": level, "mpp": mpp, "tissue": tissue}
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i: int) -> Item | Unreadable:
+        rec = self.records[i]
+        try:
+            opened = None if self.prepared is None else self.prepared.open_input(
+                rec.path, patch_size=self.options["patch_size"], tissue=self.options["tissue"])
+            if opened is None:
+                opened = open_input(rec.path, channels=self.channels, scale=self.scale, view_cache=self.view_cache,
+                                    **self.options)
+        except ImageReadError as e:
+            return Unreadable(str(e.path), e.problem)
+        return opened.low, opened.source, rec.target, i, opened.support
+
+
+@dataclass
+class Batch:
+    low: torch.Tensor  # [B, C, h, w] float
+    sources: torch.Tensor | list[PatchSource]  # full-res images, stacked when they share a size
+    labels: torch.Tensor  # [B] class indices, or [B, classes] multi-hot (multi-label)
+    indices: torch.Tensor  # [B] positions in the split
+    support: torch.Tensor | None = None  # [B, h, w] bool: tissue masks (True everywhere for images without one)
+
+    def pin_memory(self) -> Batch:
+        self.low = self.low.pin_memory()
+        return self
+
+    def support_on(self, device: torch.device) -> torch.Tensor | None:
+        return None if self.support is None else self.support.to(device)
+
+
+def collate(items: list[Item | Unreadable]) -> Batch | Unreadable:
+    for item in items:
+        if isinstance(item, Unreadable):
+            return item
+    lows, sources, labels, indices, masks = zip(*items, strict=True)
+    if len({tuple(x.shape) for x in lows}) != 1:
+        shapes = sorted({tuple(s.size) for s in sources})
+        raise ValueError(
+            f"images of different sizes {shapes[:3]} in one batch; use --batch-size 1 for such datasets"
+        )
+    return Batch(torch.stack(lows), batch_sources(sources), torch.tensor(labels), torch.tensor(indices),
+                 batch_support(masks, lows[0].shape[-2:]))
+
+
+def readable(loader: Iterable[Batch | Unreadable]) -> Iterator[Batch]:
+    """The loader's batches; an input that could not be read stops the run here, in the
+    training process, with an :class:`ImageReadError` naming the file."""
+    for batch in loader:
+        if isinstance(batch, Unreadable):
+            raise ImageReadError(batch.path, batch.problem)
+        yield batch
+
+
+def single_thread_worker(_: int) -> None:
+    """DataLoader worker init: one intra-op thread per worker. Decoding and resizing are
+    per-image work; letting every worker also spawn a full thread pool oversubscribes the
+    cores and starves the training step."""
+    torch.set_num_threads(1)

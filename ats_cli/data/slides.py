@@ -9,7 +9,7 @@ low-res view and the patches, not by the slide.
 Every reader implements the core's ``PatchSource`` (``size``, ``channels``,
 ``read_patches``), so the model reads a slide exactly as it reads an in-memory tensor.
 
-Backends, chosen by ``open_image`` from the suffix table of :mod:`ats_cli.data.formats`
+Backends, chosen by ``open_image`` from the suffix table of :mod:`ats_cli.data.dataset`
 unless ``reader=`` forces one:
 
 - ``openslide``: vendor formats (svs, ndpi, mrxs, scn, vms, bif, Philips TIFF, DICOM),
@@ -32,7 +32,7 @@ microns per pixel can ask for a view larger than any level of the file), one res
 patch's footprint and one TIFF strip or tile must each fit in it, or the read is refused
 with a message naming the file, the size, the limit and how to raise it. The microns
 per pixel that sizes a resampled level is checked first
-(:mod:`ats_cli.data.scale_bounds`). The level read for the low-res view is decoded and resized band by band, so it is
+(:mod:`ats_cli.data.dataset`). The level read for the low-res view is decoded and resized band by band, so it is
 never held in float whole.
 """
 
@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ats_cli.data.formats import OPENSLIDE, PILLOW, TIFFFILE, backend
+from ats_cli.data.dataset import OPENSLIDE, PILLOW, TIFFFILE, backend, mpp_problem
 from ats_cli.data.images import (
     DEFAULT_MAX_PIXELS,
     ImageReadError,
@@ -57,7 +57,6 @@ from ats_cli.data.images import (
     over_budget,
     resize_in_bands,
 )
-from ats_cli.data.scale_bounds import mpp_problem
 from ats_cli.data.tiff_meta import (
     APERIO_JP2K_YCBCR,
     aperio_ycbcr_to_rgb,
@@ -200,7 +199,7 @@ class SlideReader:
 
     def plausible_mpps(self) -> list[float] | None:
         """:attr:`level_mpps`, once the file's microns per pixel is known to be a
-        microscope's (:mod:`ats_cli.data.scale_bounds`): the resampling factor and every
+        microscope's (:mod:`ats_cli.data.dataset`): the resampling factor and every
         size after it follow from it. Raises :class:`SlideReadError` naming the value and
         where it was read (tag, property) when it is not."""
         mpps = self.level_mpps
@@ -216,7 +215,7 @@ class SlideReader:
         from ``size``) by the remaining factor, so that a patch covers the same tissue on
         a 40x and a 20x scan. Raises :class:`SlideReadError` when the file records no mpp,
         or when its mpp or ``mpp`` (the model's, or --mpp) is out of the plausible range
-        (:mod:`ats_cli.data.scale_bounds`), before anything is read."""
+        (:mod:`ats_cli.data.dataset`), before anything is read."""
         if problem := mpp_problem(mpp):
             raise SlideReadError(self.path, f"cannot be read at {mpp:.4g} µm/px (the model's or --mpp): {problem}")
         mpps = self.plausible_mpps()
@@ -291,8 +290,8 @@ class SlideReader:
 
     def low_res_view(self, scale: float) -> torch.Tensor:
         """The model's low-res view [C, h, w] float in [0, 1] of the patch level at ``scale``,
-        the same size ``core.geometry.low_res_size`` gives an in-memory image of that size."""
-        from ats_cli.core.geometry import low_res_size
+        the same size ``core.source.low_res_size`` gives an in-memory image of that size."""
+        from ats_cli.core.source import low_res_size
 
         view = self.low_res(low_res_size(self.size, scale))
         return torch.from_numpy(view.copy()).permute(2, 0, 1).float() / 255.0
@@ -581,7 +580,7 @@ def open_image(
 ) -> SlideReader:
     """Open ``path`` with the right lazy reader (or the one ``reader`` names).
 
-    auto: the backend :mod:`ats_cli.data.formats` gives the suffix, except that a TIFF
+    auto: the backend :mod:`ats_cli.data.dataset` gives the suffix, except that a TIFF
     goes to OpenSlide when OpenSlide recognises a vendor format in it (Aperio, Philips,
     ...); a suffix the table does not list goes to pillow, which decodes it if it can.
     A TIFF that OpenSlide cannot open goes to tifffile (e.g. an SVS written by tifffile with

@@ -103,7 +103,7 @@ def tiff_mpp_source(tif, page) -> tuple[tuple[float, float] | None, str]:
     (per inch or centimetre; libvips writes per centimetre). Per axis, since x and y may
     differ. None when the file records no pixel size. The tags hold whatever the writer
     put there: a tool's default of 72 dpi reads as 352.8 um/px, so the source is named
-    for the range check of :mod:`ats_cli.data.scale_bounds` to say which value it refuses."""
+    for the range check of :mod:`ats_cli.data.dataset` to say which value it refuses."""
     if tif.is_ome and (mpp := _ome_mpp(tif.ome_metadata or "")):
         return mpp, "OME-XML PhysicalSizeX/Y"
     if tif.is_svs:

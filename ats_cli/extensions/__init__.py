@@ -1,7 +1,7 @@
 """Extensions of attention sampling: the named pieces a kind of data adds to the thesis's model.
 
 :class:`ats_cli.core.model.ATSModel` is the method of the thesis. What a task needs beyond
-it plugs into one of four slots, each with a registry of its own (:mod:`.registries`):
+it plugs into one of four slots, each with a registry of its own (in :mod:`ats_cli.registry`):
 
 * ``pooling`` -- what the estimator averages and how the logits are read from the estimate
   (:mod:`.pooling`: ``features``, the thesis's; :mod:`.pooling_votes`; :mod:`.pooling_counts`);
@@ -12,7 +12,8 @@ it plugs into one of four slots, each with a registry of its own (:mod:`.registr
 Each is created from a plain spec, ``{"name": ..., **options}`` (:func:`create_extension`),
 the form a checkpoint stores, so that a model is rebuilt without unpickling anything.
 Adding one is adding a file to this package: every module in it is imported here, and
-registers what it defines with :func:`register`.
+registers what it defines with :func:`ats_cli.registry.register_extension` (its name is then
+also a value of the kind's flag, ``--pooling``: :func:`ats_cli.registry.extension_choices`).
 
 Why they all keep the estimator unbiased: its argument (step (*) of
 :func:`ats_cli.core.sampling.expectation`) asks only that the value pooled for a cell be a
@@ -28,17 +29,9 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from ats_cli.extensions.registries import (
-    KINDS,
-    ExtensionError,
-    UnknownExtensionError,
-    available_extensions,
-    create_extension,
-    register,
-)
+from ats_cli.registry import KINDS, ExtensionError, UnknownExtensionError, available_extensions, create_extension
 
-__all__ = ["KINDS", "ExtensionError", "UnknownExtensionError", "available_extensions", "create_extension",
-           "register"]
+__all__ = ["KINDS", "ExtensionError", "UnknownExtensionError", "available_extensions", "create_extension"]
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")

@@ -20,12 +20,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ats_cli.extensions.gain import Gain
-from ats_cli.extensions.registries import register
+from ats_cli.registry import register_extension
 
 __all__ = ["LearnedGain"]
 
 
-@register("gain", "learned")
+@register_extension("gain", "learned")
 class LearnedGain(Gain):
     def __init__(self, features: int):
         super().__init__()

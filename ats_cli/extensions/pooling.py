@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ats_cli.extensions.registries import register
+from ats_cli.registry import register_extension
 
 __all__ = ["Pooling", "FeaturePooling", "Where"]
 
@@ -62,7 +62,7 @@ class Pooling(nn.Module):
         raise NotImplementedError
 
 
-@register("pooling", "features")
+@register_extension("pooling", "features", note="their features, then the classifier: the thesis")
 class FeaturePooling(Pooling):
     """The thesis's pooling: the features, then the classifier."""
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ats_cli.extensions.pooling import Where
 from ats_cli.extensions.pooling_votes import VotePooling
-from ats_cli.extensions.registries import ExtensionError, register
+from ats_cli.registry import ExtensionError, register_extension
 
 __all__ = ["CountPooling", "local_mass"]
 
@@ -58,7 +58,8 @@ def local_mass(probs: torch.Tensor, att_shape: tuple[int, int], sizes: torch.Ten
     return out
 
 
-@register("pooling", "counts")
+@register_extension("pooling", "counts",
+                    note="those over the attention mass around each patch: each object counts once")
 class CountPooling(VotePooling):
     def __init__(self, features: int, n_classes: int, *, none_class: bool = False, floor: float = 0.0):
         if not 0 <= floor <= 1:

@@ -23,12 +23,12 @@ import torch
 import torch.nn as nn
 
 from ats_cli.extensions.pooling import Pooling, Where
-from ats_cli.extensions.registries import register
+from ats_cli.registry import register_extension
 
 __all__ = ["VotePooling"]
 
 
-@register("pooling", "votes")
+@register_extension("pooling", "votes", note="each patch's class probabilities: a soft vote")
 class VotePooling(Pooling):
     def __init__(self, features: int, n_classes: int, *, none_class: bool = False):
         super().__init__()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ats_cli.extensions.prior import Prior
-from ats_cli.extensions.registries import ExtensionError, register
+from ats_cli.registry import ExtensionError, register_extension
 
 __all__ = ["RarityPrior", "rarity"]
 
@@ -49,7 +49,7 @@ def rarity(low: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         return out
 
 
-@register("prior", "rarity")
+@register_extension("prior", "rarity")
 class RarityPrior(Prior):
     def __init__(self, *, weight: float):
         super().__init__()

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from ats_cli.extensions.registries import ExtensionError, register
 from ats_cli.extensions.support import Support
+from ats_cli.registry import ExtensionError, register_extension
 
 __all__ = ["BrightSupport"]
 
 
-@register("support", "bright")
+@register_extension("support", "bright")
 class BrightSupport(Support):
     def __init__(self, *, threshold: float):
         super().__init__()

@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ats_cli.nets.mnist import ConvAttention
-from ats_cli.nets.registry import register
+from ats_cli.registry import register_net
 
 
 class BlockAttention(ConvAttention):
@@ -52,7 +52,7 @@ class BlockAttention(ConvAttention):
         return blocks.repeat_interleave(r, dim=-2).repeat_interleave(r, dim=-1)[..., :h, :w]
 
 
-@register("block-attention", kind="attention")
+@register_net("block-attention", kind="attention")
 def block_attention(in_channels: int = 1, width: int = 32) -> nn.Module:
     """3x3 blocks, three 3x3 layers of ``width`` (pass --attention-width 32: the CLI's
     default width, 8, is the paper net's)."""

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from ats_cli.nets.registry import register
+from ats_cli.registry import register_net
 
 
-@register("resnet18", kind="features")
+@register_net("resnet18", kind="features")
 def resnet18(in_channels: int = 3, width: int | None = None) -> nn.Module:
     """``width`` (the feature-net flag, e.g. when ATS uses this net on patches) adds a
     linear projection of the 512 pooled features to ``width``; None keeps 512 (the CNN

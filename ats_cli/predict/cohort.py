@@ -1,7 +1,7 @@
 """Many inputs, several processes, interruptions: what ``ats predict --out FILE`` keeps on
 disk while it runs, and how it resumes.
 
-Each process (rank r of N, :mod:`ats_cli.distributed`; one process is rank 0 of 1)
+Each process (rank r of N, :mod:`ats_cli.runtime`; one process is rank 0 of 1)
 predicts its share of the inputs that are not done yet (:func:`share`: every N-th, so
 slow slides spread over the ranks) and appends one JSON line per input to its **part
 file** ``FILE.part-r`` as soon as the input is finished, flushed (:class:`PartWriter`): a

@@ -14,8 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ats_cli.data.dataset import DATASET_JSON, read_csv
-from ats_cli.data.formats import is_input_file
+from ats_cli.data.dataset import DATASET_JSON, is_input_file, read_csv
 
 __all__ = ["InputItem", "read_inputs_csv", "resolve_inputs"]
 
@@ -41,7 +40,7 @@ def resolve_inputs(specs: Iterable[str | os.PathLike[str]], *, recursive: bool =
       relative paths are relative to the CSV's directory); anything else is an image;
     * a directory holding ``dataset.json`` and ``test.csv``: that dataset's test split;
     * any other directory: the image files in it (the suffixes of
-      :data:`ats_cli.data.formats.BACKENDS`, sorted by name, hidden files skipped),
+      :data:`ats_cli.data.dataset.BACKENDS`, sorted by name, hidden files skipped),
       including sub-directories when ``recursive``;
     * a pattern with ``* ? [`` that is not an existing path: expanded here (``**``
       included), for shells that do not; matched directories and CSVs are treated as

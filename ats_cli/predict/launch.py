@@ -1,5 +1,5 @@
 """``ats predict --devices N``: check here what can be checked, then run the same command
-in N processes through torchrun (:func:`ats_cli.distributed.run_launched`).
+in N processes through torchrun (:func:`ats_cli.runtime.run_launched`).
 
 The checks made here (the model, ``--out``, an output of another run, a live writer of
 ``--out``) fail in one line before torchrun starts N processes that would each load the
@@ -27,7 +27,7 @@ STATUS_FILE_ENV = "ATS_PREDICT_STATUS_FILE"  # --devices: rank 0 leaves its exit
 
 def launch(devices: int, req: Request, err: Console) -> int:
     """Run ``req`` in ``devices`` processes; their exit status (rank 0's)."""
-    from ats_cli import distributed
+    from ats_cli import runtime
     from ats_cli.predict import cohort
     from ats_cli.predict.inputs import resolve_inputs
     from ats_cli.predict.provenance import OutLock
@@ -37,7 +37,7 @@ def launch(devices: int, req: Request, err: Console) -> int:
     if predictor is None:
         return 2
     try:
-        distributed.check_devices(devices, req.device)
+        runtime.check_devices(devices, req.device)
         with OutLock(str(req.out)):  # a live writer refuses here, before N processes start
             pass
         if not req.overwrite:
@@ -52,7 +52,7 @@ def launch(devices: int, req: Request, err: Console) -> int:
     with tempfile.NamedTemporaryFile("w", prefix="ats-predict-", suffix=".status", delete=False) as f:
         status = Path(f.name)
     try:
-        rc = distributed.run_launched(distributed.launch_command(devices, worker_args(req), command="predict"),
+        rc = runtime.run_launched(runtime.launch_command(devices, worker_args(req), command="predict"),
                                       env={**os.environ, STATUS_FILE_ENV: str(status)})
         text = status.read_text().strip()
         return int(text) if rc == 0 and text.isdigit() else rc

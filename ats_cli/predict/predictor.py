@@ -140,7 +140,7 @@ class Predictor:
         opts = dict(self.input_options)
         if max_pixels is not None:
             opts["max_pixels"] = max_pixels
-        if level is not None or mpp is not None:  # --mpp always resamples (ats_cli.data.magnification)
+        if level is not None or mpp is not None:  # --mpp always resamples (ats_cli.data.inputs)
             opts["level"], opts["mpp"] = level, mpp
             opts["resample"] = True
         if reader is not None:

@@ -23,7 +23,7 @@ line naming the file, ``--overwrite`` and another ``--out``).
 
 One writer at a time: the process that writes ``FILE`` (rank 0) holds ``FILE.ats.lock``
 from before it reads what is there until the CSV is merged: the lock of ``ats train``'s
-run directories (:class:`ats_cli.rundir.RunLock`: an OS lock the OS drops when the
+run directories (:class:`ats_cli.runtime.RunLock`: an OS lock the OS drops when the
 process dies, however it dies), taken on a file next to ``FILE`` rather than on the whole
 directory, so that two outputs in one folder do not block each other.
 """
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from ats_cli.io import atomic_write_text
-from ats_cli.rundir import RunDirError, RunLock, _holder_text
+from ats_cli.runtime import RunDirError, RunLock, _holder_text
 
 __all__ = ["RECORD_FORMAT", "OutLock", "inputs_digest", "lock_path", "model_digest", "read_record", "record",
            "record_differences", "record_path", "settings", "write_record"]
@@ -148,7 +148,7 @@ def write_record(out: str | os.PathLike[str], data: Mapping[str, Any]) -> None:
 
 
 class OutLock(RunLock):
-    """:class:`ats_cli.rundir.RunLock` on ``FILE.ats.lock``: one writer per ``--out FILE``.
+    """:class:`ats_cli.runtime.RunLock` on ``FILE.ats.lock``: one writer per ``--out FILE``.
     ``acquire()`` raises :class:`RunDirError` naming the live holder, or the reason the
     lock file cannot be written (a full disk: no empty lock file is left behind)."""
 

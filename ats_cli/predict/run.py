@@ -1,5 +1,5 @@
 """Running ``ats predict`` in this process: to the terminal or stdout, or to ``--out FILE``
-alone or as one rank of several (:mod:`ats_cli.distributed`).
+alone or as one rank of several (:mod:`ats_cli.runtime`).
 
 ``--out FILE`` is the resumable path (:mod:`ats_cli.predict.cohort`): rank 0 holds the
 file's lock for the whole run, checks what is there against this run's record
@@ -79,15 +79,15 @@ class _Stop(Exception):
 def predict_cohort(req: Request, console: Console, err: Console) -> int:
     """``ats predict --out FILE`` in this process, alone or as one rank of several. Returns
     the exit status; a worker of several leaves through
-    :func:`ats_cli.distributed.exit_worker` instead."""
-    from ats_cli import distributed
+    :func:`ats_cli.runtime.exit_worker` instead."""
+    from ats_cli import runtime
     from ats_cli.predict.launch import STATUS_FILE_ENV
 
     code = 2
-    ctx = distributed.from_env()
+    ctx = runtime.from_env()
     try:
         with contextlib.ExitStack() as held, \
-                distributed.process_group(req.device, timeout=COLLECTIVE_TIMEOUT) as (ctx, device):
+                runtime.process_group(req.device, timeout=COLLECTIVE_TIMEOUT) as (ctx, device):
             code = _cohort_rank(req, ctx, device, held, console, err)
     except _Stop as stop:
         code = stop.code
@@ -99,18 +99,18 @@ def predict_cohort(req: Request, console: Console, err: Console) -> int:
     if ctx.is_main and status:  # --devices reads it; torchrun would print a failure report for a non-zero status
         Path(status).write_text(str(code))
         code = 0
-    distributed.exit_worker(code if ctx.is_main or code in (2, 130) else 0)
+    runtime.exit_worker(code if ctx.is_main or code in (2, 130) else 0)
 
 
 def _cohort_rank(req: Request, ctx, device, held: contextlib.ExitStack, console: Console, err: Console) -> int:
-    from ats_cli import distributed
+    from ats_cli import runtime
 
     out = str(req.out)
     tag = f"rank {ctx.rank}: " if ctx.enabled else ""
     # one rank says what all would; another rank's own errors are kept, and said if rank 0 had none
     main_err = err if ctx.is_main else Console(file=io.StringIO(), highlight=False, soft_wrap=True)
     predictor = load_checked(req, str(device), main_err, check_out=ctx.is_main)
-    failed_main, failed_any = distributed.all_reduce([ctx.is_main and predictor is None, predictor is None], ctx,
+    failed_main, failed_any = runtime.all_reduce([ctx.is_main and predictor is None, predictor is None], ctx,
                                                      device, op="max")
     if failed_any:
         if predictor is None and not ctx.is_main and not failed_main:
@@ -127,7 +127,7 @@ def _cohort_rank(req: Request, ctx, device, held: contextlib.ExitStack, console:
         return items, todo_plan
 
     try:
-        items, todo_plan = distributed.from_main(resolve, ctx)
+        items, todo_plan = runtime.from_main(resolve, ctx)
     except (ValueError, OSError) as e:  # CohortError, the lock's RunDirError, a record that cannot be written
         text = str(e) if isinstance(e, ValueError) else \
             f"cannot write {e.filename or out}: {e.strerror or e} (nothing was predicted)"
@@ -173,7 +173,7 @@ def _cohort_rank(req: Request, ctx, device, held: contextlib.ExitStack, console:
         raise _Stop(2) from None
     if ctx.enabled:
         err.print(f"{tag}{len(mine)} input(s) in {time.perf_counter() - start:.1f} s", markup=False)
-    written, att_errors = distributed.all_reduce(
+    written, att_errors = runtime.all_reduce(
         [saver.written if saver else 0, len(saver.errors) if saver else 0], ctx, device)  # also: all ranks done
     if saver is not None and not ctx.is_main:
         for message in saver.errors:
@@ -202,7 +202,7 @@ def _throughput(console: Console, items: Sequence[InputItem], todo: Sequence[int
     if not todo:
         console.print(f"nothing left to predict: all {len(items)} input(s) were done already")
         return
-    from ats_cli.data.inputs import is_lazy
+    from ats_cli.data.dataset import is_lazy
 
     # slides (read lazily: TIFFs, slide formats) or ordinary images: what the user counts in
     noun = "slide" if any(is_lazy(items[i].path) for i in todo) else "image"

@@ -76,7 +76,7 @@ def opener(predictor: Predictor, req: Request):
 
 def announced(predictor: Predictor, req: Request, err: Console):
     """:func:`opener` whose first input read each way says how (level, resampling) on ``err``."""
-    from ats_cli.data.magnification import announce_readings
+    from ats_cli.data.inputs import announce_readings
 
     return announce_readings(opener(predictor, req),
                              lambda line: err.print(escape(line), soft_wrap=True, highlight=False))

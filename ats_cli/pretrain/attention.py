@@ -26,7 +26,7 @@ def attention_example(image, boxes: list[list[int]], size: int, scale: float, at
     would cut it) holds the digit whole."""
     import torch
 
-    from ats_cli.core.geometry import positions_to_offsets
+    from ats_cli.core.source import positions_to_offsets
     from ats_cli.data.inputs import low_res_view
     from ats_cli.data.megapixel_mnist import box_fractions
 
@@ -156,7 +156,7 @@ def attention_shape(model, path: str, scale: float, device, channels: int = 1) -
     has one size)."""
     import torch
 
-    from ats_cli.core.geometry import low_res_size
+    from ats_cli.core.source import low_res_size
     from ats_cli.data.images import open_pil
 
     with open_pil(path) as im:

@@ -53,7 +53,7 @@ def read_all(records, classes: list[str], size: int, seed: int, workers: int, wh
         # and a forked child of a process whose torch thread pool has started can hang. One
         # torch thread each: N workers with a thread per core each oversubscribe the cores N
         # times over
-        from ats_cli.data.loader import single_thread_worker
+        from ats_cli.data.inputs import single_thread_worker
 
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                  initializer=single_thread_worker, initargs=(0,)) as pool:

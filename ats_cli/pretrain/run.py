@@ -84,10 +84,9 @@ def pretrain(opts: PretrainOptions, log: Callable[[str], None] = print) -> dict:
     import torch
 
     from ats_cli.checkpoint import save_checkpoint
-    from ats_cli.config import ConfigError, TrainConfig
+    from ats_cli.config import ConfigError, TrainConfig, gather_facts, settle
     from ats_cli.data.dataset import DatasetError, load_dataset
     from ats_cli.models import check_patch_size, create_model, model_spec
-    from ats_cli.settle import gather_facts, settle
 
     try:
         data = load_dataset(opts.data)
