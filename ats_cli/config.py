@@ -127,6 +127,11 @@ class TrainConfig:
                                                   "on": "a patch read as none votes little"})
     count_floor: float = _key(0.0, "With --pooling counts: an object with less than this share of the attention "
                               "counts in proportion to it, not once (0 = every object once, 1 = votes)", METHOD_PANEL)
+    # on: each patch's position in the image goes into its feature (ats_cli.extensions.position)
+    position_features: str = _key("off", "Each patch's position in the image in its feature: {choices}; "
+                                  "docs/training.md", METHOD_PANEL,
+                                  choices={"off": "what a patch shows, not where: the thesis",
+                                           "on": "for labels that depend on where (the top-most digit)"})
     # more patches at evaluation cost no memory for gradients and cut the estimator's noise;
     # -1 = auto = twice the training count, recorded in the model
     eval_n_patches: int = _key(-1, "Patches sampled at evaluation and prediction (the model records it); 0 = as "
@@ -219,6 +224,8 @@ class TrainConfig:
             problems.append("none_class on needs pooling votes or counts (pooled features have no per-patch vote)")
         if self.pooling != "features" and self.method in ("cnn", "deepmil"):
             problems.append(f"pooling {self.pooling}: method {self.method} does not pool by attention sampling")
+        if self.position_features == "on" and self.method in ("cnn", "deepmil"):
+            problems.append(f"position_features on: method {self.method} does not pool sampled patches")
         if self.rarity_prior < 0 and self.rarity_prior != -1:
             problems.append(f"rarity_prior must be >= 0, or -1 for auto (got {self.rarity_prior})")
         if self.workers < -1:

@@ -6,6 +6,7 @@ import torch
 
 from ats_cli.core.model import ATSModel, ATSOutput
 from ats_cli.core.source import Sources
+from ats_cli.multilabel import class_probabilities
 
 __all__ = ["predict_probs"]
 
@@ -21,7 +22,8 @@ def predict_probs(
     generator: torch.Generator | None = None,
     support_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ATSOutput]:
-    """Mean softmax [B, classes] over ``samples`` independent samplings of ``n_patches``
+    """Mean softmax [B, classes] (a sigmoid per class for a multi-label model:
+    :mod:`ats_cli.multilabel`) over ``samples`` independent samplings of ``n_patches``
     each (more samplings or more patches: lower variance), and the last sampling's output
     (for heatmaps). The attention map is computed once per sampling; it is cheap."""
     if samples < 1:
@@ -29,6 +31,6 @@ def predict_probs(
     total = None
     for _ in range(samples):
         out = model(low, sources, n_patches=n_patches, generator=generator, support_mask=support_mask)
-        p = torch.softmax(out.logits.float(), dim=1)
+        p = class_probabilities(model, out.logits)
         total = p if total is None else total + p
     return total / samples, out

@@ -69,8 +69,12 @@ def available_methods() -> list[str]:
 
 def create_model(spec: dict[str, Any]) -> nn.Module:
     """The model ``spec`` describes, with fresh weights (load a state dict into it).
-    Raises :class:`UnknownMethodError` for a method that is not registered."""
-    return _METHODS.create(spec["method"], spec=spec)
+    Raises :class:`UnknownMethodError` for a method that is not registered. A spec with
+    ``"multilabel": true`` gives a model read with one sigmoid per class (:mod:`ats_cli.multilabel`)."""
+    model = _METHODS.create(spec["method"], spec=spec)
+    if spec.get("multilabel"):
+        model.multilabel = True
+    return model
 
 
 def model_spec(cfg: TrainConfig, *, n_classes: int, channels: int, mpp: float | None = None) -> dict[str, Any]:
@@ -147,6 +151,8 @@ def extension_specs(cfg: TrainConfig) -> dict[str, dict[str, Any] | None]:
         "prior": {"name": "rarity", "weight": float(cfg.rarity_prior)}
         if cfg.rarity_prior > 0 and cfg.method != "uniform" else None,
         "gain": {"name": "learned"} if cfg.patch_gain == "on" else None,
+        # present only when on, so that the spec of a model without it is what it always was
+        **({"position": {"frequencies": 4}} if cfg.position_features == "on" else {}),
     }
 
 
@@ -178,6 +184,7 @@ def _sampling_settings(spec: dict[str, Any]) -> dict[str, Any]:
         support=spec["support"],
         prior=spec["prior"],
         gain=spec["gain"],
+        position=spec.get("position"),
     )
 
 

@@ -47,6 +47,7 @@ from ats_cli.data.inputs import Batch, ImageDataset, collate, readable, single_t
 from ats_cli.inference import predict_probs
 from ats_cli.io import atomic_path, atomic_write_text
 from ats_cli.models import check_patch_size, create_model, levels_spec, model_spec
+from ats_cli.multilabel import confusion_counts, exact_matches, is_multilabel, macro_f1
 from ats_cli.nets.encoders import apply_feature_train, freeze, load_start_weights, resolve_feature_train
 from ats_cli.runtime import (
     Deferred,
@@ -308,7 +309,9 @@ def recalibrate_batch_norm(model: torch.nn.Module, loader: DataLoader, device: t
 @torch.no_grad()
 def evaluate(model, loader: DataLoader, device: torch.device, *, n_patches: int | None = None,
              ctx: Dist | None = None) -> dict[str, float]:
-    """Test loss, accuracy and mean attention entropy.
+    """Test loss, accuracy and mean attention entropy; for multi-hot labels the loss is the
+    binary cross-entropy, the accuracy the exact match ratio, and ``macro_f1`` is added
+    (:mod:`ats_cli.multilabel`).
 
     Each batch's sampling is seeded by (EVAL_SEED, index of its first image), so the
     numbers do not depend on the epoch or on which process evaluated which batch: with
@@ -317,19 +320,32 @@ def evaluate(model, loader: DataLoader, device: torch.device, *, n_patches: int 
     ctx = ctx or Dist()
     model.eval()
     gen = torch.Generator(device=device)
-    loss = correct = ent = count = 0.0
+    loss = right = ent = count = 0.0
+    # multi-label: true/false positives, false negatives per class, on every rank (even one
+    # without a batch: all of them take part in the reduction below)
+    counts = torch.zeros(3, model.classifier.out_features, dtype=torch.float64) if is_multilabel(model) else None
     for batch in readable(loader):
         gen.manual_seed(_seed(EVAL_SEED, int(batch.indices[0])))
         labels = batch.labels.to(device)
         probs, out = predict_probs(model, batch.low.to(device), batch.sources, n_patches=n_patches, generator=gen,
                                    support_mask=batch.support_on(device))
-        loss += float(torch.nn.functional.nll_loss(probs.clamp_min(1e-12).log(), labels, reduction="sum"))
-        correct += float((probs.argmax(1) == labels).sum())
+        if labels.is_floating_point():
+            p = probs.clamp(1e-12, 1 - 1e-12)
+            loss += float(torch.nn.functional.binary_cross_entropy(p, labels, reduction="sum"))  # as in training
+            right += exact_matches(probs, labels)
+            counts += confusion_counts(probs, labels).cpu()
+        else:
+            loss += float(torch.nn.functional.nll_loss(probs.clamp_min(1e-12).log(), labels, reduction="sum"))
+            right += float((probs.argmax(1) == labels).sum())
         ent += float(out.entropy.sum())
         count += len(labels)
     train_mode(model)
-    loss, correct, ent, count = all_reduce([loss, correct, ent, count], ctx, device)
-    return {"loss": loss / max(count, 1), "acc": correct / max(count, 1), "entropy": ent / max(count, 1)}
+    loss, right, ent, count = all_reduce([loss, right, ent, count], ctx, device)
+    result = {"loss": loss / max(count, 1), "acc": right / max(count, 1), "entropy": ent / max(count, 1)}
+    if counts is not None:
+        summed = all_reduce(counts.flatten().tolist(), ctx, device)
+        result["macro_f1"] = macro_f1(torch.tensor(summed, dtype=torch.float64).view(counts.shape))
+    return result
 
 
 def train(
@@ -419,6 +435,8 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
     # ---- model, optimizer, state (the same initial weights on every rank: same seed)
     torch.manual_seed(cfg.seed)
     spec = model_spec(cfg, n_classes=data.num_classes, channels=facts.channels, mpp=settled.mpp)
+    if data.multilabel:  # one sigmoid per class (ats_cli.multilabel); absent: the spec of a single-label run
+        spec["multilabel"] = True
     model = create_model(spec)
     check_patch_size(model, spec)  # a patch the feature net cannot read: one line, before any step
     features = getattr(model, "feature_net", None)
@@ -508,6 +526,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
             "train_acc": acc["correct"] / acc["n"],
             "test_loss": test["loss"],
             "test_acc": test["acc"],
+            **({"test_macro_f1": test["macro_f1"]} if "macro_f1" in test else {}),
             "entropy": acc["ent"] / acc["n"],
             "samples": int(acc["n"]),
             "samples_per_s": acc["n"] / max(acc["time"], 1e-9),  # all processes together

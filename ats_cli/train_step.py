@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ats_cli.core.transfer import to_device
+from ats_cli.multilabel import correct, step_loss
 
 __all__ = ["DEVICE_SOURCES_MAX_BYTES", "STATS_EVERY", "RunningSums", "train_step"]
 
@@ -50,12 +51,12 @@ class RunningSums:
         self.unread = 0
         self.staged: torch.Tensor | None = None
 
-    def add(self, loss: torch.Tensor, logits: torch.Tensor, entropy: torch.Tensor, labels: torch.Tensor) -> None:
+    def add(self, loss: torch.Tensor, correct: torch.Tensor, entropy: torch.Tensor, labels: torch.Tensor) -> None:
         """Stage one step's statistics (all processes' under torch.distributed), without
         waiting; :meth:`commit` adds them once the step is counted, so that a Ctrl-C in
         between leaves sums and position in agreement (the step is redone on resume)."""
         n = labels.shape[0]
-        step = torch.stack([loss.detach().double() * n, (logits.argmax(1) == labels).sum().double(),
+        step = torch.stack([loss.detach().double() * n, correct.double(),
                             entropy.detach().sum().double(),
                             torch.full((), float(n), dtype=torch.float64, device=self.sums.device)])
         if self.distributed:
@@ -103,10 +104,10 @@ def train_step(net: torch.nn.Module, model: torch.nn.Module, opt: torch.optim.Op
     with autocast if autocast is not None else contextlib.nullcontext():
         out = net(augmentation.low(low) if augmentation else low, sources, generator=generator,
                   support_mask=to_device(batch.support, device), **extra)
-        loss = model.loss(out, labels)
+        loss = step_loss(model, out, labels)  # multi-hot labels: a sigmoid per class
     opt.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()  # DDP averages the gradients over the ranks here
-    sums.add(loss, out.logits, out.entropy, labels)
+    sums.add(loss, correct(out.logits, labels), out.entropy, labels)
     if clip_norm:
         scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)

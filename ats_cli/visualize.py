@@ -25,6 +25,7 @@ from ats_cli.checkpoint import CheckpointError
 from ats_cli.data.dataset import KNOWN_SPLITS
 from ats_cli.data.inputs import OpenedImage
 from ats_cli.models import check_model
+from ats_cli.multilabel import NO_CLASS, class_probabilities
 from ats_cli.predict import Predictor, load_predictor, read_inputs_csv
 from ats_cli.render.evolution import EpochPanel, EvolutionFigure, draw_evolution
 from ats_cli.render.figure import AttentionFigure, draw_attention
@@ -275,8 +276,9 @@ def render_attention(
     net = predictor.model
     output = sample_attention(predictor, opened, n_patches=n_patches, seed=seed, return_patches=True)
     record = AttentionRecord.from_output(net, opened, output)
-    probs = torch.softmax(output.logits[0].float(), 0).cpu()
+    probs = class_probabilities(net, output.logits[0]).cpu()
     k = int(probs.argmax())
+    prediction = predictor.decide(probs.tolist()) or NO_CLASS  # multi-label: the set at the threshold
     weights, contributions = record.weights, record.contributions
     if weights is None:
         ranking = "attention"
@@ -304,7 +306,7 @@ def render_attention(
         image_name=Path(image).name, size=tuple(opened.source.size), background=background,
         attention=record.attention, attention_extent=extent, patch_size=record.patch_size,
         sites=patch_sites(record.offsets.tolist(), record.sampled_probs.tolist(), weights, contributions),
-        patches=output.patches[0].detach().cpu().float().numpy(), prediction=predictor.classes[k],
+        patches=output.patches[0].detach().cpu().float().numpy(), prediction=prediction,
         probability=float(probs[k]), ranking=ranking, label=info.label if info else None,
         boxes=info.boxes if info else [], model_name=predictor.path.name, sampling=sampling,
         entropy=float(output.entropy[0]), regions=record.regions or ())
@@ -337,13 +339,13 @@ def write_attention_geojson(
     net = predictor.model
     check_model(net)
     output = sample_attention(predictor, opened, n_patches=n_patches, seed=seed)
-    probs = torch.softmax(output.logits[0].float(), 0).cpu().tolist()
+    probs = class_probabilities(net, output.logits[0]).cpu().tolist()
     record = AttentionRecord.from_output(net, opened, output)
     info = _image_info(image, data)
     label = info.label if info else None
     boxes = [(b.cls, b.row, b.col, b.h, b.w) for b in info.boxes] if info else []
     collection = feature_collection(record, predictor.classes, probs, image=image, model=predictor.path, seed=seed,
-                                    label=label, boxes=boxes)
+                                    label=label, boxes=boxes, prediction=predictor.decide(probs))
     write_geojson(out, collection)
     preview_px = None
     if preview is not None:
@@ -356,7 +358,7 @@ def write_attention_geojson(
         preview_px = render_preview(collection, thumb, preview, geojson_name=Path(out).name,
                                     image_name=Path(image).name)
     k = max(range(len(probs)), key=probs.__getitem__)
-    return GeoJSONSummary(Path(out), predictor.classes[k], probs[k], len(record.offsets),
+    return GeoJSONSummary(Path(out), collection["properties"]["prediction"], probs[k], len(record.offsets),
                           collection["properties"]["cells"]["written"], record.frame.level, record.frame.downsample,
                           label, opened.reading, None if preview is None else Path(preview), preview_px)
 

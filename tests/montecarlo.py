@@ -19,10 +19,11 @@ from ats_cli.core.patches import extract_patches
 from ats_cli.core.sampling import attention_distribution
 from ats_cli.core.source import low_res_view, positions_to_offsets
 from ats_cli.extensions.pooling import FeaturePooling, Where
+from ats_cli.extensions.position import patch_centres
 from ats_cli.nets import create
 
 __all__ = ["Z_MAX", "SIZE", "PATCH", "SCALE", "N", "TinyFeatures", "tiny_model", "image", "cell_patches",
-           "exact_attention", "z_of_estimate"]
+           "cell_positions", "exact_attention", "z_of_estimate"]
 
 Z_MAX = 5.0
 SIZE, PATCH, SCALE, N = 48, 8, 0.125, 6  # 6x6 = 36 positions, 6 draws without replacement
@@ -85,6 +86,15 @@ def cell_patches(m: ATSModel, img: torch.Tensor) -> torch.Tensor:
     return extract_patches(img, offsets, m.patch_size).float().flatten(0, 1) / 255.0
 
 
+def cell_positions(m: ATSModel, img: torch.Tensor) -> torch.Tensor:
+    """[1, K, 2]: the normalised centre of every cell's patch (what the position features see)."""
+    low = low_res_view(img, SCALE)
+    att = tuple(m.attention_net(low).shape[-2:])
+    idx = torch.arange(att[0] * att[1])[None]
+    offsets = positions_to_offsets(idx, att, (SIZE, SIZE), m.patch_size, low_size=tuple(low.shape[-2:]))
+    return patch_centres(offsets, torch.tensor([[SIZE, SIZE]]), m.patch_size)
+
+
 def _exact(m: ATSModel, img: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """<c, _linear(logits)> at the full expectation sum_i a_i v_i over every cell."""
     low = low_res_view(img, SCALE)
@@ -92,6 +102,8 @@ def _exact(m: ATSModel, img: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     att = tuple(m.attention_net(low).shape[-2:])
     idx = torch.arange(a.shape[1])[None]
     f = m.patch_features(cell_patches(m, img))[None]  # [1, K, D]
+    if m.position is not None:
+        f = m.position(f, cell_positions(m, img))
     values = m.pooling.values(f, m.classifier, Where(a, att, idx, torch.tensor([[SIZE, SIZE]]), m.patch_size))
     logits = m.pooling.readout(torch.einsum("bk,bkv->bv", a, values), m.classifier)
     return (_linear(m, logits) * c).sum()

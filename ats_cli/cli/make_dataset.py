@@ -41,6 +41,13 @@ class Preset(StrEnum):
     small = "small"
 
 
+class Task(StrEnum):
+    majority = "majority"
+    max = "max"
+    top = "top"
+    multilabel = "multilabel"
+
+
 class Mode(StrEnum):
     reference = "reference"
     copy = "copy"
@@ -83,13 +90,16 @@ def megapixel_mnist(
                                                 "depend on it.")] = None,
     offline: Annotated[bool, typer.Option("--offline", help="Do not try to download MNIST (also: ATS_OFFLINE=1).")]
     = False,
+    task: Annotated[Task, typer.Option(
+        help="The label (IPS's four tasks, same images): majority digit, max (largest digit), top (top-most "
+             "digit's class), multilabel (the digits present, e.g. 3;7). See docs/datasets.md.")] = Task.majority,
 ) -> None:
     """Generate Megapixel MNIST (thesis §3.4.2): label = the majority digit among 5, hidden in noise."""
     try:
         config = make_config(
             preset.value, n_train=n_train, n_test=n_test, width=width, height=height,
             n_digits=n_digits, n_target=n_target, n_noise=n_noise, seed=seed, noise=noise,
-            noise_overlap=noise_overlap,
+            noise_overlap=noise_overlap, task=task.value,
         )
         digits = resolve_digits(
             mnist,
@@ -102,7 +112,8 @@ def megapixel_mnist(
     console.print(
         f"Megapixel MNIST -> [bold]{out}[/]: {config.n_train} train + {config.n_test} test images, "
         f"{config.width}x{config.height}, {config.n_digits} digits ({config.n_target} target), "
-        f"{config.n_noise} noise ({_noise_text(config)}), seed {config.seed}, {workers} worker(s)",
+        f"{config.n_noise} noise ({_noise_text(config)}), seed {config.seed}, task {config.task}, "
+        f"{workers} worker(s)",
         highlight=False,
     )
     console.print(f"digits: {digits.description}", highlight=False)

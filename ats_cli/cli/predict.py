@@ -71,6 +71,10 @@ def predict(
         "--prefetch/--no-prefetch",
         help="Open the next input (its low-res view) in a background thread while the current one is predicted.")]
     = True,
+    threshold: Annotated[float | None, typer.Option(
+        "--threshold", show_default=False,
+        help="Multi-label models: predict each class whose probability reaches this (recorded in FILE.ats.json) "
+             "\\[default: 0.5].")] = None,
 ) -> None:
     """Predict the class of images with a trained model.
 
@@ -114,7 +118,7 @@ def predict(
     req = Request(inputs=inputs, model=model, out=out, n_patches=n_patches, estimator=estimator, samples=samples,
                   batch_size=batch_size, device=device, seed=seed, recursive=recursive, reader=reader, level=level,
                   mpp=mpp, tissue_mask=tissue_mask, max_pixels=max_pixels, save_attention=save_attention,
-                  overwrite=overwrite, prefetch=prefetch)
+                  overwrite=overwrite, prefetch=prefetch, threshold=threshold)
     if devices is not None and devices > 1:
         raise typer.Exit(launch(devices, req, err))
     if out is not None and not to_stdout:

@@ -141,7 +141,8 @@ def train(
             raise typer.Exit(1) from None
     if history and ctx.is_main:
         best = max(history, key=lambda h: h["test_acc"])
-        console.print(f"[green]done:[/] best test accuracy {best['test_acc']:.3f} at epoch {best['epoch']}; "
+        what = "exact match" if "test_macro_f1" in best else "accuracy"  # multi-label: the whole set right
+        console.print(f"[green]done:[/] best test {what} {best['test_acc']:.3f} at epoch {best['epoch']}; "
                       f"run directory {cfg.out}")
     if ctx.enabled:  # a worker of torchrun: its process group is gone; leave without the gloo teardown abort
         runtime.exit_worker(0)

@@ -35,6 +35,7 @@ from ats_cli.core.transfer import to_device
 from ats_cli.extensions import create_extension
 from ats_cli.extensions.gain import Gain
 from ats_cli.extensions.pooling import Pooling, Where
+from ats_cli.extensions.position import PositionFeatures, patch_centres
 from ats_cli.extensions.prior import Prior
 from ats_cli.extensions.support import Support
 
@@ -98,6 +99,9 @@ class ATSModel(nn.Module):
     ``support`` (cells that may be sampled; None = every cell), ``prior`` (a fixed log-prior
     on the scores; None = none) and ``gain`` (a per-patch factor on the unit feature; None =
     none). Each keeps the estimate and its gradients unbiased; its module says why.
+    ``position`` (None, a :class:`PositionFeatures` or its options as a dict): each patch's
+    position in the image goes into its feature before pooling
+    (:mod:`ats_cli.extensions.position`).
     """
 
     def __init__(
@@ -118,6 +122,7 @@ class ATSModel(nn.Module):
         support: Support | dict[str, Any] | None = None,
         prior: Prior | dict[str, Any] | None = None,
         gain: Gain | dict[str, Any] | None = None,
+        position: PositionFeatures | dict[str, Any] | None = None,
     ):
         super().__init__()
         if estimator not in ESTIMATORS:
@@ -131,6 +136,8 @@ class ATSModel(nn.Module):
                                   n_classes=n_classes)
         self.support = _extension("support", support, Support)
         self.prior = _extension("prior", prior, Prior)
+        self.position = position if position is None or isinstance(position, PositionFeatures) else \
+            PositionFeatures(d, **position)
         self.n_patches = int(n_patches)
         self.patch_size = (int(patch_size[0]), int(patch_size[1]))
         self.scale = float(scale)
@@ -257,6 +264,8 @@ class ATSModel(nn.Module):
         B = low.shape[0]
         unit, gain = self.patch_parts(patches.flatten(0, 1))
         feats = (unit if gain is None else gain * unit).view(B, n, -1)
+        if self.position is not None:  # f(x, p): a function of the drawn cell, as x is
+            feats = self.position(feats, patch_centres(offsets, sizes, self.patch_size))
         threshold = estimator_threshold(self.active_estimator, draw, probs)
         weights = estimator_weights(sampled_probs, replace=self.replace, threshold=threshold)
         where = Where(probs, att_shape, indices, sizes, self.patch_size, shapes)

@@ -4,11 +4,13 @@ A dataset is a directory holding
 
 * ``train.csv`` and ``test.csv`` (optionally ``val.csv``): columns ``path,label``,
   where ``path`` is relative to the directory (or absolute) and ``label`` is a class
-  *name*; any further columns are kept verbatim as "extra" columns;
+  *name*, or for a multi-label dataset several ``;``-separated (``3;7``, empty for none;
+  :mod:`ats_cli.multilabel`); any further columns are kept verbatim as "extra" columns;
 * ``dataset.json``: ``{"classes": [...]}`` (class names in label-index order), optional
   ``hints`` (``channels``, ``scale``, ``patch_size``, ...), optional ``splits`` (the split
-  names to read; defaults to whichever of train/val/test CSVs exist) and, for generated
-  data, a ``generator`` block with the generator's parameters and seed.
+  names to read; defaults to whichever of train/val/test CSVs exist), optional ``task``
+  (``"multilabel"``: several classes per image; inferred when any label holds ``;``) and,
+  for generated data, a ``generator`` block with the generator's parameters and seed.
 
 Why CSV + JSON: users can produce it with a spreadsheet or three lines of pandas, it
 diffs well, and a dataset can reference images anywhere (absolute paths) without
@@ -64,6 +66,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ats_cli.io import atomic_write_text
+from ats_cli.multilabel import SEPARATOR, multi_hot, split_label
 
 __all__ = ["DATASET_JSON", "KNOWN_SPLITS", "Dataset", "DatasetError", "Problem", "CsvRow", "CsvTable", "Record",
            "load_dataset", "read_csv", "write_dataset", "BACKENDS", "INPUT_SUFFIXES", "LAZY_BACKENDS", "OPENSLIDE",
@@ -116,6 +119,8 @@ class Record:
     ``path`` is absolute; ``label`` is the index into ``Dataset.classes``; ``extra`` holds
     the CSV's other columns as strings (e.g. the generator's ``digits`` boxes); ``line`` is
     the CSV line, kept so later errors (an unreadable image) can point back to the row.
+    In a multi-label dataset ``label`` is -1, ``label_name`` the classes ``;``-joined in
+    class order and ``multi_hot`` their 0/1 vector over the classes (None otherwise).
     """
 
     path: Path
@@ -123,6 +128,12 @@ class Record:
     label_name: str
     extra: Mapping[str, str] = field(default_factory=dict)
     line: int = 0
+    multi_hot: tuple[float, ...] | None = None
+
+    @property
+    def target(self) -> int | tuple[float, ...]:
+        """What training compares the logits with: the class index, or the multi-hot vector."""
+        return self.label if self.multi_hot is None else self.multi_hot
 
 
 @dataclass(frozen=True)
@@ -134,6 +145,7 @@ class Dataset:
     splits: dict[str, list[Record]]
     hints: dict[str, Any]
     meta: dict[str, Any]
+    multilabel: bool = False  # several classes per image (ats_cli.multilabel)
 
     @property
     def num_classes(self) -> int:
@@ -173,6 +185,7 @@ def write_dataset(
     hints: Mapping[str, Any] | None = None,
     generator: Mapping[str, Any] | None = None,
     description: str | None = None,
+    task: str | None = None,
 ) -> Path:
     """Write the CSVs and ``dataset.json`` of a dataset into ``root``; return the JSON's path.
 
@@ -195,6 +208,8 @@ def write_dataset(
     meta: dict[str, Any] = {"format": FORMAT_NAME, "version": FORMAT_VERSION}
     if description:
         meta["description"] = description
+    if task is not None:
+        meta["task"] = task
     meta["classes"] = [str(c) for c in classes]
     meta["splits"] = ordered
     meta["hints"] = dict(hints or {})
@@ -272,12 +287,17 @@ def load_dataset(root: str | os.PathLike[str], *, check_files: bool = True) -> D
     index = {name: i for i, name in enumerate(classes)}
     seen: dict[Path, str] = {}
     splits: dict[str, list[Record]] = {}
+    tables: dict[str, CsvTable] = {}
     for split in _split_names(root, meta, problems):
         name = f"{split}.csv"
         if not (root / name).is_file():
             problems.append(Problem(name, 0, "missing"))
             continue
-        table = read_csv(root / name, name=name)
+        tables[split] = read_csv(root / name, name=name)
+    multilabel = meta.get("task") == "multilabel" or any(
+        SEPARATOR in row.label for table in tables.values() for row in table.rows)
+    for split, table in tables.items():
+        name = f"{split}.csv"
         records: list[Record] = []
         for row in table.rows:
             if row.problem is not None:
@@ -287,14 +307,21 @@ def load_dataset(root: str | os.PathLike[str], *, check_files: bool = True) -> D
                 problems.append(Problem(name, row.line, f"duplicate path {row.raw_path!r} (first at {seen[row.path]})"))
             else:
                 seen[row.path] = f"{name}:{row.line}"
-            if row.label not in index:
-                problems.append(Problem(name, row.line, f"unknown label {row.label!r} (classes: {_short(classes)})"))
+            names = split_label(row.label) if multilabel else [row.label]
+            unknown = [n for n in names if n not in index]
+            if unknown:
+                problems.append(Problem(name, row.line, f"unknown label {unknown[0]!r} (classes: {_short(classes)})"))
                 continue
             if check_files and not row.path.is_file():
                 problems.append(Problem(name, row.line, f"{row.raw_path!r} is a directory, not an image file"
                                         if row.path.is_dir() else f"missing file {row.raw_path!r}"))
                 continue
-            records.append(Record(row.path, index[row.label], row.label, row.extra, row.line))
+            if multilabel:
+                chosen = sorted({index[n] for n in names})
+                records.append(Record(row.path, -1, SEPARATOR.join(classes[i] for i in chosen), row.extra, row.line,
+                                      multi_hot(chosen, len(classes))))
+            else:
+                records.append(Record(row.path, index[row.label], row.label, row.extra, row.line))
         if table.error is not None:  # it also explains why there are no (more) rows
             problems.append(table.error)
         elif not table.rows:
@@ -303,7 +330,7 @@ def load_dataset(root: str | os.PathLike[str], *, check_files: bool = True) -> D
     if problems:
         raise DatasetError(root, problems)
     hints = dict(meta.get("hints") or {})
-    return Dataset(root=root, classes=classes, splits=splits, hints=hints, meta=meta)
+    return Dataset(root=root, classes=classes, splits=splits, hints=hints, meta=meta, multilabel=multilabel)
 
 
 @dataclass(frozen=True)

@@ -441,14 +441,14 @@ class ImageDataset(TorchDataset):
                                     **self.options)
         except ImageReadError as e:
             return Unreadable(str(e.path), e.problem)
-        return opened.low, opened.source, rec.label, i, opened.support
+        return opened.low, opened.source, rec.target, i, opened.support
 
 
 @dataclass
 class Batch:
     low: torch.Tensor  # [B, C, h, w] float
     sources: torch.Tensor | list[PatchSource]  # full-res images, stacked when they share a size
-    labels: torch.Tensor  # [B]
+    labels: torch.Tensor  # [B] class indices, or [B, classes] multi-hot (multi-label)
     indices: torch.Tensor  # [B] positions in the split
     support: torch.Tensor | None = None  # [B, h, w] bool: tissue masks (True everywhere for images without one)
 

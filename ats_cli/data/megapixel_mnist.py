@@ -3,7 +3,8 @@
 Each image is a black ``height x width`` canvas with ``n_digits`` MNIST digits
 (``n_target`` of the target class, the rest of other classes) at random, pairwise
 non-overlapping positions, and ``n_noise`` noise patches of digit size from one or more
-noise families (:mod:`ats_cli.data.noise`). The label is the majority digit. At the
+noise families (:mod:`ats_cli.data.noise`). The label is the majority digit, or with
+``task`` one of IPS's other three labels of the same image (:data:`TASKS`). At the
 recommended low-resolution scale (0.12) a digit covers about 3x3 pixels: the attention
 network can see *where* something is but has to fetch the full-resolution patch to read
 it, which is the point of the benchmark. The low-resolution view is not made here:
@@ -30,6 +31,16 @@ Design choices, and why:
   image: they come from ``SeedSequence(entropy=split_seed, spawn_key=(0, 1))`` (a
   two-word key, which no image's one-word key can equal), so every worker and every
   resumed run derives the same 50 patterns without sharing state.
+* **Four tasks, one set of images.** IPS (Bergner et al., ICLR 2023) trains four labels
+  on the same images; ``task`` only chooses which one fills ``label`` (every row carries
+  all four: ``majority``, ``max``, ``top``, ``present``), never a pixel, so a seed gives
+  the same PNGs for every task. Each label is defined for every image: ``majority`` by
+  construction (the other classes stay below ``n_target`` copies each), ``max`` as the
+  largest class present, ``top`` as the class of the digit whose box has the smallest top
+  edge; two digit boxes can share a top edge (their columns then differ by a whole
+  digit's width), and that tie goes to the left-most of them, which is unique since two
+  boxes that do not overlap cannot share both edges. ``multilabel``: the set of classes
+  present, ``;``-separated (:mod:`ats_cli.multilabel`).
 * **Atomic, resumable output.** Each PNG is written to a temporary file and renamed; a
   rerun skips PNGs that are already complete, refuses to mix in a run with different
   parameters (``.ats-generate.json`` records them while the run is in progress), and
@@ -58,6 +69,7 @@ from ats_cli.io import atomic_write_bytes
 
 __all__ = [
     "GENERATOR_NAME",
+    "TASKS",
     "PRESETS",
     "GenerationReport",
     "Layout",
@@ -84,6 +96,11 @@ _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _PNG_IEND = b"\x00\x00\x00\x00IEND\xaeB`\x82"
 
 
+# The label rules of IPS's four Megapixel MNIST tasks (its config/mnist_config.yml), each
+# the name of the CSV column that always holds it ("present" for multilabel).
+TASKS = {"majority": "majority", "max": "max", "top": "top", "multilabel": "present"}
+
+
 class PlacementError(ValueError):
     """The canvas is too crowded to place all objects without overlap."""
 
@@ -102,6 +119,7 @@ class MegapixelMNISTConfig:
     seed: int = 0
     noise: str = "reference"  # family, or comma-separated families mixed per patch
     noise_overlap: bool | None = None  # None: each family's default (reference: True, others: False)
+    task: str = "majority"  # which label fills the label column (TASKS); never changes the images
 
     @property
     def families(self) -> tuple[str, ...]:
@@ -119,6 +137,9 @@ class MegapixelMNISTConfig:
                 if not isinstance(value, str):
                     raise ValueError(f"noise must be a string, got {value!r}")
                 parse_families(value)
+            elif f.name == "task":
+                if value not in TASKS:
+                    raise ValueError(f"task must be one of {', '.join(TASKS)}, got {value!r}")
             elif f.name == "noise_overlap":
                 if value is not None and not isinstance(value, bool):
                     raise ValueError(f"noise_overlap must be True, False or None, got {value!r}")
@@ -234,17 +255,26 @@ class Layout:
                  for i in order]
         return json.dumps(items, separators=(",", ":"))
 
-    def row(self, path: str) -> dict[str, str]:
-        """The CSV row: majority label plus the boxes and the IPS labels (max, top-most, presence)."""
+    def labels(self) -> dict[str, str]:
+        """The four IPS labels of the image, by :data:`TASKS` column: the majority class,
+        the largest class, the class of the top-most box (ties on the top edge: the
+        left-most; see the module docstring), the classes present (sorted, ``;``-joined)."""
         top = int(np.lexsort((self.digit_boxes[:, 1], self.digit_boxes[:, 0]))[0])
         return {
-            "path": path,
-            "label": str(self.target),
-            "digits": self.digits_json(),
+            "majority": str(self.target),
             "max": str(int(self.digit_classes.max())),
             "top": str(int(self.digit_classes[top])),
             "present": ";".join(str(c) for c in sorted(set(self.digit_classes.tolist()))),
         }
+
+    def row(self, path: str, task: str = "majority") -> dict[str, str]:
+        """The CSV row: ``task``'s label, the boxes, and the other IPS labels (``majority``
+        gets a column of its own when another task holds ``label``)."""
+        labels = self.labels()
+        row = {"path": path, "label": labels[TASKS[task]], "digits": self.digits_json()}
+        if task != "majority":
+            row["majority"] = labels["majority"]
+        return row | {k: labels[k] for k in ("max", "top", "present")}
 
 
 def box_fractions(corners: Any, boxes: Any, patch_size: tuple[int, int]) -> np.ndarray:
@@ -444,8 +474,16 @@ class _Job:
                 # next run and is rewritten, so durability is checked rather than forced.
                 atomic_write_bytes(path, encode_png(_render(layout, images, self.config)), fsync=False)
                 wrote = True
-            results.append((index, layout.row(rel), wrote))
+            results.append((index, layout.row(rel, self.config.task), wrote))
         return results
+
+
+_TASK_TEXT = {
+    "majority": "label = majority digit",
+    "max": "label = largest digit present (IPS task max)",
+    "top": "label = top-most digit, by the box's top edge, ties to the left-most (IPS task top)",
+    "multilabel": "label = the digits present, ';'-separated (IPS multi-label task)",
+}
 
 
 def fingerprint(config: MegapixelMNISTConfig, digits: DigitSet) -> dict[str, Any]:
@@ -482,6 +520,8 @@ def _differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
     diffs = generation.default_differences(old, new)
     if old.get("name") != new["name"]:
         return diffs  # another generator: nothing else to compare
+    if old.get("params", {}).get("task", "majority") == new["params"]["task"]:  # before tasks: majority
+        diffs = [d for d in diffs if not d.startswith("task: None ->")]
     old_sha = (old.get("digits") or {}).get("sha256")
     if old_sha != new["digits"]["sha256"]:
         diffs.append(f"digit source: {(old.get('digits') or {}).get('description')} -> {new['digits']['description']}")
@@ -512,7 +552,8 @@ def generate_megapixel_mnist(
     exception raised from it stops the run cleanly, which is how tests simulate an
     interruption. Returns a :class:`GenerationReport`; the dataset is in the common format
     (see :mod:`ats_cli.data.dataset`), with extra columns ``digits``, ``max``, ``top``,
-    ``present``.
+    ``present`` (and ``majority`` when ``config.task`` puts another label in ``label``);
+    ``dataset.json`` records the task.
     """
     out = Path(out).expanduser()
     digit_shape = digits.x_train.shape[1:3]
@@ -535,7 +576,8 @@ def generate_megapixel_mnist(
             "hints": recommended_hints(config),
             "description": f"Megapixel MNIST ({config.width}x{config.height}, {config.n_digits} digits of which "
             f"{config.n_target} of the target class, {config.n_noise} noise patches ({config.noise})); "
-            "label = majority digit",
+            + _TASK_TEXT[config.task],
+            "task": config.task,
         },
         workers=workers, chunk_size=chunk_size, progress=progress, differences=_differences,
         source=digits.description,

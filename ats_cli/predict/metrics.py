@@ -1,14 +1,17 @@
 """How good the predictions are, when the inputs came with labels (a dataset CSV or
-directory): accuracy and a confusion matrix over the rows that were predicted."""
+directory): accuracy and a confusion matrix over the rows that were predicted; for a
+multi-label model the per-class and macro scores of :mod:`ats_cli.multilabel`."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from ats_cli.multilabel import metrics, multi_hot, split_label
 from ats_cli.predict.predictor import PredictionRow
 
-__all__ = ["Evaluation", "evaluate"]
+__all__ = ["Evaluation", "evaluate", "evaluate_multilabel"]
 
 
 @dataclass(frozen=True)
@@ -47,3 +50,23 @@ def evaluate(rows: Sequence[PredictionRow], classes: Sequence[str]) -> Evaluatio
         matrix[li[r.label]][ci[r.prediction]] += 1
     correct = sum(r.label == r.prediction for r in scored)
     return Evaluation(n=len(scored), correct=correct, labels=labels, classes=classes, matrix=matrix)
+
+
+def evaluate_multilabel(rows: Sequence[PredictionRow], classes: Sequence[str], threshold: float
+                        ) -> dict[str, Any] | None:
+    """:func:`ats_cli.multilabel.metrics` of the labelled, successful rows of a multi-label
+    model (each label a ``;``-separated set, in any order), plus ``unknown_labels``: names
+    in the labels that are not the model's classes (left out; listed so they are not
+    silently lost). None without labelled rows."""
+    import torch
+
+    scored = [r for r in rows if r.ok and r.label is not None]
+    if not scored:
+        return None
+    classes = [str(c) for c in classes]
+    index = {c: i for i, c in enumerate(classes)}
+    names = [split_label(r.label) for r in scored]
+    unknown = sorted({n for row in names for n in row if n not in index})
+    target = torch.tensor([multi_hot([index[n] for n in row if n in index], len(classes)) for row in names])
+    probs = torch.tensor([list(r.probs) for r in scored], dtype=torch.float64)
+    return {**metrics(probs, target, classes, threshold), "unknown_labels": unknown}

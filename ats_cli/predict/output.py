@@ -77,7 +77,7 @@ class AttentionSaver:
             boxes = parse_boxes(item.extra.get("boxes") or item.extra.get("digits"))
             collection = feature_collection(
                 record, self.predictor.classes, row.probs, image=item.path, model=self.predictor.path, seed=self.seed,
-                samples=self.samples, label=item.label, boxes=boxes)
+                samples=self.samples, label=item.label, boxes=boxes, prediction=row.prediction)
             write_geojson(target, collection)
             self.written += 1
         except Exception as e:  # a full disk, a bad value: this file is missing, the predictions go on

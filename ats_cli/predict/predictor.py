@@ -27,6 +27,7 @@ from ats_cli.core.sampling import ESTIMATORS
 from ats_cli.data.images import ImageReadError
 from ats_cli.data.inputs import OpenedImage, batch_sources, batch_support, open_input
 from ats_cli.inference import predict_probs
+from ats_cli.multilabel import DEFAULT_THRESHOLD, decide, is_multilabel
 from ats_cli.predict.inputs import InputItem
 from ats_cli.runtime import resolve_device
 
@@ -38,7 +39,9 @@ CHECKPOINT_NAMES = ("best.pt", "last.pt")  # what a run directory given as --mod
 @dataclass(frozen=True)
 class PredictionRow:
     """The outcome for one input: ``prediction`` (a class name) and ``probs`` (one per
-    class, in the model's class order, summing to 1), or ``error`` (naming the file)."""
+    class, in the model's class order, summing to 1), or ``error`` (naming the file). A
+    multi-label model's ``prediction`` is the set of classes whose probability (one sigmoid
+    each) reaches the predictor's threshold, ``;``-joined ("" for none)."""
 
     path: Path
     label: str | None = None
@@ -51,13 +54,14 @@ class PredictionRow:
         return self.error is None
 
 
-def load_predictor(model: str | os.PathLike[str], device: str = "auto", *, estimator: str | None = None
-                   ) -> Predictor:
+def load_predictor(model: str | os.PathLike[str], device: str = "auto", *, estimator: str | None = None,
+                   threshold: float | None = None) -> Predictor:
     """Load a checkpoint (or a run directory's best.pt) for prediction on ``device``
     ('auto' = CUDA if present); ``estimator`` replaces the model's (see
     :mod:`ats_cli.core.sampling`). Raises :class:`CheckpointError` naming the file for a
     missing, foreign or corrupt model, and ValueError for an unusable device or an
-    estimator the model cannot use."""
+    estimator the model cannot use. ``threshold``: a multi-label model's decision threshold
+    (default 0.5; refused for a single-label model, which has none)."""
     dev = resolve_device(device)
     path = resolve_model_path(model)
     net, ckpt = load_model(path, dev)
@@ -75,7 +79,24 @@ def load_predictor(model: str | os.PathLike[str], device: str = "auto", *, estim
     channels = int(ckpt["spec"]["channels"])
     saved = ckpt["spec"]["input"]
     options = {k: saved.get(k) for k in ("reader", "level", "mpp", "tissue", "resample")}
-    return Predictor(model=net, classes=classes, channels=channels, device=dev, path=path, input_options=options)
+    return Predictor(model=net, classes=classes, channels=channels, device=dev, path=path, input_options=options,
+                     threshold=decision_threshold(net, threshold, path))
+
+
+def decision_threshold(model: torch.nn.Module, threshold: float | None, path: Path) -> float | None:
+    """The threshold in force: ``threshold`` or 0.5 for a multi-label model, None for a
+    single-label one (which decides by the largest probability). ValueError naming the
+    flag for a threshold outside (0, 1) or one given to a single-label model."""
+    if not is_multilabel(model):
+        if threshold is not None:
+            raise ValueError(f"--threshold {threshold:g}: {path} predicts one label per image (the most probable "
+                             "class); a threshold applies to multi-label models")
+        return None
+    if threshold is None:
+        return DEFAULT_THRESHOLD
+    if not 0 < threshold < 1:
+        raise ValueError(f"--threshold must be between 0 and 1 (exclusive), got {threshold:g}")
+    return float(threshold)
 
 
 def resolve_model_path(path: str | os.PathLike[str]) -> Path:
@@ -100,6 +121,14 @@ class Predictor:
     device: torch.device
     path: Path
     input_options: Mapping[str, object] = field(default_factory=dict)  # how training read its inputs
+    threshold: float | None = None  # multi-label models: a class is predicted from this probability on
+
+    def decide(self, probs: Sequence[float]) -> str:
+        """The prediction for one input's probabilities: the most probable class, or for a
+        multi-label model the classes at or above :attr:`threshold`."""
+        if self.threshold is not None:
+            return decide(probs, self.classes, self.threshold)
+        return self.classes[max(range(len(probs)), key=probs.__getitem__)]
 
     def opener(self, *, reader: str | None = None, level: int | None = None, mpp: float | None = None,
                tissue: bool | str | None = None, max_pixels: int | None = None) -> Callable[..., OpenedImage]:
@@ -195,7 +224,7 @@ class Predictor:
                                                         "prediction"))
                     continue
                 row = PredictionRow(path=items[index].path, label=items[index].label,
-                                    prediction=self.classes[max(range(len(p)), key=p.__getitem__)], probs=tuple(p))
+                                    prediction=self.decide(p), probs=tuple(p))
                 if on_output is not None:
                     on_output(index, row, opened, output, b)
                 finish(index, row)

@@ -91,6 +91,8 @@ def settings(model_sha256: str, values: Mapping[str, Any], reading: Mapping[str,
            "reading": {k: v for k, v in sorted(reading.items()) if k != "max_pixels"}}
     if values["batch_size"] > 1:
         out["world_size"] = world_size
+    if values.get("threshold") is not None:  # multi-label: it decides the prediction column
+        out["threshold"] = values["threshold"]
     return json.loads(json.dumps(out))  # as read back from JSON, so that records compare equal
 
 

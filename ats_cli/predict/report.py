@@ -11,12 +11,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ats_cli.multilabel import split_label
 from ats_cli.predict.inputs import InputItem
-from ats_cli.predict.metrics import Evaluation, evaluate
+from ats_cli.predict.metrics import Evaluation, evaluate, evaluate_multilabel
 from ats_cli.predict.output import AttentionSaver
 from ats_cli.predict.predictor import PredictionRow, Predictor
 
-__all__ = ["estimator_note", "print_results", "run_with_progress"]
+__all__ = ["estimator_note", "print_multilabel", "print_results", "run_with_progress"]
 
 MAX_ROWS_SHOWN = 20  # rows of the terminal table; the CSV has them all
 MAX_CONFUSION_CLASSES = 20  # wider confusion matrices do not fit a terminal
@@ -40,13 +41,17 @@ def run_with_progress(predictor: Predictor, items: Sequence[InputItem], console:
 
 
 def print_results(console: Console, err: Console, rows: Sequence[PredictionRow], classes: Sequence[str], *,
-                  out: str | None, to_stdout: bool, saver: AttentionSaver | None) -> None:
-    """The table, the evaluation, the summary line on ``console``; failures on ``err``."""
+                  out: str | None, to_stdout: bool, saver: AttentionSaver | None,
+                  threshold: float | None = None) -> None:
+    """The table, the evaluation, the summary line on ``console``; failures on ``err``.
+    ``threshold``: a multi-label model's (its evaluation: :func:`print_multilabel`)."""
     good = [r for r in rows if r.ok]
     failed = [r for r in rows if not r.ok]
     if good:
         console.print(_table(good, len(good)))
-    evaluation = evaluate(rows, classes)
+    evaluation = None if threshold is not None else evaluate(rows, classes)
+    if threshold is not None:
+        print_multilabel(console, rows, classes, threshold)
     if evaluation is not None:
         console.print(f"[bold]accuracy {evaluation.accuracy:.2%}[/] ({evaluation.correct}/{evaluation.n} labelled "
                       "images)")
@@ -75,6 +80,31 @@ def print_results(console: Console, err: Console, rows: Sequence[PredictionRow],
             err.print(f"  {message}", soft_wrap=True, markup=False)
 
 
+def print_multilabel(console: Console, rows: Sequence[PredictionRow], classes: Sequence[str], threshold: float
+                     ) -> dict | None:
+    """A multi-label model's evaluation on the labelled rows (:func:`evaluate_multilabel`):
+    per class precision, recall, F1, average precision and support, then the macro means,
+    mean AP and exact match. Returns the metrics (None without labelled rows)."""
+    ev = evaluate_multilabel(rows, classes, threshold)
+    if ev is None:
+        return None
+    table = Table(title=f"Per class (threshold {threshold:g})", title_justify="left")
+    for name in ("class", "precision", "recall", "F1", "AP", "support"):
+        table.add_column(name, justify="right")
+    for name, c in ev["per_class"].items():
+        ap = "-" if c["ap"] != c["ap"] else f"{c['ap']:.3f}"
+        table.add_row(name, f"{c['precision']:.3f}", f"{c['recall']:.3f}", f"{c['f1']:.3f}", ap, str(c["support"]))
+    if len(classes) <= MAX_CONFUSION_CLASSES:
+        console.print(table)
+    console.print(f"[bold]macro-F1 {ev['macro_f1']:.3f}[/], macro precision {ev['macro_precision']:.3f}, macro "
+                  f"recall {ev['macro_recall']:.3f}, mean AP {ev['mean_ap']:.3f}, exact match {ev['exact_match']:.2%} "
+                  f"({ev['n']} labelled images)")
+    if ev["unknown_labels"]:
+        console.print(f"[yellow]note:[/] label(s) {', '.join(ev['unknown_labels'])} are not classes of the model "
+                      "(left out of the scores)")
+    return ev
+
+
 def _short(path: Path, width: int = 60) -> str:
     text = str(path)
     return text if len(text) <= width else "..." + text[-(width - 3):]
@@ -93,10 +123,15 @@ def _table(rows: Sequence[PredictionRow], total: int) -> Table:
     for r in shown:
         cells = [_short(r.path), r.prediction, f"{max(r.probs):.3f}"]
         if with_labels:
-            mark = "" if r.label is None else ("[green]" if r.label == r.prediction else "[red]")
+            mark = "" if r.label is None else ("[green]" if _same(r.label, r.prediction) else "[red]")
             cells.append(f"{mark}{r.label or '-'}")
         table.add_row(*cells)
     return table
+
+
+def _same(label: str, prediction: str | None) -> bool:
+    """A label and a prediction that name the same class, or the same set (``3;7`` = ``7;3``)."""
+    return label == prediction or sorted(split_label(label)) == sorted(split_label(prediction or ""))
 
 
 def _confusion(ev: Evaluation) -> Table:

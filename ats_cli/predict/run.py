@@ -58,7 +58,8 @@ def predict_here(req: Request, console: Console, err: Console) -> int:
                   f"{where}", soft_wrap=True)
         return 130
     _write_csv(rows, predictor.classes, req)
-    print_results(console, err, rows, predictor.classes, out=req.out, to_stdout=req.to_stdout, saver=saver)
+    print_results(console, err, rows, predictor.classes, out=req.out, to_stdout=req.to_stdout, saver=saver,
+                  threshold=predictor.threshold)
     return 1 if any(not r.ok for r in rows) or (saver is not None and saver.errors) else 0
 
 
@@ -188,7 +189,8 @@ def _cohort_rank(req: Request, ctx, device, held: contextlib.ExitStack, console:
     elapsed = time.perf_counter() - start
     if saver is not None:
         saver.written = int(written)
-    print_results(console, err, rows, predictor.classes, out=out, to_stdout=False, saver=saver)
+    print_results(console, err, rows, predictor.classes, out=out, to_stdout=False, saver=saver,
+                  threshold=predictor.threshold)
     if saver is not None and att_errors > len(saver.errors):
         err.print(f"({int(att_errors) - len(saver.errors)} more attention file(s) not written by other processes, "
                   "listed above)")

@@ -48,6 +48,7 @@ class Request:
     save_attention: Path | None = None
     overwrite: bool = False
     prefetch: bool = True
+    threshold: float | None = None  # multi-label models: the decision threshold (None: 0.5)
 
     @property
     def to_stdout(self) -> bool:
@@ -58,7 +59,7 @@ def worker_args(req: Request) -> list[str]:
     """``ats predict`` arguments that reproduce ``req`` (for the processes --devices starts)."""
     args = [*req.inputs, "--model", req.model, "--out", str(req.out)]
     for name in ("n_patches", "estimator", "samples", "batch_size", "device", "seed", "reader", "level", "mpp",
-                 "tissue_mask", "max_pixels", "save_attention"):
+                 "tissue_mask", "max_pixels", "save_attention", "threshold"):
         value = getattr(req, name)
         if value is not None:
             args += ["--" + name.replace("_", "-"), str(value)]
@@ -92,6 +93,8 @@ def run_settings(predictor: Predictor, req: Request, world_size: int, device_typ
     values = {"n_patches": req.n_patches or getattr(net, "patches_now", None),
               "estimator": getattr(net, "active_estimator", None), "samples": req.samples,
               "batch_size": req.batch_size, "seed": req.seed, "device": device_type or predictor.device.type}
+    if predictor.threshold is not None:  # multi-label: it decides the prediction column
+        values["threshold"] = predictor.threshold
     reading = opener(predictor, req).keywords
     return provenance.settings(provenance.model_digest(predictor.path), values, reading, world_size)
 
@@ -113,7 +116,8 @@ def print_header(console: Console, predictor: Predictor, items: Sequence[InputIt
     n_patches = req.n_patches or getattr(predictor.model, "patches_now", "-")
     console.print(f"model {predictor.path} ({len(predictor.classes)} classes, {predictor.device}{procs}); "
                   f"{n_ok_inputs} image(s); n_patches {n_patches}, "
-                  f"{estimator_note(predictor.model)}samples {req.samples}, seed {req.seed}")
+                  f"{estimator_note(predictor.model)}samples {req.samples}, seed {req.seed}"
+                  + ("" if predictor.threshold is None else f"; multi-label, threshold {predictor.threshold:g}"))
 
 
 def load_checked(req: Request, device: str, err: Console, *, check_out: bool) -> Predictor | None:
@@ -124,7 +128,7 @@ def load_checked(req: Request, device: str, err: Console, *, check_out: bool) ->
 
     try:
         max_pixels_limit(req.max_pixels)
-        predictor = load_predictor(req.model, device, estimator=req.estimator)
+        predictor = load_predictor(req.model, device, estimator=req.estimator, threshold=req.threshold)
     except (CheckpointError, ValueError, RuntimeError) as e:
         err.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)
         return None

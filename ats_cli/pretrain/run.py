@@ -92,6 +92,9 @@ def pretrain(opts: PretrainOptions, log: Callable[[str], None] = print) -> dict:
         data = load_dataset(opts.data)
     except DatasetError as e:
         raise PretrainError(str(e)) from None
+    if data.multilabel:  # its patch labels come from one class per region; a set of classes has none
+        raise PretrainError(f"{opts.data}: a multi-label dataset; ats pretrain needs one class per image "
+                            "(train it with ats train)")
     cfg = TrainConfig(data=opts.data, attention_net=opts.attention_net, attention_width=opts.attention_width,
                       feature_net=opts.feature_net, feature_width=opts.feature_width,
                       feature_scale=opts.feature_scale, seed=opts.seed, patch_gain="off", scale=opts.scale,

@@ -52,6 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from ats_cli.io import atomic_write_text
+from ats_cli.multilabel import NO_CLASS
 from ats_cli.render.records import AttentionRecord, LevelFrame, parse_boxes
 
 __all__ = [
@@ -191,16 +192,19 @@ def feature_collection(
     boxes: Sequence[tuple[str, int, int, int, int]] = (),
     mass: float = CELL_MASS,
     max_cells: int = MAX_CELLS,
+    prediction: str | None = None,
 ) -> dict:
     """The GeoJSON FeatureCollection (a dict) of one image: see the module docstring.
     ``probs``: the class probabilities the prediction reports (``ats predict`` averages
-    ``samples`` samplings; the patches are the last one's)."""
+    ``samples`` samplings; the patches are the last one's). ``prediction``: what was
+    predicted, when not the most probable class (a multi-label model's set, ``3;7``);
+    ``p`` in the annotation's name stays the largest probability."""
     classes = [str(c) for c in classes]
     probs = [float(p) for p in probs]
     if len(probs) != len(classes):
         raise ValueError(f"{len(probs)} probabilities for {len(classes)} classes")
     k = max(range(len(probs)), key=probs.__getitem__)
-    prediction = classes[k]
+    prediction = classes[k] if prediction is None else (prediction or NO_CLASS)
     frame = record.frame
     H0, W0 = frame.size0
 

@@ -1,0 +1,69 @@
+"""Position-aware features: each patch's position in the image goes into its feature.
+
+The feature network sees a patch alone, so ``E_a[f(x)]`` knows what was found but not
+where; a label that depends on where (IPS's ``top`` task: the class of the top-most digit)
+cannot be read from it. The thesis notes (§3.3.3) that the position can be passed to the
+feature network. Here it is, after the patch network: with ``p`` the patch centre's
+(row, column) divided by the image's (height, width), in [0, 1],
+
+    f(x, p) = f(x) + W2 relu(W1 [f(x), e(p)] + b1),
+    e(p) = [p, sin(2^k pi p), cos(2^k pi p) for k < frequencies]
+
+a residual MLP on the feature and a Fourier encoding of the position (the sines let a small
+MLP make sharp functions of the position, e.g. "weigh a digit by how high it is"). ``W2``
+starts at zero, so training starts from the model without positions.
+
+Unbiased: the pooled quantity stays ``sum_i a_i f(x_i, p_i)``, and ``p_i`` is a
+deterministic function of the cell ``i`` drawn (its patch's place in the image), as ``x_i``
+is; so ``f(x_i, p_i)`` is a per-cell value computed the same whichever other cells are
+drawn, which is all step (*) of :func:`ats_cli.core.sampling.expectation` asks.
+tests/test_position.py checks value and gradients by Monte Carlo, beside a variant that
+encodes the position relative to the other draws (not a function of the cell alone), which
+the same check rejects.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+__all__ = ["PositionFeatures", "patch_centres"]
+
+
+def patch_centres(offsets: torch.Tensor, sizes: torch.Tensor, patch_size: tuple[int, int]) -> torch.Tensor:
+    """[B, n, 2]: each patch's centre (row, column) over its image's (height, width), in
+    [0, 1]. ``offsets`` [B, n, 2] the patches' top-left corners at full resolution,
+    ``sizes`` [B, 2] the images' (H, W). Clamped: a patch may reach past the border."""
+    half = offsets.new_tensor(patch_size, dtype=torch.float32) / 2
+    centre = offsets.float() + half
+    return (centre / sizes.to(offsets.device).float()[:, None, :]).clamp(0.0, 1.0)
+
+
+class PositionFeatures(nn.Module):
+    """``f(x, p) = f(x) + W2 relu(W1 [f(x), e(p)] + b1)`` (module docstring), the width ``features``
+    kept, so the pooling and the classifier take it unchanged."""
+
+    def __init__(self, features: int, *, frequencies: int = 4, hidden: int = 0):
+        super().__init__()
+        if frequencies < 0:
+            raise ValueError(f"frequencies must be >= 0, got {frequencies}")
+        self.frequencies = int(frequencies)
+        hidden = int(hidden) or features
+        self.mix = nn.Linear(features + 2 + 4 * self.frequencies, hidden)
+        self.out = nn.Linear(hidden, features, bias=False)
+        nn.init.zeros_(self.out.weight)  # start: f(x, p) = f(x), the model without positions
+
+    def encode(self, pos: torch.Tensor) -> torch.Tensor:
+        """``e(p)`` [..., 2 + 4 * frequencies]: the position, then its sines and cosines."""
+        if not self.frequencies:
+            return pos
+        scales = math.pi * 2.0 ** torch.arange(self.frequencies, device=pos.device, dtype=pos.dtype)
+        angles = (pos[..., None] * scales).flatten(-2)  # [..., 2 * frequencies]
+        return torch.cat([pos, angles.sin(), angles.cos()], dim=-1)
+
+    def forward(self, feats: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """``feats`` [..., D] and ``pos`` [..., 2] in [0, 1] -> [..., D]."""
+        enc = self.encode(pos.to(feats.dtype))
+        return feats + self.out(torch.relu(self.mix(torch.cat([feats, enc], dim=-1))))

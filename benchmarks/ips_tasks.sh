@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# IPS's four Megapixel MNIST tasks (majority, max, top, multilabel) on the same images,
+# each trained with the defaults plus the flags its task needs (top: --position-features on).
+# Prints each run's per-epoch test figures (test_acc; multilabel: exact match and macro-F1).
+#
+#   bash benchmarks/ips_tasks.sh OUT [EPOCHS] [make-dataset flags...]   (TASKS="top multilabel": only those)
+#   small-scale indication (the demo's data): bash benchmarks/ips_tasks.sh out/ips 4 --preset small --n-train 3000
+#   the paper spec (5,000 + 1,000 images, 1500x1500): bash benchmarks/ips_tasks.sh out/ips-paper 150
+set -euo pipefail
+OUT=${1:?usage: ips_tasks.sh OUT [EPOCHS] [make-dataset flags...]}
+EPOCHS=${2:-4}
+shift $(( $# < 2 ? $# : 2 ))
+ATS=${ATS:-ats}
+TRAIN_FLAGS=${TRAIN_FLAGS:---workers 1}  # 2 CPU cores; on a GPU: TRAIN_FLAGS="" (the auto workers)
+export ATS_OFFLINE=${ATS_OFFLINE:-1}
+declare -A FLAGS=([majority]="" [max]="" [top]="--position-features on" [multilabel]="")
+for task in ${TASKS:-majority max top multilabel}; do
+  $ATS make-dataset megapixel-mnist "$OUT/data-$task" --task "$task" --offline "$@" | tail -n 1
+  start=$(date +%s)
+  # shellcheck disable=SC2086  # the flags hold several words on purpose
+  $ATS train "$OUT/data-$task" --out "$OUT/run-$task" --epochs "$EPOCHS" $TRAIN_FLAGS ${FLAGS[$task]} \
+    | grep -E "^epoch|^done"
+  echo "$task: $(( $(date +%s) - start )) s of training"
+  python3 - "$OUT/run-$task/metrics.jsonl" "$task" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+acc = ", ".join(f"{100 * r['test_acc']:.1f}" for r in rows)
+f1 = ", ".join(f"{r['test_macro_f1']:.3f}" for r in rows if "test_macro_f1" in r)
+print(f"{sys.argv[2]}: test_acc per epoch {acc}%" + (f"; macro-F1 {f1}" if f1 else ""))
+PY
+done
