@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ats_cli.core.transfer import to_device
+from ats_cli.core.source import to_device
 
 __all__ = ["MODES", "RUIFROK_HED", "STAIN_SCALE", "STAIN_SHIFT", "BRIGHTNESS", "CONTRAST", "Augmentation",
            "brightness_contrast", "dihedral", "hed_jitter"]

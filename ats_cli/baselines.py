@@ -26,8 +26,7 @@ import torch.nn.functional as F
 
 from ats_cli.core.model import ATSOutput, pixels_to_float
 from ats_cli.core.sampling import entropy
-from ats_cli.core.source import Sources, gather_patches, source_shapes, uniform_shape
-from ats_cli.core.transfer import to_device
+from ats_cli.core.source import Sources, gather_patches, source_shapes, to_device, uniform_shape
 
 __all__ = ["UniformAttention", "DeepMIL", "CNNClassifier", "grid_offsets"]
 

@@ -3,7 +3,7 @@
 What one measurement is (thesis §3.4, "time and memory per sample"): at batch size 1
 (``batch_size`` copies of the image per step, the figures divided by it), from the uint8
 full-resolution image on the host to the updated gradients -- the host-to-device copy
-of the image (pinned, asynchronous: :mod:`ats_cli.core.transfer`), the low-res view (on
+of the image (pinned, asynchronous: :func:`ats_cli.core.source.to_device`), the low-res view (on
 the step's device, where the image then is), the patch extraction, the forward pass, the
 loss and the backward pass. The first step is a warm-up (one-time library
 set-up), the second the memory step (below); the time is the median of ``repeats``
@@ -157,8 +157,7 @@ def _measure(spec: BenchSpec, image: np.ndarray, threads: int, stage=None) -> di
     """Runs in the fresh process: build the model, one memory step, then timed steps.
     ``stage(text)`` is told as each part begins (the command prints it)."""
     stage = stage or (lambda text: None)
-    from ats_cli.core.source import low_res_view
-    from ats_cli.core.transfer import to_device
+    from ats_cli.core.source import low_res_view, to_device
 
     if threads:
         torch.set_num_threads(threads)

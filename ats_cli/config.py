@@ -345,6 +345,7 @@ class DataFacts:
     probed: int = 0  # readable images among the first AUTO_PROBE_IMAGES training images; 0: not looked at
     dark: float = 0.0  # the median over those of the share of their low-res pixels that are dark
     masked: int = 0  # how many of those have a tissue mask (slides and TIFFs, --tissue-mask auto)
+    pretrained: str = ""  # where the feature net's pretrained starting weights come from; "": random
 
     @property
     def slides(self) -> bool:
@@ -394,6 +395,7 @@ def settle(flags: TrainConfig, facts: DataFacts) -> tuple[Settled, list[Reason]]
     decide("augment", *_augment(flags, facts))
     decide("rarity_prior", *_rarity_prior(flags, facts))
     decide("patch_gain", *_patch_gain(flags, facts))
+    decide("feature_train", *_feature_train(flags, facts))
     return Settled(replace(flags, **out).validate(), mpp), reasons
 
 
@@ -573,6 +575,17 @@ def usable_hints(hints: Mapping[str, Any]) -> dict[str, float]:
     return usable
 
 
+def _feature_train(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
+    """--feature-train auto: frozen (none) when the feature net starts from pretrained
+    weights (hundreds of labels cannot move millions of weights well, and a frozen net costs
+    no gradient memory: docs/training.md), else all of it trains."""
+    if flags.feature_train != "auto":
+        return flags.feature_train, "given"
+    if facts.pretrained:
+        return "none", f"the feature net starts from pretrained weights ({facts.pretrained}): frozen"
+    return "all", "the feature net starts from random weights: all of it trains"
+
+
 def gather_facts(flags: TrainConfig, data: Dataset, *, view_cache: Any = None) -> DataFacts:
     """Read what :func:`settle` needs from ``data``, once: the hints, the microns per pixel
     of every training file (headers only) and, when a value is left to the images, the
@@ -581,6 +594,7 @@ def gather_facts(flags: TrainConfig, data: Dataset, *, view_cache: Any = None) -
     ready for training. Deterministic, so every process of a run gathers alike."""
     from ats_cli.data.inputs import ImageDataset, Unreadable, file_mpp
     from ats_cli.data.slides import MPP_TOLERANCE
+    from ats_cli.nets.encoders import pretrained_source
 
     reading = flags.input_options()
     records = data["train"]
@@ -589,7 +603,8 @@ def gather_facts(flags: TrainConfig, data: Dataset, *, view_cache: Any = None) -
     missing = [str(r.path) for r, m in zip(records, recorded, strict=True) if m is None]
     agree = bool(known) and not missing and known[-1] <= known[0] * (1 + MPP_TOLERANCE)
     facts = DataFacts(hints=usable_hints(data.hints), channels=int(data.hints.get("channels", 1)),
-                      files=len(records), mpps=tuple(known), mpps_agree=agree, no_mpp=missing[0] if missing else "")
+                      files=len(records), mpps=tuple(known), mpps_agree=agree, no_mpp=missing[0] if missing else "",
+                      pretrained=pretrained_source(flags.feature_net, flags.feature_weights))
     if not looks_at_images(flags):
         return facts
     sizes = settle(flags, facts)[0].config

@@ -24,7 +24,6 @@ so a run can also be resumed with another number of processes (see docs/distribu
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import math
@@ -48,7 +47,7 @@ from ats_cli.inference import predict_probs
 from ats_cli.io import atomic_path, atomic_write_text
 from ats_cli.models import check_patch_size, create_model, levels_spec, model_spec
 from ats_cli.multilabel import confusion_counts, exact_matches, is_multilabel, macro_f1
-from ats_cli.nets.encoders import apply_feature_train, freeze, load_start_weights, resolve_feature_train
+from ats_cli.nets.encoders import apply_feature_train, freeze, load_start_weights
 from ats_cli.runtime import (
     Deferred,
     Dist,
@@ -409,9 +408,6 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
     facts = saved or gather_facts(cfg, data, view_cache=cache)
     settled, reasons = settle(cfg, facts)
     cfg = settled.config
-    # --feature-train auto: frozen for pretrained weights (ats_cli.nets.encoders); config.json records the mode
-    cfg = dataclasses.replace(cfg, feature_train=resolve_feature_train(cfg.feature_train, cfg.feature_weights,
-                                                                       cfg.feature_net))
     if saved is None:
         log(f"settled from the data ({run / 'settled.json'}):")
         for reason in reasons:

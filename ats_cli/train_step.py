@@ -4,7 +4,7 @@ Why: on a GPU the host only queues work; every read of a device value (``float(l
 ``.item()``, ``.tolist()``, ``.cpu()``, ``if tensor:``) makes it wait until the queue has
 drained, so the next step's launches start only after this one has finished and the GPU
 idles meanwhile. A step here reads nothing back: the inputs go up pinned and
-asynchronously (:func:`~ats_cli.core.transfer.to_device`), sampling, the estimator, the
+asynchronously (:func:`~ats_cli.core.source.to_device`), sampling, the estimator, the
 patches (one extraction for the batch, on the device, for in-memory images) and the loss
 stay on the device, and the statistics the progress bar and the epoch record show
 (loss x n, correct, entropy, n) are added to a float64 vector on the device, read once
@@ -22,7 +22,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from ats_cli.core.transfer import to_device
+from ats_cli.core.source import to_device
 from ats_cli.multilabel import correct, step_loss
 
 __all__ = ["DEVICE_SOURCES_MAX_BYTES", "STATS_EVERY", "RunningSums", "train_step"]

@@ -37,7 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's ats_cli, not an installed one
 
-from ats_cli.core.threads import READ_THREADS  # noqa: E402
+from ats_cli.core.source import READ_THREADS  # noqa: E402
 from ats_cli.data.slides import open_image  # noqa: E402
 
 TILE = 256

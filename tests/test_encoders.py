@@ -167,13 +167,23 @@ def test_a_frozen_encoder_does_not_change_in_training_and_holds_no_optimizer_sta
 
 
 def test_pretrained_weights_freeze_the_encoder_by_default():
-    from ats_cli.nets.encoders import resolve_feature_train
+    """--feature-train auto is settled with the rest of the configuration, with its reason."""
+    from ats_cli.config import DataFacts, TrainConfig, settle
+    from ats_cli.nets.encoders import pretrained_source
 
-    assert resolve_feature_train("auto", "auto", TIMM) == "none"
-    assert resolve_feature_train("auto", "none", TIMM) == "all"
-    assert resolve_feature_train("auto", "w.safetensors", "small-cnn") == "none"
-    assert resolve_feature_train("auto", "auto", "small-cnn") == "all"
-    assert resolve_feature_train("head", "auto", TIMM) == "head"
+    def settled(train: str, weights: str, name: str) -> tuple[str, str]:
+        flags = TrainConfig(data="d", out="o", feature_net=name, feature_weights=weights, feature_train=train)
+        _, reasons = settle(flags, DataFacts(pretrained=pretrained_source(name, weights)))
+        reason = next(r for r in reasons if r.key == "feature_train")
+        return reason.value, reason.why
+
+    assert settled("auto", "auto", TIMM) == ("none", f"the feature net starts from pretrained weights ({TIMM}'s own): "
+                                                     "frozen")
+    assert settled("auto", "none", TIMM)[0] == "all"
+    assert settled("auto", "w.safetensors", "small-cnn")[0] == "none"
+    assert settled("auto", "auto", "small-cnn") == ("all", "the feature net starts from random weights: all of it "
+                                                           "trains")
+    assert settled("head", "auto", TIMM) == ("head", "given")
 
 
 # ---------------------------------------------------------------- unbiased with a frozen encoder

@@ -27,7 +27,7 @@ from ats_cli.config import (
 from ats_cli.data.dataset import load_dataset, write_dataset
 
 SETTLED = ("n_patches", "patch_size", "scale", "eval_n_patches", "min_brightness", "augment", "rarity_prior",
-           "patch_gain")
+           "patch_gain", "feature_train")
 MNIST = DataFacts(hints={"n_patches": 10, "patch_size": 50, "scale": 0.12}, channels=1, files=40, probed=16, dark=0.9)
 SLIDES = DataFacts(hints={"n_patches": 12, "patch_size": 64, "scale": 1 / 32}, channels=3, files=12,
                    mpps=(0.5,) * 12, mpps_agree=True, probed=12, masked=12)
@@ -52,7 +52,7 @@ def test_settle_is_pure_and_leaves_no_auto_value(monkeypatch):
     assert first == second and first[0].config is not flags
     config = first[0].config
     assert config.eval_n_patches >= 0 and config.min_brightness >= 0 and config.rarity_prior >= 0
-    assert "auto" not in (config.augment, config.patch_gain) and config.n_patches and config.patch_size and config.scale
+    assert "auto" not in (config.augment, config.patch_gain, config.feature_train) and config.n_patches and config.patch_size and config.scale
     assert [r.key for r in first[1]] == ["mpp", *SETTLED]  # one reason per value, the microns first
 
 

@@ -30,8 +30,7 @@ from ats_cli.core.sampling import (
     expectation,
     sample,
 )
-from ats_cli.core.source import Sources, gather_patches, positions_to_offsets, source_shapes, uniform_shape
-from ats_cli.core.transfer import to_device
+from ats_cli.core.source import Sources, gather_patches, positions_to_offsets, source_shapes, to_device, uniform_shape
 from ats_cli.extensions import create_extension
 from ats_cli.extensions.gain import Gain
 from ats_cli.extensions.pooling import Pooling, Where

@@ -10,22 +10,66 @@ Where things are lives here too, because it is the other half of the same questi
 attention position to the full-resolution patch it stands for. Every command that
 samples, reads or draws a patch goes through :func:`positions_to_offsets`, so training,
 prediction and the heatmap boxes can never disagree about where a patch is.
+
+How a batch's reads travel lives here as well, since every read goes through this module:
+
+* Lazy sources are read on named thread pools, one per process (:func:`thread_pool`).
+  Named, because a batch's sources are read on one pool and each slide's tiles on another:
+  a read of the first kind may wait for reads of the second without ever waiting for a
+  thread of its own pool (one pool for both could fill every thread with waiting readers).
+  Per process, because a DataLoader worker is a fork, and a pool copied by ``fork`` has no
+  threads behind it (tasks submitted to it never run).
+* Inputs go to the device by :func:`to_device`. A plain ``tensor.to("cuda")`` from pageable
+  host memory is synchronous (CUDA stages the bytes through a pinned buffer and torch waits
+  for the copy), so the host could not queue the next kernels meanwhile. From pinned memory
+  the copy is a DMA the host only enqueues (``non_blocking=True``); torch's caching host
+  allocator keeps a pinned block alive until the copy that reads it has run, so the host
+  tensor may be dropped right after the call.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 
 from ats_cli.core.patches import extract_patches
-from ats_cli.core.threads import thread_pool
-from ats_cli.core.transfer import to_device
 
 __all__ = ["PatchSource", "TensorSource", "gather_patches", "source_shapes", "source_sizes", "uniform_shape",
-           "low_res_size", "low_res_view", "positions_to_offsets"]
+           "low_res_size", "low_res_view", "positions_to_offsets", "READ_THREADS", "thread_pool", "to_device"]
+
+
+READ_THREADS = 8  # enough to overlap the waits of a batch's reads; the decoding itself is short
+_pools: dict[str, tuple[int, ThreadPoolExecutor]] = {}
+_lock = threading.Lock()
+
+
+def thread_pool(name: str) -> ThreadPoolExecutor:
+    """This process's pool ``name`` of :data:`READ_THREADS` threads, started on first use."""
+    with _lock:
+        pid, pool = _pools.get(name, (None, None))
+        if pid != os.getpid():
+            pool = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix=f"ats-{name}")
+            _pools[name] = (os.getpid(), pool)
+        return pool
+
+
+def to_device(tensor: torch.Tensor | None, device: torch.device | str) -> torch.Tensor | None:
+    """``tensor`` on ``device``, copied asynchronously (pinned first) when it goes from the
+    host to a CUDA device; unchanged when it is there already; None stays None."""
+    if tensor is None:
+        return None
+    device = torch.device(device)
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    if not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 @runtime_checkable

@@ -454,7 +454,7 @@ class Batch:
 
     def pin_memory(self) -> Batch:
         """Page-locked copies (the DataLoader's pin thread calls this), so that the training
-        step's copies to the GPU are queued without the host waiting (ats_cli.core.transfer)."""
+        step's copies to the GPU are queued without the host waiting (ats_cli.core.source.to_device)."""
         self.low, self.labels = self.low.pin_memory(), self.labels.pin_memory()
         if isinstance(self.sources, torch.Tensor):
             self.sources = self.sources.pin_memory()

@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ats_cli.core.threads import thread_pool
+from ats_cli.core.source import thread_pool
 from ats_cli.data.dataset import OPENSLIDE, PILLOW, TIFFFILE, VIRTUAL, backend, mpp_problem
 from ats_cli.data.images import (
     DEFAULT_MAX_PIXELS,

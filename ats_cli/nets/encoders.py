@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from ats_cli.registry import register_net_prefix
 
 __all__ = ["Encoder", "EncoderError", "MissingExtraError", "HubUnavailableError", "EXTRA", "FORMAT", "VERSION",
-           "CONFIG", "WEIGHTS", "create_encoder", "feature_spec", "load_start_weights", "resolve_feature_train",
+           "CONFIG", "WEIGHTS", "create_encoder", "feature_spec", "load_start_weights", "pretrained_source",
            "freeze", "apply_feature_train", "read_weights", "is_local", "import_extra"]
 
 EXTRA = 'pip install -e ".[encoders]"'
@@ -276,15 +276,15 @@ def feature_spec(name: str, *, channels: int, width: int, train: str = "all") ->
     return net, kwargs
 
 
-def resolve_feature_train(mode: str, weights: str, name: str) -> str:
-    """``--feature-train auto``: frozen (none) when the net starts from pretrained weights
-    -- a file, an exported encoder, or a timm/torchvision model's own -- else all."""
-    if mode != "auto":
-        return mode
+def pretrained_source(name: str, weights: str) -> str:
+    """Where ``--feature-net NAME --feature-weights WEIGHTS`` takes pretrained starting
+    weights from, in words ("" for random ones): a file, an exported encoder, or a
+    timm/torchvision model's own. :func:`ats_cli.config.settle` freezes such a net by default."""
     if weights not in ("auto", "none"):
-        return "none"
-    pretrained = is_local(name) or name.partition(":")[0] in _RECIPES
-    return "none" if weights == "auto" and pretrained else "all"
+        return f"--feature-weights {weights}"
+    if weights == "auto" and (is_local(name) or name.partition(":")[0] in _RECIPES):
+        return f"{name}'s own"
+    return ""
 
 
 # ---------------------------------------------------------------- recipes -> modules (create)
