@@ -33,11 +33,12 @@ class TinyFeatures(nn.Module):
     """No batch norm: a patch's feature must not depend on which other patches were drawn,
     or no pooling could be unbiased (the test would measure the net, not the estimator)."""
 
-    out_features = 6
+    out_features = 6  # the default width
 
-    def __init__(self):
+    def __init__(self, width: int = out_features):
         super().__init__()
-        self.conv = nn.Conv2d(1, 6, 3, padding=1)
+        self.out_features = width
+        self.conv = nn.Conv2d(1, width, 3, padding=1)
 
     def forward(self, x):
         return torch.amax(torch.tanh(self.conv(x)), dim=(2, 3))

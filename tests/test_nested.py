@@ -18,6 +18,7 @@ from ats_cli.core.patches import extract_patches
 from ats_cli.core.sampling import ESTIMATORS, attention_distribution, estimator_threshold, estimator_weights, sample
 from ats_cli.core.source import low_res_view, positions_to_offsets
 from ats_cli.nets import create
+from tests.montecarlo import TinyFeatures
 
 Z_MAX = 5.0
 K, M, V, k, n = 6, 8, 3, 3, 3  # regions, cells per region, value size; regions drawn, patches per region
@@ -122,23 +123,10 @@ def test_the_check_rejects_each_biased_variant_where_it_is_biased(variant, fails
 SIZE, REGION, PATCH = 64, 16, 4
 
 
-class TinyFeatures(nn.Module):
-    """No batch norm: a patch's feature must not depend on the other draws."""
-
-    out_features = 5
-
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(1, 5, 3, padding=1)
-
-    def forward(self, x):
-        return torch.amax(torch.tanh(self.conv(x)), dim=(2, 3))
-
-
 def tiny_nested(**kwargs) -> NestedATSModel:
     torch.manual_seed(3)
     m = NestedATSModel(create("mnist-attention", in_channels=1, width=4), create("mnist-attention", in_channels=1,
-                       width=4), TinyFeatures(), n_classes=3, regions=3, region_size=REGION, coarse_scale=0.5,
+                       width=4), TinyFeatures(5), n_classes=3, regions=3, region_size=REGION, coarse_scale=0.5,
                        scale=0.5, n_patches=3, patch_size=(PATCH, PATCH), entropy_weight=0.0, feature_scale=3.0,
                        **kwargs)
     nn.init.normal_(m.coarse_net.score.weight, std=0.5)  # the last layers start at zero (uniform)

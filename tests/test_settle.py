@@ -52,7 +52,8 @@ def test_settle_is_pure_and_leaves_no_auto_value(monkeypatch):
     assert first == second and first[0].config is not flags
     config = first[0].config
     assert config.eval_n_patches >= 0 and config.min_brightness >= 0 and config.rarity_prior >= 0
-    assert "auto" not in (config.augment, config.patch_gain, config.feature_train) and config.n_patches and config.patch_size and config.scale
+    assert "auto" not in (config.augment, config.patch_gain, config.feature_train)
+    assert config.n_patches and config.patch_size and config.scale
     assert [r.key for r in first[1]] == ["mpp", *SETTLED]  # one reason per value, the microns first
 
 

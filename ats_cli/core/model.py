@@ -175,6 +175,19 @@ class ATSModel(nn.Module):
                      ) -> torch.Tensor | None:
         return None if self.prior is None else self._to_cells(self.prior(low, keep_px), att_shape)
 
+    def _scores_and_support(self, net: nn.Module, view: torch.Tensor, mask: torch.Tensor | None
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``net``'s attention scores [B, 1, att_h, att_w] on ``view`` with the prior's
+        log-prior added, and the cells the support and ``mask`` keep (None = all): what every
+        attention of the model (a one-level model's, both of a two-level model's) is made of."""
+        scores = net(view)
+        att_shape = tuple(scores.shape[-2:])
+        keep_px = self._supported_pixels(view, mask)  # shared by the prior and the support
+        prior = self._prior_cells(view, keep_px, att_shape)
+        if prior is not None:
+            scores = scores + prior[:, None].to(scores.dtype)
+        return scores, self._support_cells(keep_px, att_shape)
+
     def sampling_support(self, low: torch.Tensor, att_shape: tuple[int, int], mask: torch.Tensor | None = None
                          ) -> torch.Tensor | None:
         """Bool [B, att_h, att_w] of the cells that may be sampled (None = all): a cell is kept
@@ -236,14 +249,10 @@ class ATSModel(nn.Module):
         (:class:`ats_cli.augment.Augmentation`), prediction never does. It changes what the
         feature net sees, not which positions are drawn nor how they are pooled."""
         n = self.patches_now if n_patches is None else int(n_patches)
-        scores = self.attention_net(low)
+        scores, keep = self._scores_and_support(self.attention_net, low, support_mask)
         att_shape = tuple(scores.shape[-2:])
-        keep_px = self._supported_pixels(low, support_mask)  # shared by the prior and the support
-        prior = self._prior_cells(low, keep_px, att_shape)
-        if prior is not None:
-            scores = scores + prior[:, None].to(scores.dtype)
         # the support cells are never empty (a blank image gets the whole map): no check, which would wait
-        probs = attention_distribution(scores, self._support_cells(keep_px, att_shape), check=False)
+        probs = attention_distribution(scores, keep, check=False)
         draw = sample(probs, n, replace=self.replace, generator=generator)
         indices, sampled_probs = draw.indices, draw.probs
 

@@ -200,13 +200,8 @@ class NestedATSModel(ATSModel):
         """[B, rows * cols] the coarse attention over the region grid of images of ``image_size``
         (full resolution) from their coarse views ``low``; ``mask`` [B, h, w] e.g. tissue."""
         grid = check_regions(image_size, self.region_size, self.regions, self.patch_size)
-        scores = self.coarse_net(low)
+        scores, keep = self._scores_and_support(self.coarse_net, low, mask)
         att_shape = tuple(scores.shape[-2:])
-        keep_px = self._supported_pixels(low, mask)
-        prior = self._prior_cells(low, keep_px, att_shape)
-        if prior is not None:
-            scores = scores + prior[:, None].to(scores.dtype)
-        keep = self._support_cells(keep_px, att_shape)
         cells = cell_regions(att_shape, tuple(low.shape[-2:]), getattr(self.coarse_net, "margin", 0), image_size,
                              self.region_size, low.device)
         rs = region_scores(scores.flatten(1), cells, grid[0] * grid[1], None if keep is None else keep.flatten(1))
@@ -256,13 +251,9 @@ class NestedATSModel(ATSModel):
             views = colour(views.view(B, k, *views.shape[1:])).flatten(0, 1)
         mask = None if support_mask is None else self._region_mask(low, support_mask.to(low.device), views,
                                                                     image_size, roff)
-        fscores = self.attention_net(views)
+        fscores, fkeep = self._scores_and_support(self.attention_net, views, mask)
         fatt = tuple(fscores.shape[-2:])
-        keep_px = self._supported_pixels(views, mask)
-        prior = self._prior_cells(views, keep_px, fatt)
-        if prior is not None:
-            fscores = fscores + prior[:, None].to(fscores.dtype)
-        b = attention_distribution(fscores, self._support_cells(keep_px, fatt))  # [B*k, K_f]
+        b = attention_distribution(fscores, fkeep)  # [B*k, K_f]
         inner = sample(b, n, replace=self.replace, generator=generator)
         inner_w = estimator_weights(inner.probs, replace=self.replace,
                                     threshold=estimator_threshold(estimator, inner, b))
