@@ -38,7 +38,6 @@ __all__ = [
     "average_precision",
     "class_probabilities",
     "confusion_counts",
-    "correct",
     "decide",
     "exact_matches",
     "is_multilabel",
@@ -47,7 +46,6 @@ __all__ = [
     "metrics",
     "multi_hot",
     "split_label",
-    "step_loss",
 ]
 
 SEPARATOR = ";"
@@ -179,18 +177,3 @@ def metrics(probs: torch.Tensor, target: torch.Tensor, classes: Sequence[str],
         "n": len(probs),
         "threshold": threshold,
     }
-
-
-def step_loss(model: Any, out: Any, labels: torch.Tensor) -> torch.Tensor:
-    """The training loss of a batch: :func:`loss` for multi-hot ``labels`` (float [B,
-    classes]), else the model's own (class indices [B])."""
-    return loss(model, out, labels) if labels.is_floating_point() else model.loss(out, labels)
-
-
-def correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Right predictions in a batch, a count on the logits' device (read by nobody here: the
-    step never waits for it): the argmax for class indices, exact matches at the default
-    threshold for multi-hot labels (sigmoid(z) >= 0.5 is z >= 0)."""
-    if labels.is_floating_point():
-        return ((logits >= 0) == (labels > 0.5)).all(dim=-1).sum()
-    return (logits.argmax(1) == labels).sum()

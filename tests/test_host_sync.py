@@ -19,7 +19,7 @@ from ats_cli.augment import Augmentation
 from ats_cli.core import ATSModel, TensorSource, low_res_view
 from ats_cli.core import model as model_module
 from ats_cli.data.inputs import Batch, batch_sources
-from ats_cli.train_step import RunningSums, train_step
+from ats_cli.train import RunningSums, train_step
 from tests.hostsync import HostSyncCounter
 
 DATA_CODE = Path(ats_cli.__file__).parent / "data"  # the lazy readers: host offsets in, host pixels out

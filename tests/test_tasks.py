@@ -197,7 +197,7 @@ def test_the_multilabel_loss_is_bce_minus_the_entropy_bonus():
     the model's own cross-entropy."""
     from types import SimpleNamespace
 
-    from ats_cli.multilabel import correct, step_loss
+    from ats_cli.train import correct, step_loss
 
     model = SimpleNamespace(entropy_weight=0.1, loss=lambda out, target: torch.tensor(-1.0))
     out = SimpleNamespace(logits=torch.tensor([[2.0, -1.0, 0.5]]), entropy=torch.tensor([3.0]))
