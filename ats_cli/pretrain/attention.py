@@ -3,11 +3,10 @@
 On the low-res views ``ats train`` makes (``--scale``), the attention's distribution is
 fitted by cross-entropy to one that gives every object of the image the same mass, spread
 over the cells whose patch holds that object whole (:func:`attention_targets`). Why: from
-the image labels alone the attention learns slowly and unevenly -- after three epochs on a
-3,000-image Megapixel MNIST mix a run put 12-17 times more mass on one digit than on
-another (median over images), and the pooled feature, which tends to the mass-weighted
-vote of the digits, then follows the heaviest digit instead of the majority
-(benchmarks/digit_attention.py, benchmarks/README.md "Stage 1").
+the image labels alone the attention learns slowly and unevenly, putting much more mass on
+one digit than on another, and the pooled feature, which tends to the mass-weighted vote of
+the digits, then follows the heaviest digit instead of the majority (how uneven:
+``python benchmarks/digit_attention.py``).
 """
 
 from __future__ import annotations
