@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 __all__ = ["TrainConfig", "ConfigError", "allowed_values", "load_config_file", "resolve_config",
            "AUTO_MIN_BRIGHTNESS", "AUTO_PROBE_IMAGES", "AUTO_RARITY_PRIOR", "DATA_DEFAULTS", "DataFacts", "Reason",
            "SETTLED_JSON", "Settled", "gather_facts", "load_facts", "looks_at_images", "save_settled", "settle",
-           "usable_hints"]
+           "usable_hints", "levels_spec", "view_scale"]
 
 
 class ConfigError(ValueError):
@@ -586,6 +586,37 @@ def _feature_train(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
     return "all", "the feature net starts from random weights: all of it trains"
 
 
+def levels_spec(cfg: TrainConfig, mpp: float | None) -> dict[str, Any]:
+    """A two-level model's keys (:class:`~ats_cli.core.nested_model.NestedATSModel`), none
+    for one level, whose spec stays as it was: ``levels`` 2, ``regions`` (k), ``region_size``
+    (full-resolution pixels: ``--region-size``, or ``--region-um`` at ``mpp`` rounded to a
+    multiple of the patch side) and ``coarse_scale`` (the coarse view's, ``--coarse-px``
+    pixels per region side; ``scale`` stays the region views'). Raises ValueError in one
+    line for a region that cannot be cut into patches or microns without a pixel size."""
+    if cfg.levels == 1:
+        return {}
+    from ats_cli.core.nested_model import coarse_scale_for
+
+    region = cfg.region_size
+    if cfg.region_um:
+        if not mpp:
+            raise ValueError(f"--region-um {cfg.region_um:g}: the microns per pixel are unknown (give --mpp, or "
+                             "slides that record it), so give --region-size in pixels")
+        region = max(1, round(cfg.region_um / mpp / cfg.patch_size)) * cfg.patch_size
+    elif region % cfg.patch_size:
+        raise ValueError(f"--region-size {region} is not a multiple of --patch-size {cfg.patch_size}: the patches "
+                         "of a region would not tile it")
+    return {"levels": 2, "regions": cfg.regions, "region_size": region,
+            "coarse_scale": coarse_scale_for(region, cfg.coarse_px)}
+
+
+def view_scale(cfg: TrainConfig, mpp: float | None) -> float:
+    """The scale of the low-res view a model of ``cfg`` reads of each image: a two-level
+    model's coarse view (:func:`levels_spec`), else ``--scale``. Training and the settling
+    probe read views at it, so the views the probe makes are those training finds cached."""
+    return levels_spec(cfg, mpp).get("coarse_scale", cfg.scale)
+
+
 def gather_facts(flags: TrainConfig, data: Dataset, *, view_cache: Any = None) -> DataFacts:
     """Read what :func:`settle` needs from ``data``, once: the hints, the microns per pixel
     of every training file (headers only) and, when a value is left to the images, the
@@ -607,8 +638,11 @@ def gather_facts(flags: TrainConfig, data: Dataset, *, view_cache: Any = None) -
                       pretrained=pretrained_source(flags.feature_net, flags.feature_weights))
     if not looks_at_images(flags):
         return facts
-    sizes = settle(flags, facts)[0].config
-    probe = ImageDataset(records[:AUTO_PROBE_IMAGES], channels=facts.channels, scale=sizes.scale,
+    settled = settle(flags, facts)[0]
+    sizes = settled.config
+    # the views training reads (a two-level model's coarse ones): a 100k slide's view at the
+    # fine scale would be 3,125² pixels, made for nothing and held while it is probed
+    probe = ImageDataset(records[:AUTO_PROBE_IMAGES], channels=facts.channels, scale=view_scale(sizes, settled.mpp),
                          patch_size=(sizes.patch_size, sizes.patch_size), view_cache=view_cache, **reading)
     dark, masked = [], 0
     for i in range(len(probe)):

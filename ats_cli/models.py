@@ -21,7 +21,7 @@ extension slots as plain specs (``"pooling": {"name": "counts", "none_class": tr
 "floor": 0.02}``; ``support``, ``prior`` and ``gain`` likewise or null:
 :mod:`ats_cli.extensions`) and ``input``, how training read its inputs. A two-level
 ``ats`` model (:class:`~ats_cli.core.nested_model.NestedATSModel`) adds ``levels`` (2),
-``regions``, ``region_size`` and ``coarse_scale`` (:func:`levels_spec`); a one-level
+``regions``, ``region_size`` and ``coarse_scale`` (:func:`ats_cli.config.levels_spec`); a one-level
 spec has none of them, as before they existed.
 """
 
@@ -33,6 +33,7 @@ import torch.nn as nn
 
 from ats_cli import nets
 from ats_cli.baselines import CNNClassifier, DeepMIL, UniformAttention
+from ats_cli.config import levels_spec
 from ats_cli.core.model import ATSModel
 from ats_cli.nets.encoders import feature_spec
 from ats_cli.registry import Registry, UnknownNameError
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from ats_cli.config import TrainConfig
 
 __all__ = ["SPEC_VERSION", "UnknownMethodError", "available_methods", "check_model", "check_patch_size",
-           "create_model", "levels_spec", "model_spec", "register_method"]
+           "create_model", "model_spec", "register_method"]
 
 # The spec layout this ats writes and reads (see the module docstring). A change of what a
 # key means bumps it; a checkpoint of another version is refused by name (ats_cli.checkpoint).
@@ -108,30 +109,6 @@ def model_spec(cfg: TrainConfig, *, n_classes: int, channels: int, mpp: float | 
         # how inputs were read in training: predict and visualize read them alike by default
         "input": {**cfg.input_options(), **({"mpp": float(mpp)} if mpp else {}), "resample": True},
     }
-
-
-def levels_spec(cfg: TrainConfig, mpp: float | None) -> dict[str, Any]:
-    """A two-level model's keys (:class:`~ats_cli.core.nested_model.NestedATSModel`), none
-    for one level, whose spec stays as it was: ``levels`` 2, ``regions`` (k), ``region_size``
-    (full-resolution pixels: ``--region-size``, or ``--region-um`` at ``mpp`` rounded to a
-    multiple of the patch side) and ``coarse_scale`` (the coarse view's, ``--coarse-px``
-    pixels per region side; ``scale`` stays the region views'). Raises ValueError in one
-    line for a region that cannot be cut into patches or microns without a pixel size."""
-    if cfg.levels == 1:
-        return {}
-    from ats_cli.core.nested_model import coarse_scale_for
-
-    region = cfg.region_size
-    if cfg.region_um:
-        if not mpp:
-            raise ValueError(f"--region-um {cfg.region_um:g}: the microns per pixel are unknown (give --mpp, or "
-                             "slides that record it), so give --region-size in pixels")
-        region = max(1, round(cfg.region_um / mpp / cfg.patch_size)) * cfg.patch_size
-    elif region % cfg.patch_size:
-        raise ValueError(f"--region-size {region} is not a multiple of --patch-size {cfg.patch_size}: the patches "
-                         "of a region would not tile it")
-    return {"levels": 2, "regions": cfg.regions, "region_size": region,
-            "coarse_scale": coarse_scale_for(region, cfg.coarse_px)}
 
 
 def extension_specs(cfg: TrainConfig) -> dict[str, dict[str, Any] | None]:

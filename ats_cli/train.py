@@ -41,13 +41,13 @@ from torch.utils.data import DataLoader
 
 from ats_cli.augment import Augmentation
 from ats_cli.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from ats_cli.config import TrainConfig, gather_facts, load_facts, save_settled, settle
+from ats_cli.config import TrainConfig, gather_facts, load_facts, save_settled, settle, view_scale
 from ats_cli.core.source import to_device
 from ats_cli.data.dataset import load_dataset
 from ats_cli.data.inputs import Batch, ImageDataset, collate, readable, single_thread_worker, view_cache_for
 from ats_cli.inference import predict_probs
 from ats_cli.io import atomic_path, atomic_write_text
-from ats_cli.models import check_patch_size, create_model, levels_spec, model_spec
+from ats_cli.models import check_patch_size, create_model, model_spec
 from ats_cli.multilabel import confusion_counts, exact_matches, is_multilabel, macro_f1
 from ats_cli.multilabel import loss as multilabel_loss
 from ats_cli.nets.encoders import apply_feature_train, freeze, load_start_weights
@@ -537,10 +537,8 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
             log(f"  {reason}")
         if ctx.is_main:
             save_settled(run, settled, reasons, facts)
-    # a two-level model's views are its coarse ones (ats_cli.core.nested_model), made at its coarse scale
-    view_scale = levels_spec(cfg, settled.mpp).get("coarse_scale", cfg.scale)
-    reading = {"channels": facts.channels, "scale": view_scale, "patch_size": (cfg.patch_size, cfg.patch_size),
-               "view_cache": cache, **cfg.input_options()}
+    reading = {"channels": facts.channels, "scale": view_scale(cfg, settled.mpp),  # a two-level model's: coarse
+               "patch_size": (cfg.patch_size, cfg.patch_size), "view_cache": cache, **cfg.input_options()}
     from ats_cli.data.prepared import prepare_for_run  # ordinary images: decoded once, then read by patch
 
     prepared = prepare_for_run(cfg.prepare, data, reading, workers=loader_workers(cfg.workers, device), log=log,

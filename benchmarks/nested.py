@@ -47,7 +47,7 @@ def make_models(out: Path, a: argparse.Namespace) -> dict[str, Path]:
                   patch_gain="off", rarity_prior=0.0, min_brightness=0.0)
     configs = {
         "two-level": TrainConfig(**common, levels=2, regions=a.regions, region_size=a.region, n_patches=a.n,
-                                 scale=a.fine_scale),
+                                 scale=a.fine_scale, coarse_px=a.coarse_px),
         "one-level": TrainConfig(**common, n_patches=a.regions * a.n, scale=a.scale),
     }
     paths = {}
@@ -109,6 +109,7 @@ def main() -> None:
     ap.add_argument("--regions", type=int, default=4)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--fine-scale", type=float, default=1 / 32)
+    ap.add_argument("--coarse-px", type=int, default=8, help="the two-level model's coarse pixels per region side")
     ap.add_argument("--scale", type=float, default=1 / 32, help="the one-level model's view scale")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--models", nargs="+", default=["two-level", "one-level"])
@@ -123,7 +124,8 @@ def main() -> None:
         slides.append(path)
     slides += a.slides
     print(f"two-level: regions of {a.region} px, k = {a.regions}, n = {a.n} per region, region views at "
-          f"{a.fine_scale:g}, coarse view 8 px per region; one-level: {a.regions * a.n} patches, view at {a.scale:g}")
+          f"{a.fine_scale:g}, coarse view {a.coarse_px} px per region; one-level: {a.regions * a.n} patches, "
+          f"view at {a.scale:g}")
     print("| slide | model | view (h, w) | train step wall s | train step CPU s | train peak RSS MB | predict wall s "
           "| predict CPU s | predict peak RSS MB |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -38,6 +38,17 @@ def run(slides, tmp_path_factory):
     return out
 
 
+
+def test_only_the_coarse_views_are_made_for_a_two_level_run(run):
+    """Settling probes the images at the view a two-level model reads, the coarse one (8
+    pixels per 256-pixel region of the 1024 slides: 32x32), not at the region views' scale
+    (1/8: 128x128), which would cost a 100k slide a 3,125² view per probed slide for nothing."""
+    entries = sorted((run / "cache" / "views").glob("*.npz"))
+    assert entries
+    for entry in entries:
+        with np.load(entry, allow_pickle=False) as z:
+            assert z["low"].shape == (32, 32, 3), entry
+
 def test_region_views_come_from_the_pyramid_level_that_matches(slides):
     """A 256-pixel region viewed at 64x64 is read from the 4x-smaller level (256x256 for the
     1024 slide), and is the region of level 0 resized, up to the pyramid's own resampling."""
@@ -116,8 +127,7 @@ def test_bad_two_level_configurations_stop_with_one_line(slides, tmp_path, flags
 
 
 def test_region_size_in_microns_is_converted_at_the_model_microns_per_pixel():
-    from ats_cli.config import TrainConfig
-    from ats_cli.models import levels_spec
+    from ats_cli.config import TrainConfig, levels_spec
 
     cfg = TrainConfig(levels=2, region_um=130.0, patch_size=32, scale=0.125).validate()
     spec = levels_spec(cfg, 0.5)
