@@ -192,7 +192,8 @@ class TrainConfig:
         "auto": "colour+flips for RGB slides, i.e. a tissue mask, else none",
         "none": "", "colour": "HED stain jitter, brightness and contrast",
         "colour+flips": "and every patch flipped or rotated by a multiple of 90 degrees"})
-    batch_size: int = _key(32, "Images per step, per process", OPT_PANEL)
+    batch_size: int = _key(0, "Images per step, per process; 0 = auto: 32, or 1 when the training images differ "
+                           "in size (they cannot be stacked)", OPT_PANEL)
     epochs: int = _key(20, "Epochs", OPT_PANEL)
     # running; "" = random init
     init: str = _key("", "Start from the weights of this checkpoint (fine-tuning, or a curriculum from easier "
@@ -210,9 +211,9 @@ class TrainConfig:
 
     def validate(self) -> TrainConfig:
         problems = []
-        positive = ("batch_size", "epochs", "lr", "feature_scale")
+        positive = ("epochs", "lr", "feature_scale")
         problems += [f"{k} must be > 0 (got {getattr(self, k)})" for k in positive if not getattr(self, k) > 0]
-        non_negative = ("entropy", "weight_decay", "clip_norm", "warmup_epochs", "level", "mpp",
+        non_negative = ("batch_size", "entropy", "weight_decay", "clip_norm", "warmup_epochs", "level", "mpp",
                         "feature_lr", "n_patches", "patch_size", "scale", "patch_um",
                         "low_res_um")  # 0: from the data
         problems += [f"{k} must be >= 0" for k in non_negative if getattr(self, k) < 0]
@@ -346,6 +347,8 @@ class DataFacts:
     dark: float = 0.0  # the median over those of the share of their low-res pixels that are dark
     masked: int = 0  # how many of those have a tissue mask (slides and TIFFs, --tissue-mask auto)
     pretrained: str = ""  # where the feature net's pretrained starting weights come from; "": random
+    sizes: tuple[str, ...] = ()  # the first 3 distinct sizes of the training images as read ("HxW [at MPP µm/px]")
+    n_sizes: int = 0  # how many distinct ones there are; 0: not read
 
     @property
     def slides(self) -> bool:
@@ -390,6 +393,7 @@ def settle(flags: TrainConfig, facts: DataFacts) -> tuple[Settled, list[Reason]]
 
     for key in DATA_DEFAULTS:
         decide(key, *_size(key, flags, facts, mpp))
+    decide("batch_size", *_batch_size(flags, facts))
     decide("eval_n_patches", *_eval_n_patches(flags, out["n_patches"]))
     decide("min_brightness", *_min_brightness(flags, facts))
     decide("augment", *_augment(flags, facts))
@@ -474,6 +478,24 @@ def _from_microns(key: str, microns: float, given: float, mpp: float | None) -> 
         raise ConfigError(f"{flag} {microns:g} is a scale of {scale:.6g} at {_um(mpp)}, --scale is {given:g}: give "
                           "one of them")
     return scale, f"{flag} {microns:g} at {_um(mpp)}"
+
+
+AUTO_BATCH = 32  # --batch-size auto for images of one size
+
+
+def _batch_size(flags: TrainConfig, facts: DataFacts) -> tuple[int, str]:
+    """A step stacks its images' low-res views into one tensor, which only images of one
+    size (and, for slides read at the model's microns per pixel, one pixel size) allow: a
+    cohort of slides of many sizes trains one slide per step instead of stopping at its
+    first mixed batch. Images of one size: AUTO_BATCH (the thesis's 32 at the paper spec)."""
+    if flags.batch_size:
+        return flags.batch_size, "given"
+    if facts.n_sizes > 1:
+        shown = ", ".join(facts.sizes) + (", ..." if facts.n_sizes > len(facts.sizes) else "")
+        return 1, f"the training images come in {facts.n_sizes} sizes ({shown}): one image per step"
+    if facts.n_sizes == 1:
+        return AUTO_BATCH, f"every training image is {facts.sizes[0]}"
+    return AUTO_BATCH, "the default"
 
 
 def _eval_n_patches(flags: TrainConfig, n_patches: int) -> tuple[int, str]:
@@ -623,19 +645,22 @@ def gather_facts(flags: TrainConfig, data: Dataset, *, view_cache: Any = None) -
     first AUTO_PROBE_IMAGES training images, read as training reads them: at the sizes
     settled from the rest and through ``view_cache``, where a slide's low-res view is then
     ready for training. Deterministic, so every process of a run gathers alike."""
-    from ats_cli.data.inputs import ImageDataset, Unreadable, file_mpp
+    from ats_cli.data.inputs import ImageDataset, Unreadable, file_facts
     from ats_cli.data.slides import MPP_TOLERANCE
     from ats_cli.nets.encoders import pretrained_source
 
     reading = flags.input_options()
     records = data["train"]
-    recorded = [file_mpp(r.path, reader=reading["reader"], level=reading["level"]) for r in records]
+    headers = [file_facts(r.path, reader=reading["reader"], level=reading["level"]) for r in records]
+    recorded = [mpp for mpp, _ in headers]
+    sizes = list(dict.fromkeys(f"{s[0]}x{s[1]}" + (f" at {m:.4g} µm/px" if m else "") for m, s in headers if s))
     known = sorted(m for m in recorded if m is not None)
     missing = [str(r.path) for r, m in zip(records, recorded, strict=True) if m is None]
     agree = bool(known) and not missing and known[-1] <= known[0] * (1 + MPP_TOLERANCE)
     facts = DataFacts(hints=usable_hints(data.hints), channels=int(data.hints.get("channels", 1)),
                       files=len(records), mpps=tuple(known), mpps_agree=agree, no_mpp=missing[0] if missing else "",
-                      pretrained=pretrained_source(flags.feature_net, flags.feature_weights))
+                      pretrained=pretrained_source(flags.feature_net, flags.feature_weights),
+                      sizes=tuple(sizes[:3]), n_sizes=len(sizes))
     if not looks_at_images(flags):
         return facts
     settled = settle(flags, facts)[0]
@@ -672,7 +697,7 @@ def load_facts(run: str | Path) -> DataFacts | None:
         return None
     try:
         facts = json.loads(path.read_text())["facts"]
-        return DataFacts(**{**facts, "mpps": tuple(facts["mpps"])})
+        return DataFacts(**{**facts, "mpps": tuple(facts["mpps"]), "sizes": tuple(facts.get("sizes", ()))})
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{path}: not a settled.json written by ats train ({e})") from None
 

@@ -26,8 +26,8 @@ from ats_cli.config import (
 )
 from ats_cli.data.dataset import load_dataset, write_dataset
 
-SETTLED = ("n_patches", "patch_size", "scale", "eval_n_patches", "min_brightness", "augment", "rarity_prior",
-           "patch_gain", "feature_train")
+SETTLED = ("n_patches", "patch_size", "scale", "batch_size", "eval_n_patches", "min_brightness", "augment",
+           "rarity_prior", "patch_gain", "feature_train")
 MNIST = DataFacts(hints={"n_patches": 10, "patch_size": 50, "scale": 0.12}, channels=1, files=40, probed=16, dark=0.9)
 SLIDES = DataFacts(hints={"n_patches": 12, "patch_size": 64, "scale": 1 / 32}, channels=3, files=12,
                    mpps=(0.5,) * 12, mpps_agree=True, probed=12, masked=12)
@@ -59,7 +59,7 @@ def test_settle_is_pure_and_leaves_no_auto_value(monkeypatch):
 
 def test_values_given_by_the_user_always_win():
     given = dict(n_patches=7, patch_size=32, scale=0.25, eval_n_patches=0, min_brightness=0.3, augment="colour",
-                 rarity_prior=0.5, patch_gain="off")
+                 rarity_prior=0.5, patch_gain="off", batch_size=5)
     for facts in (MNIST, SLIDES):  # facts that would decide otherwise
         settled, reasons = settle(TrainConfig(**given), facts)
         assert {k: getattr(settled.config, k) for k in given} == given
@@ -141,14 +141,14 @@ def test_the_models_microns_and_sizes_in_microns():
         settle(TrainConfig(low_res_um=0.25), SLIDES)
 
 
-def _pngs(root, background: int, channels: int = 1):
+def _pngs(root, background: int, channels: int = 1, sides=(64, 64, 64, 64)):
     rng = np.random.default_rng(0)
     rows = {}
     for split in ("train", "test"):
         (root / split).mkdir(parents=True)
         rows[split] = []
-        for i in range(4):
-            shape = (64, 64) if channels == 1 else (64, 64, 3)
+        for i, side in enumerate(sides):
+            shape = (64, side) if channels == 1 else (64, side, 3)
             pixels = (background + 10 * rng.random(shape)).clip(0, 255).astype(np.uint8)  # 0: all dark
             Image.fromarray(pixels).save(root / split / f"{i}.png")
             rows[split].append({"path": f"{split}/{i}.png", "label": "a"})
@@ -167,6 +167,49 @@ def test_the_facts_are_read_from_the_first_training_images(tmp_path):
     # nothing left to the images: they are not looked at
     given = TrainConfig(min_brightness=0.0, rarity_prior=0.0, augment="none", patch_gain="off")
     assert gather_facts(given, load_dataset(tmp_path / "light")).probed == 0
+
+
+def test_batch_size_auto_is_one_image_per_step_when_sizes_differ(tmp_path):
+    """Views of different sizes cannot be stacked: a cohort of mixed sizes settles on one
+    image per step (and trains), one of a single size on the default batch."""
+    same = gather_facts(TrainConfig(), _pngs(tmp_path / "same", background=200))
+    assert (same.n_sizes, same.sizes) == (1, ("64x64",))
+    settled, reasons = settle(TrainConfig(), same)
+    assert settled.config.batch_size == 32
+    assert _why(reasons)["batch_size"] == "batch_size 32: every training image is 64x64"
+    mixed = gather_facts(TrainConfig(), _pngs(tmp_path / "mixed", background=200, sides=(64, 80, 64, 96)))
+    assert (mixed.n_sizes, mixed.sizes) == (3, ("64x64", "64x80", "64x96"))
+    settled, reasons = settle(TrainConfig(), mixed)
+    assert settled.config.batch_size == 1
+    assert _why(reasons)["batch_size"] == ("batch_size 1: the training images come in 3 sizes (64x64, 64x80, "
+                                           "64x96): one image per step")
+    assert settle(TrainConfig(batch_size=4), mixed)[0].config.batch_size == 4  # given wins (stops at a mixed batch)
+    assert settle(TrainConfig(), DataFacts())[0].config.batch_size == 32  # facts of an older run: the default
+
+
+def test_a_mixed_size_dataset_trains_with_the_defaults(tmp_path):
+    from typer.testing import CliRunner
+
+    from ats_cli.cli import app
+
+    _pngs(tmp_path / "mixed", background=200, sides=(64, 80, 64, 96))
+    run = tmp_path / "run"
+    result = CliRunner().invoke(app, ["train", str(tmp_path / "mixed"), "--out", str(run), "--epochs", "1",
+                                      "--n-patches", "2", "--feature-width", "4", "--attention-width", "4",
+                                      "--workers", "0", "--no-prepare"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((run / "config.json").read_text())["batch_size"] == 1
+
+
+def test_an_exif_rotated_photo_counts_at_the_size_it_is_read(tmp_path):
+    from ats_cli.data.inputs import file_facts
+
+    im = Image.new("RGB", (80, 40))  # width 80, height 40, turned a quarter by its EXIF tag
+    exif = im.getexif()
+    exif[0x0112] = 6
+    im.save(tmp_path / "turned.jpg", exif=exif)
+    assert file_facts(tmp_path / "turned.jpg") == (None, (80, 40))  # read as 80 high, 40 wide
+    assert file_facts(tmp_path / "missing.png") == (None, None)
 
 
 def test_the_facts_and_reasons_are_saved_with_the_run(tmp_path):

@@ -40,7 +40,7 @@ read at that scale:
   model's mpp; ``--level`` reads that level as it is.
 
 :func:`describe_reading` is that one-line note (``ats predict`` and ``ats visualize`` print
-it); :func:`file_mpp` reads a file's microns per pixel. Training's part, the rule above and
+it); :func:`file_facts` reads a file's microns per pixel and size. Training's part, the rule above and
 the conversion of microns into pixels, is settled with the rest of the configuration
 (:mod:`ats_cli.config`).
 
@@ -113,7 +113,7 @@ if TYPE_CHECKING:
     from ats_cli.data.slides import SlideReader
 
 __all__ = ["OpenedImage", "open_input", "batch_sources", "batch_support", "describe_reading",
-           "announce_readings", "file_mpp", "ViewCache", "view_cache_for", "VIEW_CACHE_ENV", "VIEW_CACHE_FORMAT",
+           "announce_readings", "file_facts", "ViewCache", "view_cache_for", "VIEW_CACHE_ENV", "VIEW_CACHE_FORMAT",
            "ImageDataset", "Batch", "Unreadable", "collate", "readable", "single_thread_worker"]
 
 
@@ -254,27 +254,36 @@ def announce_readings(opener: Callable[..., Any], say: Callable[[str], None]) ->
     return read
 
 
-def file_mpp(path: str | Path, *, reader: str | None = None, level: int | None = None,
-             max_pixels: int | None = None) -> float | None:
-    """Microns per pixel of ``level`` (0 by default) of the file at ``path`` (its header
-    only), or None when it records none, is not read lazily, or cannot be opened (the
-    training loader names unreadable files when it reaches them). Raises
-    :class:`~ats_cli.data.slides.SlideReadError` when the recorded value is out of the
-    plausible range (:mod:`ats_cli.data.dataset`): a model trained at it would
-    record a scale that resamples every slide it reads by hundreds."""
+def file_facts(path: str | Path, *, reader: str | None = None, level: int | None = None,
+               max_pixels: int | None = None) -> tuple[float | None, tuple[int, int] | None]:
+    """What the header of the file at ``path`` says, without decoding pixels: the microns per
+    pixel of ``level`` (0 by default; None when it records none or is not read lazily) and
+    the (height, width) the image is read at (a photo's as its EXIF orientation turns it;
+    None when the file cannot be opened: the training loader names unreadable files when it
+    reaches them). Raises :class:`~ats_cli.data.slides.SlideReadError` when the recorded
+    microns per pixel are out of the plausible range (:mod:`ats_cli.data.dataset`): a model
+    trained at it would record a scale that resamples every slide it reads by hundreds."""
     from ats_cli.data.dataset import is_lazy
+    from ats_cli.data.images import open_pil
     from ats_cli.data.slides import open_image
 
     if not is_lazy(path, reader, level, None):
-        return None
+        try:
+            with open_pil(path, max_pixels) as im:
+                w, h = im.size
+                turned = im.getexif().get(0x0112, 1) in (5, 6, 7, 8)  # EXIF orientations that swap the sides
+        except Exception:  # noqa: BLE001 - reported by name when training reads the file
+            return None, None
+        return None, (w, h) if turned else (h, w)
     try:
         slide = open_image(path, reader=reader or "auto", max_pixels=max_pixels)
     except Exception:  # noqa: BLE001 - reported by name when training reads the file
-        return None
+        return None, None
     with slide:
         mpps = slide.plausible_mpps()  # a scale no microscope has is refused by name (ats_cli.data.dataset.mpp_problem)
         lv = level or 0
-        return None if mpps is None or lv >= len(mpps) else mpps[lv]
+        size = tuple(slide.levels[min(lv, len(slide.levels) - 1)])
+        return (None if mpps is None or lv >= len(mpps) else mpps[lv]), (int(size[0]), int(size[1]))
 
 
 # ----------------------------- the view cache: slides' low-res views, made once per run
