@@ -653,14 +653,14 @@ def gather_facts(flags: TrainConfig, data: Dataset, *, view_cache: Any = None) -
     records = data["train"]
     headers = [file_facts(r.path, reader=reading["reader"], level=reading["level"]) for r in records]
     recorded = [mpp for mpp, _ in headers]
-    sizes = list(dict.fromkeys(f"{s[0]}x{s[1]}" + (f" at {m:.4g} µm/px" if m else "") for m, s in headers if s))
+    shapes = list(dict.fromkeys(f"{s[0]}x{s[1]}" + (f" at {m:.4g} µm/px" if m else "") for m, s in headers if s))
     known = sorted(m for m in recorded if m is not None)
     missing = [str(r.path) for r, m in zip(records, recorded, strict=True) if m is None]
     agree = bool(known) and not missing and known[-1] <= known[0] * (1 + MPP_TOLERANCE)
     facts = DataFacts(hints=usable_hints(data.hints), channels=int(data.hints.get("channels", 1)),
                       files=len(records), mpps=tuple(known), mpps_agree=agree, no_mpp=missing[0] if missing else "",
                       pretrained=pretrained_source(flags.feature_net, flags.feature_weights),
-                      sizes=tuple(sizes[:3]), n_sizes=len(sizes))
+                      sizes=tuple(shapes[:3]), n_sizes=len(shapes))
     if not looks_at_images(flags):
         return facts
     settled = settle(flags, facts)[0]

@@ -27,19 +27,16 @@ spec has none of them, as before they existed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.nn as nn
 
 from ats_cli import nets
 from ats_cli.baselines import CNNClassifier, DeepMIL, UniformAttention
-from ats_cli.config import levels_spec
+from ats_cli.config import ConfigError, TrainConfig, levels_spec
 from ats_cli.core.model import ATSModel
 from ats_cli.nets.encoders import feature_spec
 from ats_cli.registry import Registry, UnknownNameError
-
-if TYPE_CHECKING:
-    from ats_cli.config import TrainConfig
 
 __all__ = ["SPEC_VERSION", "UnknownMethodError", "available_methods", "check_model", "check_patch_size",
            "create_model", "model_spec", "register_method"]
@@ -212,8 +209,6 @@ def check_patch_size(model: nn.Module, spec: dict[str, Any]) -> None:
     says it at the start, naming the flag. Models without a feature network (the CNN
     baseline reads the low-res view) have nothing to check."""
     import torch
-
-    from ats_cli.config import ConfigError
 
     feature_net = getattr(model, "feature_net", None)
     if feature_net is None:

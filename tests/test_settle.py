@@ -202,13 +202,17 @@ def test_a_mixed_size_dataset_trains_with_the_defaults(tmp_path):
 
 
 def test_an_exif_rotated_photo_counts_at_the_size_it_is_read(tmp_path):
+    from ats_cli.data.images import decode_pil
     from ats_cli.data.inputs import file_facts
 
     im = Image.new("RGB", (80, 40))  # width 80, height 40, turned a quarter by its EXIF tag
     exif = im.getexif()
     exif[0x0112] = 6
     im.save(tmp_path / "turned.jpg", exif=exif)
+    im.save(tmp_path / "turned.png", exif=exif)  # a PNG's eXIf chunk, before its pixels
     assert file_facts(tmp_path / "turned.jpg") == (None, (80, 40))  # read as 80 high, 40 wide
+    assert file_facts(tmp_path / "turned.png") == (None, (80, 40))
+    assert decode_pil(tmp_path / "turned.png").shape[:2] == (80, 40)  # as the decoder turns it
     assert file_facts(tmp_path / "missing.png") == (None, None)
 
 

@@ -106,7 +106,7 @@ from torch.utils.data import Dataset as TorchDataset
 
 from ats_cli.core.source import PatchSource, TensorSource, low_res_size
 from ats_cli.data.dataset import Record, is_lazy
-from ats_cli.data.images import ImageReadError, read_image, resize_in_bands
+from ats_cli.data.images import ImageReadError, pil_size, read_image, resize_in_bands
 from ats_cli.io import atomic_path
 
 if TYPE_CHECKING:
@@ -264,17 +264,10 @@ def file_facts(path: str | Path, *, reader: str | None = None, level: int | None
     microns per pixel are out of the plausible range (:mod:`ats_cli.data.dataset`): a model
     trained at it would record a scale that resamples every slide it reads by hundreds."""
     from ats_cli.data.dataset import is_lazy
-    from ats_cli.data.images import open_pil
     from ats_cli.data.slides import open_image
 
     if not is_lazy(path, reader, level, None):
-        try:
-            with open_pil(path, max_pixels) as im:
-                w, h = im.size
-                turned = im.getexif().get(0x0112, 1) in (5, 6, 7, 8)  # EXIF orientations that swap the sides
-        except Exception:  # noqa: BLE001 - reported by name when training reads the file
-            return None, None
-        return None, (w, h) if turned else (h, w)
+        return None, pil_size(path, max_pixels)
     try:
         slide = open_image(path, reader=reader or "auto", max_pixels=max_pixels)
     except Exception:  # noqa: BLE001 - reported by name when training reads the file
@@ -282,8 +275,8 @@ def file_facts(path: str | Path, *, reader: str | None = None, level: int | None
     with slide:
         mpps = slide.plausible_mpps()  # a scale no microscope has is refused by name (ats_cli.data.dataset.mpp_problem)
         lv = level or 0
-        size = tuple(slide.levels[min(lv, len(slide.levels) - 1)])
-        return (None if mpps is None or lv >= len(mpps) else mpps[lv]), (int(size[0]), int(size[1]))
+        size = slide.levels[lv] if lv < len(slide.levels) else None  # a level it lacks: named when training reads it
+        return (None if mpps is None or lv >= len(mpps) else mpps[lv]), size
 
 
 # ----------------------------- the view cache: slides' low-res views, made once per run
