@@ -139,6 +139,7 @@ def test_the_running_sums_are_those_of_reading_every_step():
     assert sums.flush() == expected
 
 
+@pytest.mark.uses_cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("lazy", [False, True], ids=["in-memory", "lazy"])
 @pytest.mark.parametrize("augment", ["none", "colour+flips"])
@@ -158,6 +159,9 @@ def test_a_cuda_step_does_not_synchronise(lazy, augment):
             step()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    # the sync warning itself: torch's one-time notice on entering the mode ("... does not yet
+    # detect all synchronizing operations") also says "synchroniz", and the first test of a
+    # process to enter it would count it (seen on an H100: the first parameter failed alone)
+    syncs = [str(w.message) for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
     assert len(syncs) == (1 if lazy else 0), syncs
     assert sums.flush()["n"] == 2 * len(batch.labels)

@@ -18,6 +18,7 @@ from ats_cli.core import extract_patches, native
 from ats_cli.core.patches import extract_patches_torch
 
 DTYPES = [torch.uint8, torch.float16, torch.bfloat16, torch.float32, torch.float64]
+pytestmark = pytest.mark.uses_cuda  # the CUDA kernel tests use the GPU where there is one
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
