@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# IPS's four Megapixel MNIST tasks at the paper spec on one GPU, in one device call (<= 600 s).
+#
+#   EPOCHS=40 TASKS="max top multilabel" BUDGET_S=520 bash benchmarks/gpu_ips.sh    # on the GPU machine
+#
+# The same datasets and flags as benchmarks/ips_tasks.sh (5,000 + 1,000 images of 1500x1500,
+# reference noise, seed 0, the bundled digits; image labels only; top: --position-features on),
+# but the tasks train at the same time on the one GPU (a run keeps the device ~busy only a few
+# percent of the time: benchmarks/README.md "On a GPU"), each with the auto loader workers.
+# Every run is time-boxed so that the call returns within BUDGET_S; a run cut short keeps
+# its per-epoch figures (marked "cut" in the summary: its cosine schedule did not end).
+# Results in $OUT/gpu_ips (default ./out): summary.md, each run's metrics.jsonl and log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+RES=$OUT/gpu_ips
+WORK=${WORK:-/tmp/ats_gpu_ips}
+EPOCHS=${EPOCHS:-40}
+TASKS=${TASKS:-max top multilabel}
+BUDGET_S=${BUDGET_S:-520}
+DEVICE=${DEVICE:-cuda}              # dry run on a CPU: DEVICE=cpu MAKE_FLAGS="--preset small --n-train 64 --n-test 16"
+MAKE_FLAGS=${MAKE_FLAGS:-}
+PY=${PY:-python3}
+[[ -x .venv/bin/python ]] && PY=.venv/bin/python
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 ATS_OFFLINE=1
+ATS=("$PY" -m ats_cli)
+mkdir -p "$RES" "$WORK"
+T0=$(date +%s)
+left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
+declare -A FLAGS=([majority]="" [max]="" [top]="--position-features on" [multilabel]="")
+
+{ echo "commit: ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+  echo "CPUs: $(getconf _NPROCESSORS_ONLN); epochs: $EPOCHS; tasks: $TASKS; budget: $BUDGET_S s"; } > "$RES/env.txt"
+cat "$RES/env.txt"
+
+# shellcheck disable=SC2086  # MAKE_FLAGS holds several words on purpose
+# The datasets, in parallel (a task's images are the same; only the labels differ).
+for task in $TASKS; do
+  "${ATS[@]}" make-dataset megapixel-mnist "$WORK/data-$task" --task "$task" --offline $MAKE_FLAGS \
+    > "$RES/make-$task.log" 2>&1 &
+done
+wait
+echo "datasets: $(( $(date +%s) - T0 )) s"
+
+# The runs, at the same time, each boxed to what is left of the budget.
+for task in $TASKS; do
+  # shellcheck disable=SC2086  # the flags hold several words on purpose
+  ( start=$(date +%s)
+    timeout "$(left)" "${ATS[@]}" train "$WORK/data-$task" --out "$WORK/run-$task" --epochs "$EPOCHS" \
+      --device "$DEVICE" ${FLAGS[$task]} > "$RES/train-$task.log" 2>&1
+    echo "rc $? after $(( $(date +%s) - start )) s" >> "$RES/train-$task.log"
+    cp "$WORK/run-$task/metrics.jsonl" "$RES/metrics-$task.jsonl" 2>/dev/null ) &
+done
+while [[ -n "$(jobs -r)" ]]; do
+  sleep 20
+  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader >> "$RES/nvidia-smi.txt" 2>/dev/null
+done
+wait
+
+"$PY" - "$RES" "$EPOCHS" $TASKS > "$RES/summary.md" <<'PY'
+import json, pathlib, sys
+res, epochs, tasks = pathlib.Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+print("| task | epochs run | best | last | per-epoch test figure | training log's last line |")
+print("|---|---:|---:|---:|---|---|")
+for task in tasks:
+    path = res / f"metrics-{task}.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    key = "test_macro_f1" if task == "multilabel" else "test_acc"
+    vals = [r[key] for r in rows if key in r]
+    fmt = (lambda v: f"{v:.3f}") if task == "multilabel" else (lambda v: f"{100 * v:.1f}%")
+    log = (res / f"train-{task}.log").read_text().strip().splitlines()
+    cut = "" if len(vals) == epochs else " (cut)"
+    extra = ""
+    if task == "multilabel" and rows:
+        best = max(rows, key=lambda r: r.get(key, 0))
+        extra = f", exact match {100 * best.get('test_acc', 0):.1f}% at the best"
+    print(f"| {task} | {len(vals)}{cut} | {fmt(max(vals)) if vals else '-'}{extra} | "
+          f"{fmt(vals[-1]) if vals else '-'} | {', '.join(fmt(v) for v in vals)} | {log[-1] if log else ''} |")
+PY
+cat "$RES/summary.md"
+echo "total: $(( $(date +%s) - T0 )) s"
