@@ -128,9 +128,11 @@ class TrainConfig:
     count_floor: float = _key(0.0, "With --pooling counts: an object with less than this share of the attention "
                               "counts in proportion to it, not once (0 = every object once, 1 = votes)", METHOD_PANEL)
     # on: each patch's position in the image goes into its feature (ats_cli.extensions.position)
-    position_features: str = _key("off", "Each patch's position in the image in its feature: {choices}; "
+    position_features: str = _key("auto", "Each patch's position in the image in its feature: {choices}; "
                                   "docs/training.md", METHOD_PANEL,
-                                  choices={"off": "what a patch shows, not where: the thesis",
+                                  choices={"auto": "the dataset's hint (dataset.json hints.position_features: "
+                                                   "make-dataset --task top writes on), else off",
+                                           "off": "what a patch shows, not where: the thesis",
                                            "on": "for labels that depend on where (the top-most digit)"})
     # more patches at evaluation cost no memory for gradients and cut the estimator's noise;
     # -1 = auto = twice the training count, recorded in the model
@@ -349,6 +351,7 @@ class DataFacts:
     pretrained: str = ""  # where the feature net's pretrained starting weights come from; "": random
     sizes: tuple[str, ...] = ()  # the first 3 distinct sizes of the training images as read ("HxW [at MPP µm/px]")
     n_sizes: int = 0  # how many distinct ones there are; 0: not read
+    position_hint: str = ""  # dataset.json hints.position_features ("on"/"off"); "": none
 
     @property
     def slides(self) -> bool:
@@ -400,6 +403,7 @@ def settle(flags: TrainConfig, facts: DataFacts) -> tuple[Settled, list[Reason]]
     decide("rarity_prior", *_rarity_prior(flags, facts))
     decide("patch_gain", *_patch_gain(flags, facts))
     decide("feature_train", *_feature_train(flags, facts))
+    decide("position_features", *_position_features(flags, facts))
     return Settled(replace(flags, **out).validate(), mpp), reasons
 
 
@@ -608,6 +612,19 @@ def _feature_train(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
     return "all", "the feature net starts from random weights: all of it trains"
 
 
+def _position_features(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
+    """--position-features auto: the dataset's hint, which only its maker can know (a label
+    that depends on where things are, as IPS's top-most digit: without positions that task
+    stayed at 58%, with them 74%, benchmarks/README.md), else off, the thesis's model."""
+    if flags.position_features != "auto":
+        return flags.position_features, "given"
+    if _baseline(flags):
+        return "off", _baseline(flags)
+    if facts.position_hint:
+        return facts.position_hint, "dataset.json hint (the label depends on where things are)"
+    return "off", "no dataset.json hint: what a patch shows, not where"
+
+
 def levels_spec(cfg: TrainConfig, mpp: float | None) -> dict[str, Any]:
     """A two-level model's keys (:class:`~ats_cli.core.nested_model.NestedATSModel`), none
     for one level, whose spec stays as it was: ``levels`` 2, ``regions`` (k), ``region_size``
@@ -660,7 +677,9 @@ def gather_facts(flags: TrainConfig, data: Dataset, *, view_cache: Any = None) -
     facts = DataFacts(hints=usable_hints(data.hints), channels=int(data.hints.get("channels", 1)),
                       files=len(records), mpps=tuple(known), mpps_agree=agree, no_mpp=missing[0] if missing else "",
                       pretrained=pretrained_source(flags.feature_net, flags.feature_weights),
-                      sizes=tuple(shapes[:3]), n_sizes=len(shapes))
+                      sizes=tuple(shapes[:3]), n_sizes=len(shapes),
+                      position_hint=position if (position := data.hints.get("position_features")) in ("on", "off")
+                      else "")
     if not looks_at_images(flags):
         return facts
     settled = settle(flags, facts)[0]

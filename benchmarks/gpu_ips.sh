@@ -4,7 +4,8 @@
 #   EPOCHS=40 TASKS="max top multilabel" BUDGET_S=520 bash benchmarks/gpu_ips.sh    # on the GPU machine
 #
 # The same datasets and flags as benchmarks/ips_tasks.sh (5,000 + 1,000 images of 1500x1500,
-# reference noise, seed 0, the bundled digits; image labels only; top: --position-features on),
+# reference noise, seed 0, the bundled digits; image labels only; each task with the defaults: top gets
+# --position-features from its dataset.json hint),
 # but the tasks train at the same time on the one GPU (a run keeps the device ~busy only a few
 # percent of the time: benchmarks/README.md "On a GPU"), each with the auto loader workers.
 # Every run is time-boxed so that the call returns within BUDGET_S; a run cut short keeps
@@ -27,7 +28,6 @@ ATS=("$PY" -m ats_cli)
 mkdir -p "$RES" "$WORK"
 T0=$(date +%s)
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
-declare -A FLAGS=([majority]="" [max]="" [top]="--position-features on" [multilabel]="")
 
 { echo "commit: ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
@@ -45,10 +45,9 @@ echo "datasets: $(( $(date +%s) - T0 )) s"
 
 # The runs, at the same time, each boxed to what is left of the budget.
 for task in $TASKS; do
-  # shellcheck disable=SC2086  # the flags hold several words on purpose
   ( start=$(date +%s)
     timeout "$(left)" "${ATS[@]}" train "$WORK/data-$task" --out "$WORK/run-$task" --epochs "$EPOCHS" \
-      --device "$DEVICE" ${FLAGS[$task]} > "$RES/train-$task.log" 2>&1
+      --device "$DEVICE" > "$RES/train-$task.log" 2>&1
     echo "rc $? after $(( $(date +%s) - start )) s" >> "$RES/train-$task.log"
     cp "$WORK/run-$task/metrics.jsonl" "$RES/metrics-$task.jsonl" 2>/dev/null ) &
 done

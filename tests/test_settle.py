@@ -27,7 +27,7 @@ from ats_cli.config import (
 from ats_cli.data.dataset import load_dataset, write_dataset
 
 SETTLED = ("n_patches", "patch_size", "scale", "batch_size", "eval_n_patches", "min_brightness", "augment",
-           "rarity_prior", "patch_gain", "feature_train")
+           "rarity_prior", "patch_gain", "feature_train", "position_features")
 MNIST = DataFacts(hints={"n_patches": 10, "patch_size": 50, "scale": 0.12}, channels=1, files=40, probed=16, dark=0.9)
 SLIDES = DataFacts(hints={"n_patches": 12, "patch_size": 64, "scale": 1 / 32}, channels=3, files=12,
                    mpps=(0.5,) * 12, mpps_agree=True, probed=12, masked=12)
@@ -52,7 +52,7 @@ def test_settle_is_pure_and_leaves_no_auto_value(monkeypatch):
     assert first == second and first[0].config is not flags
     config = first[0].config
     assert config.eval_n_patches >= 0 and config.min_brightness >= 0 and config.rarity_prior >= 0
-    assert "auto" not in (config.augment, config.patch_gain, config.feature_train)
+    assert "auto" not in (config.augment, config.patch_gain, config.feature_train, config.position_features)
     assert config.n_patches and config.patch_size and config.scale
     assert [r.key for r in first[1]] == ["mpp", *SETTLED]  # one reason per value, the microns first
 
@@ -115,6 +115,19 @@ def test_patch_gain_and_rarity_prior_auto_are_on_for_slides_only(facts, method, 
     assert (settled.config.patch_gain, settled.config.rarity_prior) == (gain, prior)
     assert ("on: slides: a tissue mask on 12 of the first 12 training images" in _why(reasons)["patch_gain"]) == (
         facts is SLIDES and method == "ats")
+
+
+def test_position_features_auto_follows_the_datasets_hint():
+    """The top task's label is where a digit is: its dataset.json says so, and auto obeys;
+    no hint (negative control), a baseline or a given value: the thesis's model or the flag."""
+    top = DataFacts(hints=MNIST.hints, probed=16, dark=0.9, position_hint="on")
+    settled, reasons = settle(TrainConfig(), top)
+    assert settled.config.position_features == "on"
+    assert _why(reasons)["position_features"].startswith("position_features on: dataset.json hint")
+    assert settle(TrainConfig(), MNIST)[0].config.position_features == "off"
+    assert settle(TrainConfig(method="uniform"), top)[0].config.position_features == "off"
+    assert settle(TrainConfig(position_features="off"), top)[0].config.position_features == "off"
+    assert settle(TrainConfig(position_features="on"), MNIST)[0].config.position_features == "on"
 
 
 def test_the_models_microns_and_sizes_in_microns():

@@ -18,6 +18,7 @@ import torch
 from typer.testing import CliRunner
 
 from ats_cli.cli import app
+from ats_cli.config import TrainConfig, gather_facts, settle
 from ats_cli.data.dataset import DatasetError, load_dataset, write_dataset
 from ats_cli.data.megapixel_mnist import TASKS, generate_megapixel_mnist, make_config
 from ats_cli.data.mnist import load_bundled_digits
@@ -67,6 +68,10 @@ def test_the_four_tasks_render_the_same_images_and_record_their_task(four):
         meta = json.loads((root / "dataset.json").read_text())
         assert meta["task"] == task and meta["generator"]["params"]["task"] == task
         assert load_dataset(root).multilabel == (task == "multilabel")
+        # the top task's label depends on where: its hint turns --position-features auto on
+        assert meta["hints"].get("position_features") == ("on" if task == "top" else None)
+        facts = gather_facts(TrainConfig(), load_dataset(root))
+        assert settle(TrainConfig(), facts)[0].config.position_features == ("on" if task == "top" else "off")
 
 
 def test_each_label_follows_its_rule_on_the_recorded_digits(four):

@@ -215,13 +215,15 @@ def make_config(preset: str = "paper", **overrides: Any) -> MegapixelMNISTConfig
 
 
 def recommended_hints(config: MegapixelMNISTConfig) -> dict[str, Any]:
-    """Training hints for ``dataset.json``: the paper's low-res scale 0.12 and 10 patches of 50x50."""
+    """Training hints for ``dataset.json``: the paper's low-res scale 0.12 and 10 patches of
+    50x50; for the top task, the patches' positions (its label is where a digit is)."""
     return {
         "channels": 1,
         "image_size": [config.height, config.width],
         "scale": 0.12,
         "patch_size": [50, 50],
         "n_patches": 10,
+        **({"position_features": "on"} if config.task == "top" else {}),
     }
 
 
