@@ -4,18 +4,25 @@
 # scratch on the same data, seeds and budget. Prints every run's test accuracy per epoch.
 #
 #   bash benchmarks/transfer.sh OUT [SCRATCH_EPOCHS] [TRANSFER_EPOCHS]
+#   # the paper spec, majority rule, rings (a noise family no encoder saw), the released encoder:
+#   TARGETS=maj ENCODERS=released TARGET_FLAGS="--preset paper --noise rings --seed 11" \
+#     bash benchmarks/transfer.sh OUT 10 4
 #
 # Encoders: `demo` = the feature net of the demo's run (majority of 5 digits, `reference`
 # noise, 500x500, 3,000 training images, seed 0, 4 epochs, image labels only); `released` =
 # that of models/megapixel-mnist-ats.pt (`ats pretrain`: digit boxes). Targets (500x500,
 # 3,000 training + 500 test images, `--noise strokes`, seed 11): `maj` (the majority rule)
-# and `max` (the largest digit present). Runs never draw from the network: the bundled digits.
+# and `max` (the largest digit present); TARGETS, ENCODERS and TARGET_FLAGS choose others. A
+# target's runs train at the same time. Runs never draw from the network: the bundled digits.
 set -euo pipefail
 OUT=${1:?usage: transfer.sh OUT [SCRATCH_EPOCHS] [TRANSFER_EPOCHS]}
 SCRATCH=${2:-12}
 TRANSFER=${3:-4}
 ATS=${ATS:-ats}
 TRAIN_FLAGS=${TRAIN_FLAGS:---workers 0}
+TARGETS=${TARGETS:-maj max}
+ENCODERS=${ENCODERS:-demo released}
+TARGET_FLAGS=${TARGET_FLAGS:---preset small --n-train 3000 --n-test 500 --noise strokes --seed 11}
 export ATS_OFFLINE=${ATS_OFFLINE:-1}
 curve() {
   python3 - "$1/metrics.jsonl" "$2" <<'PY'
@@ -31,20 +38,23 @@ train() {  # DATA RUN EPOCHS [flags...]: trains unless RUN already finished
     $ATS train "$data" --out "$run" --epochs "$epochs" --overwrite $TRAIN_FLAGS "$@" > "$run.log" 2>&1
 }
 
-$ATS make-dataset megapixel-mnist "$OUT/source" --preset small --n-train 3000 --offline | tail -n 1
-train "$OUT/source" "$OUT/source-run" 4
-curve "$OUT/source-run" "source run (majority, reference noise)"
-$ATS export "$OUT/source-run/best.pt" "$OUT/encoder-demo" --encoder | tail -n 1
-$ATS export models/megapixel-mnist-ats.pt "$OUT/encoder-released" --encoder | tail -n 1
+if [[ " $ENCODERS " == *" demo "* ]]; then
+  $ATS make-dataset megapixel-mnist "$OUT/source" --preset small --n-train 3000 --offline | tail -n 1
+  train "$OUT/source" "$OUT/source-run" 4
+  curve "$OUT/source-run" "source run (majority, reference noise)"
+  $ATS export "$OUT/source-run/best.pt" "$OUT/encoder-demo" --encoder | tail -n 1
+fi
+[[ " $ENCODERS " == *" released "* ]] && $ATS export models/megapixel-mnist-ats.pt "$OUT/encoder-released" --encoder | tail -n 1
 
 declare -A TASK=([maj]=majority [max]=max)
-for t in maj max; do
-  $ATS make-dataset megapixel-mnist "$OUT/target-$t" --preset small --n-train 3000 --n-test 500 \
-    --task "${TASK[$t]}" --noise strokes --seed 11 --offline | tail -n 1
-  train "$OUT/target-$t" "$OUT/scratch-$t" "$SCRATCH"
-  curve "$OUT/scratch-$t" "$t, from scratch"
-  for e in demo released; do
-    train "$OUT/target-$t" "$OUT/$e-$t" "$TRANSFER" --feature-net "$OUT/encoder-$e"
-    curve "$OUT/$e-$t" "$t, frozen $e encoder"
+for t in $TARGETS; do
+  # shellcheck disable=SC2086  # the flags hold several words on purpose
+  $ATS make-dataset megapixel-mnist "$OUT/target-$t" --task "${TASK[$t]}" --offline $TARGET_FLAGS | tail -n 1
+  train "$OUT/target-$t" "$OUT/scratch-$t" "$SCRATCH" &
+  for e in $ENCODERS; do
+    train "$OUT/target-$t" "$OUT/$e-$t" "$TRANSFER" --feature-net "$OUT/encoder-$e" &
   done
+  wait
+  curve "$OUT/scratch-$t" "$t, from scratch"
+  for e in $ENCODERS; do curve "$OUT/$e-$t" "$t, frozen $e encoder"; done
 done
