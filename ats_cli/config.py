@@ -130,8 +130,8 @@ class TrainConfig:
     # on: each patch's position in the image goes into its feature (ats_cli.extensions.position)
     position_features: str = _key("auto", "Each patch's position in the image in its feature: {choices}; "
                                   "docs/training.md", METHOD_PANEL,
-                                  choices={"auto": "the dataset.json hint position_features, which make-dataset --task top "
-                                                   "writes; else off",
+                                  choices={"auto": "the dataset.json hint position_features, which "
+                                                   "make-dataset --task top writes; else off",
                                            "off": "what a patch shows, not where: the thesis",
                                            "on": "for labels that depend on where (the top-most digit)"})
     # more patches at evaluation cost no memory for gradients and cut the estimator's noise;

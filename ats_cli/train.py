@@ -541,13 +541,17 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
                "patch_size": (cfg.patch_size, cfg.patch_size), "view_cache": cache, **cfg.input_options()}
     from ats_cli.data.prepared import prepare_for_run  # ordinary images: decoded once, then read by patch
 
+    # a validation split, when the dataset has one, chooses best.pt (selection_score)
+    held_out = ("val", "test") if data.splits.get("val") else ("test",)
     prepared = prepare_for_run(cfg.prepare, data, reading, workers=loader_workers(cfg.workers, device), log=log,
-                               splits=("train", "test"))
+                               splits=("train", *held_out))
     train_set = ImageDataset(data["train"], prepared=prepared, **reading)
-    test_set = ImageDataset(data["test"], prepared=prepared, **reading)
-    # whole test batches, dealt round-robin to the ranks (evaluate() explains why whole ones)
-    test_batches = shard_batches(range(len(test_set)), 0, cfg.batch_size, Dist())[ctx.rank::ctx.world_size]
-    test_loader = _loader(test_set, test_batches, cfg, device)
+    loaders = {}
+    for split in held_out:
+        split_set = ImageDataset(data[split], prepared=prepared, **reading)
+        # whole batches, dealt round-robin to the ranks (evaluate() explains why whole ones)
+        batches = shard_batches(range(len(split_set)), 0, cfg.batch_size, Dist())[ctx.rank::ctx.world_size]
+        loaders[split] = _loader(split_set, batches, cfg, device)
 
     # ---- model, optimizer, state (the same initial weights on every rank: same seed)
     torch.manual_seed(cfg.seed)
@@ -591,7 +595,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
             + (f", {ctx.world_size} processes" if ctx.enabled else ""))
     if ctx.is_main:
         atomic_write_text(run / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
-    best_acc = max((h["test_acc"] for h in history), default=-1.0)
+    best_acc = max((selection_score(h) for h in history), default=-1.0)
     # Every parameter takes part in every forward pass (the attention net through the
     # sampled probabilities and the entropy, even when its zero-initialised last layer
     # makes the gradient zero), so DDP needs no find_unused_parameters (tested).
@@ -629,7 +633,8 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
                 recalibrate_batch_norm(model, _loader(train_set, first, cfg, device), device,
                                        _seed(cfg.seed, epoch, "batch-norm", ctx.rank))
             broadcast_buffers(model, ctx)  # e.g. batch-norm statistics: evaluate and save rank 0's
-            test = evaluate(model, test_loader, device, ctx=ctx)  # the model's eval_n_patches
+            scores = {split: evaluate(model, loader, device, ctx=ctx)  # the model's eval_n_patches
+                      for split, loader in loaders.items()}
         except KeyboardInterrupt:  # the epoch's steps are done: keep them, --resume evaluates
             save_position(pos)
             raise TrainingInterrupted(f"interrupted while evaluating epoch {epoch + 1}; its {pos.step} training steps "
@@ -641,9 +646,8 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
             "epoch": epoch + 1,
             "train_loss": acc["loss"] / acc["n"],
             "train_acc": acc["correct"] / acc["n"],
-            "test_loss": test["loss"],
-            "test_acc": test["acc"],
-            **({"test_macro_f1": test["macro_f1"]} if "macro_f1" in test else {}),
+            **{f"{split}_{key}": value for split, score in scores.items()
+               for key, value in score.items() if key in ("loss", "acc", "macro_f1")},
             "entropy": acc["ent"] / acc["n"],
             "samples": int(acc["n"]),
             "samples_per_s": acc["n"] / max(acc["time"], 1e-9),  # all processes together
@@ -661,7 +665,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
                 try:
                     save_checkpoint(run / "epochs" / f"epoch_{epoch + 1:03d}.pt", spec=spec, classes=data.classes,
                                     model=model, epoch=epoch + 1)
-                    if test["acc"] > best_acc:
+                    if selection_score(record) > best_acc:
                         save(run / "best.pt", epoch + 1, 0, 0, {})
                     save(run / "last.pt", epoch + 1, 0, 0, {})
                     append_metrics(run, record)
@@ -669,9 +673,10 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
                 except OSError as e:  # a full disk, a directory gone read-only: one line, then --resume
                     raise failed_save(run, epoch + 1, e) from None
             board.add(record)
-        best_acc = max(best_acc, test["acc"])
+        best_acc = max(best_acc, selection_score(record))
         log(f"epoch {epoch + 1}/{cfg.epochs}: train loss {record['train_loss']:.4f} acc {record['train_acc']:.3f} | "
-            f"test loss {record['test_loss']:.4f} acc {record['test_acc']:.3f} | entropy {record['entropy']:.2f} | "
+            + "".join(f"{split} loss {record[f'{split}_loss']:.4f} acc {record[f'{split}_acc']:.3f} | "
+                      for split in loaders) + f"entropy {record['entropy']:.2f} | "
             f"{record['samples_per_s']:.1f} samples/s | peak {record['peak_mem_mb']:.0f} MB")
         if stop.stopped:
             raise TrainingInterrupted(f"interrupted at the end of epoch {epoch + 1}; state saved to {run / 'last.pt'}; "
@@ -679,8 +684,17 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
     return history
 
 
+def selection_score(record: dict[str, Any]) -> float:
+    """What chooses ``best.pt`` among the epochs: the validation accuracy when the dataset has
+    a ``val.csv``, else the test accuracy. Why: an epoch chosen for its test accuracy makes
+    that accuracy an optimistic estimate (the maximum of noisy figures); chosen on another
+    split, the test figure of the chosen epoch stays an honest one."""
+    return record["val_acc"] if "val_acc" in record else record["test_acc"]
+
+
 def _plot_curves(history: list[dict[str, Any]], path: Path) -> None:
-    """Loss and accuracy per epoch, train and test, as a PNG (written atomically)."""
+    """Loss and accuracy per epoch, train, validation (when there is one) and test, as a PNG
+    (written atomically)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -690,10 +704,13 @@ def _plot_curves(history: list[dict[str, Any]], path: Path) -> None:
     epochs = [h["epoch"] for h in history]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     ax1.plot(epochs, [h["train_loss"] for h in history], "o-", label="train")
-    ax1.plot(epochs, [h["test_loss"] for h in history], "o-", label="test")
+    held_out = [split for split in ("val", "test") if f"{split}_acc" in history[-1]]
+    for split in held_out:
+        ax1.plot(epochs, [h.get(f"{split}_loss", math.nan) for h in history], "o-", label=split)
     ax1.set(xlabel="epoch", ylabel="loss", title="Loss")
     ax2.plot(epochs, [1 - h["train_acc"] for h in history], "o-", label="train")
-    ax2.plot(epochs, [1 - h["test_acc"] for h in history], "o-", label="test")
+    for split in held_out:
+        ax2.plot(epochs, [1 - h.get(f"{split}_acc", math.nan) for h in history], "o-", label=split)
     ax2.set(xlabel="epoch", ylabel="error", title="Error rate", ylim=(0, 1))
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
@@ -718,8 +735,8 @@ class _TensorBoard:
     """
 
     SCALARS = {"loss/train": "train_loss", "loss/test": "test_loss", "accuracy/train": "train_acc",
-               "accuracy/test": "test_acc", "attention/entropy": "entropy", "lr": "lr",
-               "samples_per_s": "samples_per_s"}
+               "accuracy/test": "test_acc", "loss/val": "val_loss", "accuracy/val": "val_acc",
+               "attention/entropy": "entropy", "lr": "lr", "samples_per_s": "samples_per_s"}
 
     def __init__(self, folder: Path, log: Callable[[str], None], *, enabled: bool = True):
         self.folder, self.log, self.enabled = folder, log, enabled
@@ -737,7 +754,8 @@ class _TensorBoard:
 
                 self.writer = SummaryWriter(str(self.folder), purge_step=record["epoch"])
             for tag, key in self.SCALARS.items():
-                self.writer.add_scalar(tag, record[key], record["epoch"])
+                if key in record:  # val_*: a dataset with a val.csv
+                    self.writer.add_scalar(tag, record[key], record["epoch"])
             self.writer.flush()
         except Exception as e:
             self.enabled = False  # one warning, then no more tries

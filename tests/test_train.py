@@ -96,6 +96,54 @@ def test_two_epochs_lower_the_loss_and_write_the_run_directory(squares, tmp_path
     assert ckpt["classes"] == ["horizontal", "vertical"] and not model.training
 
 
+def test_a_val_split_chooses_best_pt_and_the_test_figure_is_that_epochs(squares, tmp_path, monkeypatch):
+    """With a val.csv, best.pt is the epoch with the best validation accuracy, and the line
+    that ends the run quotes that epoch's test accuracy, not the best test accuracy (the
+    maximum over epochs of a noisy figure, an optimistic one). Scripted accuracies: val
+    peaks at epoch 2, test at epoch 1. Negative control: without val.csv the test split
+    chooses (epoch 1), and the line says so."""
+    import shutil
+
+    import ats_cli.train as train_mod
+    from ats_cli.data.dataset import load_dataset
+
+    data = tmp_path / "with-val"
+    shutil.copytree(squares, data)
+    dataset = load_dataset(data)
+    rows = {split: [{"path": str(r.path), "label": dataset.classes[r.label]} for r in dataset[split]]
+            for split in ("train", "test")}
+    rows["train"], val = rows["train"][:-8], rows["train"][-8:]
+    write_dataset(data, dataset.classes, {**rows, "val": val}, hints={"channels": 1})
+    script = {"val": [0.5, 0.9, 0.6], "test": [0.95, 0.4, 0.6]}
+    calls = {"val": 0, "test": 0}
+    real = train_mod.evaluate
+
+    def scripted(model, loader, device, **kw):
+        out = real(model, loader, device, **kw)
+        split = "val" if len(loader.batch_sampler) == 1 else "test"  # 8 val images: one batch of 8; 16 test: two
+        out["acc"] = script[split][calls[split]]
+        calls[split] += 1
+        return out
+
+    monkeypatch.setattr(train_mod, "evaluate", scripted)
+    result = CliRunner().invoke(app, ["train", str(data), "--out", str(tmp_path / "run"), "--epochs", "3",
+                                      "--n-patches", "2", "--patch-size", "16", "--scale", "0.125",
+                                      "--feature-width", "8", "--batch-size", "8", "--workers", "0"])
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["val_acc"] for r in lines] == script["val"] and [r["test_acc"] for r in lines] == script["test"]
+    assert load_checkpoint(tmp_path / "run" / "best.pt")["epoch"] == 2
+    assert "done: best val accuracy 0.900 at epoch 2 (best.pt), its test accuracy 0.400" in result.output
+
+    calls.update(val=0, test=0)
+    result = CliRunner().invoke(app, ["train", str(squares), "--out", str(tmp_path / "no-val"), "--epochs", "3",
+                                      "--n-patches", "2", "--patch-size", "16", "--scale", "0.125",
+                                      "--feature-width", "8", "--batch-size", "8", "--workers", "0"])
+    assert result.exit_code == 0, result.output
+    assert load_checkpoint(tmp_path / "no-val" / "best.pt")["epoch"] == 1
+    assert "done: best test accuracy 0.950 at epoch 1 (best.pt; chosen on the test split, no val.csv)" in result.output
+
+
 def test_resume_equals_an_uninterrupted_run(squares, tmp_path):
     train(_cfg(squares, tmp_path / "straight"), log=lambda s: None)
     # stop after epoch 1, then extend to 2 epochs

@@ -140,9 +140,16 @@ def train(
             console.print(f"[red]error{where}:[/] {e}")
             raise typer.Exit(1) from None
     if history and ctx.is_main:
-        best = max(history, key=lambda h: h["test_acc"])
+        from ats_cli.train import selection_score
+
+        best = max(history, key=selection_score)  # best.pt's epoch
         what = "exact match" if "test_macro_f1" in best else "accuracy"  # multi-label: the whole set right
-        console.print(f"[green]done:[/] best test {what} {best['test_acc']:.3f} at epoch {best['epoch']}; "
-                      f"run directory {cfg.out}")
+        if "val_acc" in best:
+            chosen = (f"best val {what} {best['val_acc']:.3f} at epoch {best['epoch']} (best.pt), "
+                      f"its test {what} {best['test_acc']:.3f}")
+        else:  # chosen on the test split itself: its figure is optimistic, and says so
+            chosen = (f"best test {what} {best['test_acc']:.3f} at epoch {best['epoch']} (best.pt; chosen on the "
+                      "test split, no val.csv)")
+        console.print(f"[green]done:[/] {chosen}; run directory {cfg.out}")
     if ctx.enabled:  # a worker of torchrun: its process group is gone; leave without the gloo teardown abort
         runtime.exit_worker(0)
