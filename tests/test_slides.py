@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import tifffile
@@ -280,3 +282,24 @@ def test_tissue_mask_equals_scikit_images_saturation_and_otsu():
         assert otsu_threshold(sat) == pytest.approx(threshold_otsu(sat), abs=1e-9)
         assert torch.equal(tissue_mask(low), torch.from_numpy(sat > threshold_otsu(sat)))
     assert tissue_mask(pink)[:, 25:].all() and tissue_mask(pink)[:, :25].float().mean() < 0.05
+
+
+def test_without_openslide_tiffs_read_with_tifffile_and_the_rest_name_the_fix(generic, aperio, tmp_path,
+                                                                               monkeypatch):
+    """An environment without OpenSlide (installed without dependencies; seen on a GPU
+    image): TIFFs, vendor ones included, still open through tifffile with the same pixels;
+    asking for OpenSlide, or a format only it reads, is one line naming the file and the
+    pip command. Negative control: with OpenSlide the Aperio file goes to OpenSlide."""
+    assert open_image(aperio[0]).name == "openslide"
+    monkeypatch.setitem(sys.modules, "openslide", None)  # import openslide -> ImportError
+    with open_image(generic[0]) as slide:
+        assert slide.name == "tifffile"
+        _check_patches(slide, generic[1])
+    with open_image(aperio[0]) as slide:  # this file's IFD 1 reads as an SVS thumbnail in tifffile: level 0 only
+        assert slide.name == "tifffile" and slide.levels[0] == aperio[1][0].shape[:2]
+    with pytest.raises(SlideReadError, match=r"slide\.svs: OpenSlide is not available .*pip install openslide-python"):
+        open_image(aperio[0], reader="openslide")
+    mrxs = tmp_path / "x.mrxs"
+    mrxs.write_bytes(b"not a tiff")
+    with pytest.raises(SlideReadError, match=r"x\.mrxs: OpenSlide is not available"):
+        open_image(mrxs)

@@ -43,6 +43,7 @@ import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -615,8 +616,7 @@ class OpenSlideReader(SlideReader):
     name = OPENSLIDE
 
     def __init__(self, path: Path, max_pixels: int | None = None):
-        import openslide
-
+        openslide = _openslide(path)
         self.max_pixels = max_pixels_limit(max_pixels)
         try:
             self._slide = openslide.OpenSlide(str(path))
@@ -731,10 +731,27 @@ def _is_tiff(path: Path) -> bool:
         return f.read(4) in (b"II*\0", b"MM\0*", b"II+\0", b"MM\0+")
 
 
-def _vendor_tiff(path: Path) -> bool:
-    """Whether OpenSlide recognises a vendor format (not a generic TIFF) in ``path``."""
-    import openslide
+def _openslide(path: Path) -> Any:
+    """The ``openslide`` module, or a SlideReadError naming ``path`` and the fix: the package
+    is a dependency of ats, but an environment installed without dependencies (or with
+    openslide-python and no OpenSlide library) would otherwise fail on every slide with a
+    bare ``ModuleNotFoundError`` (seen on a GPU image)."""
+    try:
+        import openslide
+    except (ImportError, OSError) as e:  # OSError: the package without its library
+        raise SlideReadError(path, f"OpenSlide is not available ({type(e).__name__}: {e}); install it: "
+                                   "pip install openslide-python openslide-bin") from None
+    return openslide
 
+
+def _vendor_tiff(path: Path) -> bool:
+    """Whether OpenSlide recognises a vendor format (not a generic TIFF) in ``path``; no
+    when OpenSlide is missing, so that tifffile reads the TIFF (and its error, if it
+    cannot, comes with OpenSlide's)."""
+    try:
+        openslide = _openslide(path)
+    except SlideReadError:
+        return False
     try:
         vendor = openslide.OpenSlide.detect_format(str(path))
     except openslide.OpenSlideError:
