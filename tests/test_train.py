@@ -144,6 +144,23 @@ def test_a_val_split_chooses_best_pt_and_the_test_figure_is_that_epochs(squares,
     assert "done: best test accuracy 0.950 at epoch 1 (best.pt; chosen on the test split, no val.csv)" in result.output
 
 
+def test_workers_0_still_prepares_with_the_auto_count(squares, tmp_path, monkeypatch):
+    """--workers 0 is about the loader (no forks, no shared memory); preparing the images is
+    a one-off decode in processes of its own, so it keeps the auto count (here a CPU: 2)."""
+    import ats_cli.data.prepared as prepared_mod
+    from ats_cli.train import AUTO_WORKERS_CPU
+
+    seen, real = [], prepared_mod.prepare_for_run
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["workers"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(prepared_mod, "prepare_for_run", spy)
+    train(_cfg(squares, tmp_path / "run", epochs=1, workers=0), log=lambda s: None)
+    assert seen == [AUTO_WORKERS_CPU]
+
+
 def test_resume_equals_an_uninterrupted_run(squares, tmp_path):
     train(_cfg(squares, tmp_path / "straight"), log=lambda s: None)
     # stop after epoch 1, then extend to 2 epochs
