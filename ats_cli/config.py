@@ -133,7 +133,7 @@ class TrainConfig:
                                   choices={"auto": "the dataset.json hint position_features, which "
                                                    "make-dataset --task top writes; else off",
                                            "off": "what a patch shows, not where: the thesis",
-                                           "on": "for labels that depend on where (the top-most digit)"})
+                                           "on": "for labels that depend on where, as the top-most digit"})
     # more patches at evaluation cost no memory for gradients and cut the estimator's noise;
     # -1 = auto = twice the training count, recorded in the model
     eval_n_patches: int = _key(-1, "Patches sampled at evaluation and prediction (the model records it); 0 = as "
