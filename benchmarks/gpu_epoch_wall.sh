@@ -16,12 +16,8 @@ RES=$OUT/gpu_epoch_wall
 WORK=${WORK:-/tmp/ats_gpu_epoch_wall}
 WORKERS=${WORKERS:-0 4 -1}
 EPOCHS=${EPOCHS:-3}
-DEVICE=${DEVICE:-cuda}            # dry run on a CPU: DEVICE=cpu MAKE_FLAGS="--preset small --n-train 64 --n-test 16"
-MAKE_FLAGS=${MAKE_FLAGS:-}
-PY=${PY:-python3}
-[[ -x .venv/bin/python ]] && PY=.venv/bin/python
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 ATS_OFFLINE=1
-ATS=("$PY" -m ats_cli)
+# shellcheck source=benchmarks/gpu_env.sh
+source benchmarks/gpu_env.sh   # PY, ATS, DEVICE, MAKE_FLAGS
 mkdir -p "$RES" "$WORK"
 # shellcheck disable=SC2086  # MAKE_FLAGS holds several words on purpose
 "${ATS[@]}" make-dataset megapixel-mnist "$WORK/data" --task max --offline $MAKE_FLAGS 2>&1 | tail -n 1

@@ -19,12 +19,8 @@ WORK=${WORK:-/tmp/ats_gpu_ips}
 EPOCHS=${EPOCHS:-40}
 TASKS=${TASKS:-max top multilabel}
 BUDGET_S=${BUDGET_S:-520}
-DEVICE=${DEVICE:-cuda}              # dry run on a CPU: DEVICE=cpu MAKE_FLAGS="--preset small --n-train 64 --n-test 16"
-MAKE_FLAGS=${MAKE_FLAGS:-}
-PY=${PY:-python3}
-[[ -x .venv/bin/python ]] && PY=.venv/bin/python
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 ATS_OFFLINE=1
-ATS=("$PY" -m ats_cli)
+# shellcheck source=benchmarks/gpu_env.sh
+source benchmarks/gpu_env.sh   # PY, ATS, DEVICE, MAKE_FLAGS
 mkdir -p "$RES" "$WORK"
 T0=$(date +%s)
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
