@@ -91,10 +91,11 @@ def loader_workers(workers: int, device: torch.device, *, prepared: bool = False
     prepared entries (:mod:`ats_cli.data.prepared`).
 
     Auto on CUDA: the CPUs this process may use, shared among the processes of the run on
-    this node (torchrun's ``LOCAL_WORLD_SIZE``), at most ``AUTO_WORKERS_MAX``. Why: the GPU
-    waits for the CPU. At the paper spec an H100 was busy 1-6% of the time and samples/s
-    followed the workers, 73 with 2 and 306 with 12 (benchmarks/README.md, "On a GPU"):
-    each worker decodes a full-size image, makes its low-res view and cuts its patches.
+    this node (torchrun's ``LOCAL_WORLD_SIZE``), at most ``AUTO_WORKERS_MAX``. Why: reading
+    source files, the GPU waits for the CPU (each worker decodes a full-size image, makes
+    its low-res view and cuts its patches) and samples/s follow the workers; prepared
+    images read fast enough with any count, and the workers cost little there
+    (benchmarks/README.md, "On a GPU").
     Auto on a CPU device: none for prepared images, else ``AUTO_WORKERS_CPU``, since there
     the workers take cores from the training itself. A prepared sample costs the loader a
     stored view and the few tiles its patches touch, a small part of its share of a
