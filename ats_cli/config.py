@@ -128,7 +128,8 @@ class TrainConfig:
     count_floor: float = _key(0.0, "With --pooling counts: an object with less than this share of the attention "
                               "counts in proportion to it, not once (0 = every object once, 1 = votes)", METHOD_PANEL)
     # on: each patch's position in the image goes into its feature (ats_cli.extensions.position)
-    position_features: str = _key("auto", "Each patch's position in the image in its feature: {choices}; "
+    position_features: str = _key("auto", "Each patch's position in the image in its feature and the attention's "
+                                  "input: {choices}; "
                                   "docs/training.md", METHOD_PANEL,
                                   choices={"auto": "the dataset.json hint position_features, which "
                                                    "make-dataset --task top writes; else off",

@@ -126,7 +126,8 @@ def extension_specs(cfg: TrainConfig) -> dict[str, dict[str, Any] | None]:
         if cfg.rarity_prior > 0 and cfg.method != "uniform" else None,
         "gain": {"name": "learned"} if cfg.patch_gain == "on" else None,
         # present only when on, so that the spec of a model without it is what it always was
-        **({"position": {"frequencies": 4}} if cfg.position_features == "on" else {}),
+        # (its features, and the attention's view: ats_cli.extensions.position)
+        **({"position": {"frequencies": 4, "attention": True}} if cfg.position_features == "on" else {}),
     }
 
 
@@ -158,13 +159,20 @@ def _sampling_settings(spec: dict[str, Any]) -> dict[str, Any]:
         support=spec["support"],
         prior=spec["prior"],
         gain=spec["gain"],
-        position=spec.get("position"),
+        # the feature side's options; "attention" is the attention net's (_ats)
+        position={k: v for k, v in spec["position"].items() if k != "attention"} if spec.get("position") else None,
     )
 
 
 @register_method("ats")
 def _ats(spec: dict[str, Any]) -> nn.Module:
-    attention = nets.create(spec["attention_net"], kind="attention", **spec["attention_kwargs"])
+    if (spec.get("position") or {}).get("attention"):  # the view and each cell's place (extensions.position)
+        from ats_cli.extensions.position import PositionalAttention
+
+        kwargs = {**spec["attention_kwargs"], "in_channels": spec["attention_kwargs"]["in_channels"] + 2}
+        attention = PositionalAttention(nets.create(spec["attention_net"], kind="attention", **kwargs))
+    else:
+        attention = nets.create(spec["attention_net"], kind="attention", **spec["attention_kwargs"])
     if spec.get("levels", 1) == 2:  # the coarse attention is a second net of the same kind
         from ats_cli.core.nested_model import NestedATSModel
 

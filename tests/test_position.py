@@ -10,8 +10,9 @@ import torch
 import torch.nn as nn
 
 from ats_cli.config import ConfigError, TrainConfig
-from ats_cli.extensions.position import PositionFeatures, patch_centres
+from ats_cli.extensions.position import PositionalAttention, PositionFeatures, patch_centres
 from ats_cli.models import create_model, model_spec
+from ats_cli.nets import create as create_net
 from tests.montecarlo import Z_MAX, TinyFeatures, cell_positions, image, tiny_model, z_of_estimate
 
 D = TinyFeatures.out_features
@@ -57,11 +58,11 @@ def test_the_option_is_in_the_spec_and_rebuilds_the_same_model():
     cfg = TrainConfig(position_features="on", n_patches=2, patch_size=28, scale=0.25, feature_width=8,
                       attention_width=4, eval_n_patches=0, min_brightness=0, rarity_prior=0, patch_gain="off")
     spec = model_spec(cfg, n_classes=3, channels=1)
-    assert spec["position"] == {"frequencies": 4}
+    assert spec["position"] == {"frequencies": 4, "attention": True}
     assert "position" not in model_spec(TrainConfig(**{**cfg.to_dict(), "position_features": "off"}), n_classes=3,
                                         channels=1)
     m = create_model(spec)
-    assert isinstance(m.position, PositionFeatures)
+    assert isinstance(m.position, PositionFeatures) and isinstance(m.attention_net, PositionalAttention)
     again = create_model(spec)
     again.load_state_dict(m.state_dict())
     assert any(k.startswith("position.") for k in m.state_dict())
@@ -70,3 +71,40 @@ def test_the_option_is_in_the_spec_and_rebuilds_the_same_model():
 def test_a_method_without_sampled_patches_refuses_the_option():
     with pytest.raises(ConfigError, match="position_features on: method deepmil does not pool sampled patches"):
         TrainConfig(position_features="on", method="deepmil").validate()
+
+
+class _JitteredCoordinates(PositionalAttention):
+    """Coordinates shifted by fresh noise at every call: not a fixed function of the cell."""
+
+    def forward(self, x):
+        b, _, h, w = x.shape
+        noise = torch.rand(b, 2, h, w, device=x.device, dtype=x.dtype)
+        return self.net(torch.cat([x, noise], dim=1))
+
+
+def _positional(cls=PositionalAttention) -> PositionalAttention:
+    torch.manual_seed(5)
+    wrapped = cls(create_net("mnist-attention", in_channels=3, width=4))
+    nn.init.normal_(wrapped.net.score.weight, std=0.5)  # zero-initialised last layer
+    return wrapped
+
+
+def test_positional_attention_is_unbiased_and_sees_where():
+    """The attention fed each cell's place: the map of a flat image is no longer flat (a
+    plain conv attention's interior is, the negative control), and the estimate and every
+    gradient stay unbiased."""
+    flat = torch.full((1, 1, 16, 16), 0.5)
+    plain = create_net("mnist-attention", in_channels=1, width=4)
+    nn.init.normal_(plain.score.weight, std=0.5)
+    inner = (slice(None), slice(None), slice(3, -3), slice(3, -3))  # away from the zero padding
+    assert float(plain(flat)[inner].detach().std()) < 1e-6
+    assert float(_positional()(flat)[inner].detach().std()) > 1e-3
+    m = tiny_model("threshold")
+    m.attention_net = _positional()
+    assert z_of_estimate(m) < Z_MAX
+
+
+def test_the_check_rejects_coordinates_that_change_between_calls():
+    m = tiny_model("sequential")
+    m.attention_net = _positional(_JitteredCoordinates)
+    assert z_of_estimate(m, **QUICK) > REJECTED

@@ -1,4 +1,5 @@
-"""Position-aware features: each patch's position in the image goes into its feature.
+"""Position-aware models: each patch's position in the image goes into its feature, and
+each low-res cell's into the attention network's input (:class:`PositionalAttention`).
 
 The feature network sees a patch alone, so ``E_a[f(x)]`` knows what was found but not
 where; a label that depends on where (IPS's ``top`` task: the class of the top-most digit)
@@ -19,7 +20,14 @@ is; so ``f(x_i, p_i)`` is a per-cell value computed the same whichever other cel
 drawn, which is all step (*) of :func:`ats_cli.core.sampling.expectation` asks.
 tests/test_position.py checks value and gradients by Monte Carlo, beside a variant that
 encodes the position relative to the other draws (not a function of the cell alone), which
-the same check rejects.
+the same check rejects; and the same for the attention's coordinates, beside a variant
+whose coordinates change from one call to the next.
+
+The feature side alone tells the head where each patch was, but the sampler still draws
+where a translation-equivariant attention puts its mass, the same for every object that
+looks alike; on the top task the two sides together learned much faster than the features
+alone (benchmarks/README.md, IPS's tasks). ``--position-features on`` gives both; a model
+whose spec says ``{"frequencies": ...}`` without ``"attention"`` has the feature side only.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import math
 import torch
 import torch.nn as nn
 
-__all__ = ["PositionFeatures", "patch_centres"]
+__all__ = ["PositionFeatures", "PositionalAttention", "patch_centres"]
 
 
 def patch_centres(offsets: torch.Tensor, sizes: torch.Tensor, patch_size: tuple[int, int]) -> torch.Tensor:
@@ -67,3 +75,31 @@ class PositionFeatures(nn.Module):
         """``feats`` [..., D] and ``pos`` [..., 2] in [0, 1] -> [..., D]."""
         enc = self.encode(pos.to(feats.dtype))
         return feats + self.out(torch.relu(self.mix(torch.cat([feats, enc], dim=-1))))
+
+
+class PositionalAttention(nn.Module):
+    """The attention network fed the low-res view with two more channels, each cell's
+    (row, column) over the view's (height, width), in [0, 1] (CoordConv, Liu et al. 2018).
+
+    Why: a convolutional attention net sees a neighbourhood, not where it is, so its map is
+    the same wherever an object lies; a label that depends on where (the top-most digit)
+    needs the attention to prefer a place, e.g. a logit falling with the row, which the
+    softmax turns into a strong preference for the highest object. The feature-side
+    positions (:class:`PositionFeatures`) tell the head where a patch was; these tell the
+    sampler where to look.
+
+    Unbiased: the attention stays a deterministic function of the view (the coordinates
+    are a fixed function of the cell), so the estimator and its gradients are those of any
+    attention network (:mod:`ats_cli.core.sampling`); ``net`` is built for ``channels + 2``
+    input channels. ``margin`` is the wrapped net's."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+        self.margin = getattr(net, "margin", 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, _, h, w = x.shape
+        rows = torch.linspace(0.0, 1.0, h, device=x.device, dtype=x.dtype).view(1, 1, h, 1).expand(b, 1, h, w)
+        cols = torch.linspace(0.0, 1.0, w, device=x.device, dtype=x.dtype).view(1, 1, 1, w).expand(b, 1, h, w)
+        return self.net(torch.cat([x, rows, cols], dim=1))
