@@ -615,8 +615,8 @@ def _feature_train(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
 
 def _position_features(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
     """--position-features auto: the dataset's hint, which only its maker can know (a label
-    that depends on where things are, as IPS's top-most digit: without positions that task
-    stayed at 58%, with them 74%, benchmarks/README.md), else off, the thesis's model."""
+    that depends on where things are, as IPS's top-most digit, cannot be read from what the
+    patches show: benchmarks/README.md, IPS's tasks), else off, the thesis's model."""
     if flags.position_features != "auto":
         return flags.position_features, "given"
     if _baseline(flags):
@@ -675,12 +675,12 @@ def gather_facts(flags: TrainConfig, data: Dataset, *, view_cache: Any = None) -
     known = sorted(m for m in recorded if m is not None)
     missing = [str(r.path) for r, m in zip(records, recorded, strict=True) if m is None]
     agree = bool(known) and not missing and known[-1] <= known[0] * (1 + MPP_TOLERANCE)
+    position = data.hints.get("position_features")  # "on"/"off"; anything else is no hint
     facts = DataFacts(hints=usable_hints(data.hints), channels=int(data.hints.get("channels", 1)),
                       files=len(records), mpps=tuple(known), mpps_agree=agree, no_mpp=missing[0] if missing else "",
                       pretrained=pretrained_source(flags.feature_net, flags.feature_weights),
                       sizes=tuple(shapes[:3]), n_sizes=len(shapes),
-                      position_hint=position if (position := data.hints.get("position_features")) in ("on", "off")
-                      else "")
+                      position_hint=position if position in ("on", "off") else "")
     if not looks_at_images(flags):
         return facts
     settled = settle(flags, facts)[0]

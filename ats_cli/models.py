@@ -166,13 +166,15 @@ def _sampling_settings(spec: dict[str, Any]) -> dict[str, Any]:
 
 @register_method("ats")
 def _ats(spec: dict[str, Any]) -> nn.Module:
-    if (spec.get("position") or {}).get("attention"):  # the view and each cell's place (extensions.position)
+    kwargs = spec["attention_kwargs"]
+    positional = (spec.get("position") or {}).get("attention")  # the view and each cell's place
+    if positional:
+        kwargs = {**kwargs, "in_channels": kwargs["in_channels"] + 2}  # (ats_cli.extensions.position)
+    attention = nets.create(spec["attention_net"], kind="attention", **kwargs)
+    if positional:
         from ats_cli.extensions.position import PositionalAttention
 
-        kwargs = {**spec["attention_kwargs"], "in_channels": spec["attention_kwargs"]["in_channels"] + 2}
-        attention = PositionalAttention(nets.create(spec["attention_net"], kind="attention", **kwargs))
-    else:
-        attention = nets.create(spec["attention_net"], kind="attention", **spec["attention_kwargs"])
+        attention = PositionalAttention(attention)
     if spec.get("levels", 1) == 2:  # the coarse attention is a second net of the same kind
         from ats_cli.core.nested_model import NestedATSModel
 

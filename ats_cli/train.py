@@ -545,8 +545,8 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
     # a validation split, when the dataset has one, chooses best.pt (selection_score)
     held_out = ("val", "test") if data.splits.get("val") else ("test",)
     # preparing decodes every image once, in processes of its own that pass no tensors: at
-    # least the auto count even when --workers is 0 (one process took 97 s where 16 took 11
-    # for 6,000 paper-spec images on a 16-core GPU host: benchmarks/README.md, "On a GPU")
+    # least the auto count even when --workers 0 keeps the loader in this process
+    # (benchmarks/README.md, "On a GPU")
     prepare_workers = max(cfg.workers, loader_workers(-1, device))
     prepared = prepare_for_run(cfg.prepare, data, reading, workers=prepare_workers, log=log,
                                splits=("train", *held_out))
