@@ -148,7 +148,11 @@ class TrainConfig:
                             METHOD_PANEL, means="off")
     region_um: float = _key(0.0, "With --levels 2, slides: region side in microns, instead of --region-size (at "
                             "--mpp, else the training slides' microns per pixel)", METHOD_PANEL, means="off")
-    coarse_px: int = _key(8, "With --levels 2: coarse-view pixels per region side (the coarse attention's "
+    # 4: the coarse view of a 200k slide in 4096-pixel regions stays 195², less than the four
+    # region views together, so a step costs the same from 25k to 200k slides (benchmarks/
+    # README.md "Two levels"); a pixel of 1/1024 still tells tissue from glass. At 8 the
+    # coarse view (391²) outgrows the region views and the step grows with the slide
+    coarse_px: int = _key(4, "With --levels 2: coarse-view pixels per region side (the coarse attention's "
                           "resolution; the coarse view of an H-pixel slide is H / region-size x this)", METHOD_PANEL)
     # reading slides and TIFFs (saved in the model, so predict and visualize read alike; their
     # --reader/--level/--mpp/--tissue-mask are these fields too: ats_cli/cli/options.py)

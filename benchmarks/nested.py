@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--regions", type=int, default=4)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--fine-scale", type=float, default=1 / 32)
-    ap.add_argument("--coarse-px", type=int, default=8, help="the two-level model's coarse pixels per region side")
+    ap.add_argument("--coarse-px", type=int, default=4, help="the two-level model's coarse pixels per region side")
     ap.add_argument("--scale", type=float, default=1 / 32, help="the one-level model's view scale")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--models", nargs="+", default=["two-level", "one-level"])

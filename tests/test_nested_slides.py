@@ -40,14 +40,14 @@ def run(slides, tmp_path_factory):
 
 
 def test_only_the_coarse_views_are_made_for_a_two_level_run(run):
-    """Settling probes the images at the view a two-level model reads, the coarse one (8
-    pixels per 256-pixel region of the 1024 slides: 32x32), not at the region views' scale
+    """Settling probes the images at the view a two-level model reads, the coarse one (4
+    pixels per 256-pixel region of the 1024 slides: 16x16), not at the region views' scale
     (1/8: 128x128), which would cost a 100k slide a 3,125² view per probed slide for nothing."""
     entries = sorted((run / "cache" / "views").glob("*.npz"))
     assert entries
     for entry in entries:
         with np.load(entry, allow_pickle=False) as z:
-            assert z["low"].shape == (32, 32, 3), entry
+            assert z["low"].shape == (16, 16, 3), entry
 
 def test_region_views_come_from_the_pyramid_level_that_matches(slides):
     """A 256-pixel region viewed at 64x64 is read from the 4x-smaller level (256x256 for the
@@ -70,7 +70,7 @@ def test_a_two_level_model_trains_predicts_visualises_and_exports(run, slides, t
     assert [m["epoch"] for m in metrics] == [1] and np.isfinite(metrics[0]["train_loss"])
     spec = torch.load(run / "best.pt", weights_only=True)["spec"]
     assert (spec["levels"], spec["regions"], spec["region_size"]) == (2, 3, 256)
-    assert spec["coarse_scale"] == pytest.approx(8 / 256) and spec["scale"] == 0.125
+    assert spec["coarse_scale"] == pytest.approx(4 / 256) and spec["scale"] == 0.125
 
     csv_out = tmp_path / "preds.csv"
     result = runner.invoke(app, ["predict", str(slides / "test.csv"), "--model", str(run), "--out", str(csv_out)])
@@ -132,7 +132,7 @@ def test_region_size_in_microns_is_converted_at_the_model_microns_per_pixel():
     cfg = TrainConfig(levels=2, region_um=130.0, patch_size=32, scale=0.125).validate()
     spec = levels_spec(cfg, 0.5)
     assert spec["region_size"] == 256  # 260 px, to the nearest multiple of the 32-pixel patch
-    assert spec["coarse_scale"] == pytest.approx(8 / 256)
+    assert spec["coarse_scale"] == pytest.approx(4 / 256)
     with pytest.raises(ValueError, match="microns per pixel are unknown"):
         levels_spec(cfg, None)
     assert levels_spec(TrainConfig(patch_size=32, scale=0.125).validate(), 0.5) == {}  # one level: nothing added

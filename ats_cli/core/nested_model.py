@@ -10,8 +10,8 @@
 A step reads one coarse view, k region views of a fixed size and k*n patches: its memory
 and time are set by k, n, the region size and the two scales, never by the image's size.
 The coarse view is at ``coarse_scale`` = ``coarse_px`` pixels per region side (``ats train
---coarse-px``, 8 by default), so it holds ``coarse_px**2`` pixels per region: a 200k-pixel
-slide cut into 4096-pixel regions has a 392x392 coarse view where a one-level model at
+--coarse-px``, 4 by default), so it holds ``coarse_px**2`` pixels per region: a 200k-pixel
+slide cut into 4096-pixel regions has a 195x195 coarse view where a one-level model at
 1/32 would need 6250x6250 (docs/slides.md has the cost analysis).
 
 :class:`NestedATSModel` is an :class:`~ats_cli.core.model.ATSModel` (its fine attention net,
