@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from ats_cli.core import nested_model
-from ats_cli.core.nested import NestedConfigError, check_regions, nested_expectation, region_offsets
+from ats_cli.core.nested import NestedConfigError, check_regions, nested_expectation, region_offsets, region_scores
 from ats_cli.core.nested_model import NestedATSModel, region_views
 from ats_cli.core.patches import extract_patches
 from ats_cli.core.sampling import ESTIMATORS, attention_distribution, estimator_threshold, estimator_weights, sample
@@ -212,6 +212,40 @@ def test_the_model_check_rejects_a_plain_mean_over_the_regions(monkeypatch):
 
     monkeypatch.setattr(nested_model, "nested_expectation", biased)
     assert _model_z(tiny_nested()) > 3 * Z_MAX
+
+
+def test_a_region_score_is_the_log_mean_exp_of_its_kept_cells_and_follows_one_high_cell():
+    """The coarse attention gives a region the mean of its cells' exp(score): checked
+    against a direct logsumexp per region, with a kept-cell mask and a region with no kept
+    cell (never drawn), and its gradient (a softmax over the region's cells). Then what it
+    is for: one cell 8 above the other 255 of its region makes that region the likeliest
+    of four, which a mean of the scores (the control) does not."""
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(2, 12, generator=g).requires_grad_()
+    cells = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3])
+    keep = torch.ones(2, 12, dtype=torch.bool)
+    keep[0, 5:9] = False  # region 2 of image 0: no kept cell
+    got = region_scores(scores, cells, 5, keep)  # region 4: no cell at all
+    for b in range(2):
+        for r in range(5):
+            m = (cells == r) & keep[b]
+            want = torch.logsumexp(scores.detach()[b][m], 0) - torch.log(m.sum().float()) if m.any() else float("-inf")
+            assert float(got.detach()[b, r]) == pytest.approx(float(want), abs=1e-5), (b, r)
+    got[torch.isfinite(got)].sum().backward()
+    for b in range(2):
+        for r in range(4):
+            m = (cells == r) & keep[b]
+            if m.any():
+                want = torch.softmax(scores.detach()[b][m], 0)
+                assert torch.allclose(scores.grad[b][m], want, atol=1e-6)
+
+    flat = torch.zeros(1, 4 * 256)
+    flat[0, 3 * 256 + 17] = 8.0  # one high cell in region 3
+    grid = torch.arange(4).repeat_interleave(256)
+    a = torch.softmax(region_scores(flat, grid, 4), 1)[0]
+    assert int(a.argmax()) == 3 and float(a[3]) > 0.6
+    mean = torch.zeros(4).index_add_(0, grid, flat[0]) / 256  # the control: a mean of the scores
+    assert float(torch.softmax(mean, 0)[3]) < 0.3
 
 
 def test_the_output_says_what_the_model_did():

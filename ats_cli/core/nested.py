@@ -127,18 +127,36 @@ def cell_regions(att_shape: tuple[int, int], low_size: tuple[int, int], margin: 
 
 def region_scores(cell_scores: torch.Tensor, cells: torch.Tensor, n_regions: int,
                   keep: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, n_regions] the mean score of each region's cells (``cell_scores`` [B, K] of the
-    coarse attention map, ``cells`` [K] from :func:`cell_regions`), -inf for a region with
-    no cell, or none kept by ``keep`` [B, K] (e.g. tissue): such a region is never drawn.
-    A mean, not a sum, so that a region's score does not grow with how many cells of the
-    coarse view it happens to hold."""
+    """[B, n_regions] each region's score, the log of the mean of ``exp`` of its cells'
+    scores (``cell_scores`` [B, K] of the coarse attention map, ``cells`` [K] from
+    :func:`cell_regions`); -inf for a region with no cell, or none kept by ``keep`` [B, K]
+    (e.g. tissue): such a region is never drawn.
+
+    So the coarse attention ``a = softmax(region scores)`` gives each region the mean of
+    its cells' unnormalised attention ``exp(s_i)``: what a one-level attention over the
+    coarse cells would give the region, divided by its number of cells. Why the log-mean-exp
+    and not the mean of the scores: the deciding object of a slide is often one cell of a
+    region's hundreds (a 4096-pixel region at 64 coarse pixels a side holds 4,096); a mean
+    moves by 1/4096 of that cell's score, so no trainable score and no prior could point
+    at the region, while the log-mean-exp follows its highest cells (a cell ``L`` above the
+    rest lifts its region by about ``L - log(cells)`` once ``exp(L)`` outweighs them). Why
+    a mean and not a sum: a region's score does not grow with how many cells of the coarse
+    view it happens to hold (the last row and column of the grid, the tissue's edge).
+    A function of the coarse view alone, like the mean: the estimator stays unbiased."""
     B = cell_scores.shape[0]
     s = cell_scores.float()
-    mask = torch.ones_like(s) if keep is None else keep.to(s.dtype)
+    kept = torch.ones_like(s, dtype=torch.bool) if keep is None else keep > 0
     idx = cells.to(s.device).expand(B, -1)
-    total = s.new_zeros(B, n_regions).scatter_add(1, idx, torch.where(mask > 0, s, 0.0))
-    count = s.new_zeros(B, n_regions).scatter_add(1, idx, mask)
-    return torch.where(count > 0, total / count.clamp(min=1), float("-inf"))
+    count = s.new_zeros(B, n_regions).scatter_add(1, idx, kept.to(s.dtype))
+    masked = torch.where(kept, s, float("-inf"))
+    # the largest kept score of each region, held constant (the log-sum-exp's value and its
+    # derivative, the softmax over the region's cells, do not depend on it)
+    top = s.new_full((B, n_regions), float("-inf")).scatter_reduce(1, idx, masked, reduce="amax").detach()
+    shifted = torch.where(kept, torch.exp(masked - top.gather(1, idx).clamp(min=torch.finfo(s.dtype).min)), 0.0)
+    total = s.new_zeros(B, n_regions).scatter_add(1, idx, shifted)
+    score = top.clamp(min=torch.finfo(s.dtype).min) + torch.log(total.clamp(min=torch.finfo(s.dtype).tiny)) \
+        - torch.log(count.clamp(min=1))
+    return torch.where(count > 0, score, float("-inf"))
 
 
 def region_offsets(indices: torch.Tensor, grid: tuple[int, int], region: int) -> torch.Tensor:

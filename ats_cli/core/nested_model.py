@@ -1,7 +1,7 @@
 """The two-level (nested, coarse-to-fine) attention-sampling model, readable top to bottom.
 
     coarse view of the whole image --coarse attention net--> cell scores
-        --mean per region of the grid (tissue cells only)--> softmax: a over the regions
+        --log-mean-exp per region of the grid (tissue cells only)--> softmax: a over the regions
     a --draw k regions--> each region's own view, read at the fine scale
         (from the pyramid level that matches it: :meth:`ats_cli.data.slides.SlideReader.read_view`)
     region view --fine attention net--> b^r over its cells --draw n--> n patches at full resolution
