@@ -293,11 +293,16 @@ def render_attention(
     estimator = getattr(net, "active_estimator", None)  # Deep MIL: no sampling, no estimator
     sampling = f"{n} {'patch' if n == 1 else 'patches'}, seed {seed}"
     extent = _attention_extent(net, opened)
+    entropy = float(output.entropy[0])
     if record.regions:  # two levels: the coarse attention lies over the region grid
         rows, cols = record.region_grid
         side = record.regions[0].size
         extent = (0.0, float(cols * side), float(rows * side), 0.0)
         sampling = f"{len(record.regions)} regions x {n // len(record.regions)} patches, seed {seed}"
+        # the figure's "uniform" is that of the map it draws: the regions' entropy, not the
+        # model's regulariser (the regions' plus the mean of the drawn regions' own)
+        grid = np.asarray(record.attention, dtype=np.float64).ravel()
+        entropy = float(-(grid[grid > 0] * np.log(grid[grid > 0])).sum())
     if getattr(net, "replace", False):
         sampling += ", with replacement"
     elif weights is not None and estimator:
@@ -309,7 +314,7 @@ def render_attention(
         patches=output.patches[0].detach().cpu().float().numpy(), prediction=prediction,
         probability=float(probs[k]), ranking=ranking, label=info.label if info else None,
         boxes=info.boxes if info else [], model_name=predictor.path.name, sampling=sampling,
-        entropy=float(output.entropy[0]), regions=record.regions or ())
+        entropy=entropy, regions=record.regions or ())
     drawn = draw_attention(figure, out, dpi=dpi)
     return RenderSummary(Path(out), drawn.size_px, prediction=figure.prediction, probability=figure.probability,
                          label=figure.label, n_boxes=len(figure.boxes), n_sites=len(drawn.sites),
