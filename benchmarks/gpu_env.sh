@@ -1,4 +1,4 @@
-# Sourced by the one-call GPU measurement scripts (gpu_ips.sh, gpu_epoch_wall.sh), from the
+# Sourced by the one-call GPU measurement scripts (gpu_ips.sh, gpu_nested.sh, gpu_epoch_wall.sh), from the
 # repository root: the Python ($PY, else ./.venv's, else python3: on the GPU image the one
 # with torch), `ats` run from the checkout, the device (dry run on a CPU: DEVICE=cpu
 # MAKE_FLAGS="--preset small --n-train 64 --n-test 16") and extra make-dataset flags.
@@ -9,3 +9,22 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 ATS_OFFLI
 ATS=("$PY" -m ats_cli)
 DEVICE=${DEVICE:-cuda}
 MAKE_FLAGS=${MAKE_FLAGS:-}
+
+# describe_env FILE WHAT: the commit, the GPU, the CPU count and WHAT (the run's settings) in
+# FILE, echoed.
+describe_env() {
+  { echo "commit: ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+    echo "CPUs: $(getconf _NPROCESSORS_ONLN); $2"; } > "$1"
+  cat "$1"
+}
+
+# wait_sampling FILE: wait for this shell's background jobs, sampling the GPU's utilization
+# and memory into FILE every 20 s meanwhile.
+wait_sampling() {
+  while [[ -n "$(jobs -r)" ]]; do
+    sleep 20
+    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader >> "$1" 2>/dev/null
+  done
+  wait
+}

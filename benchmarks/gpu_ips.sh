@@ -25,10 +25,7 @@ mkdir -p "$RES" "$WORK"
 T0=$(date +%s)
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
 
-{ echo "commit: ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
-  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
-  echo "CPUs: $(getconf _NPROCESSORS_ONLN); epochs: $EPOCHS; tasks: $TASKS; budget: $BUDGET_S s"; } > "$RES/env.txt"
-cat "$RES/env.txt"
+describe_env "$RES/env.txt" "epochs: $EPOCHS; tasks: $TASKS; budget: $BUDGET_S s"
 
 # shellcheck disable=SC2086  # MAKE_FLAGS holds several words on purpose
 # The datasets, in parallel (a task's images are the same; only the labels differ).
@@ -47,11 +44,7 @@ for task in $TASKS; do
     echo "rc $? after $(( $(date +%s) - start )) s" >> "$RES/train-$task.log"
     cp "$WORK/run-$task/metrics.jsonl" "$RES/metrics-$task.jsonl" 2>/dev/null ) &
 done
-while [[ -n "$(jobs -r)" ]]; do
-  sleep 20
-  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader >> "$RES/nvidia-smi.txt" 2>/dev/null
-done
-wait
+wait_sampling "$RES/nvidia-smi.txt"
 
 "$PY" - "$RES" "$EPOCHS" $TASKS > "$RES/summary.md" <<'PY'
 import json, pathlib, sys

@@ -35,11 +35,8 @@ mkdir -p "$RES" "$WORK"
 T0=$(date +%s)
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
 
-{ echo "commit: ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
-  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
-  echo "CPUs: $(getconf _NPROCESSORS_ONLN); size $SIZE; train $N_TRAIN, test $N_TEST, fresh $N_FRESH; epochs $EPOCHS;" \
-       "models: $MODELS; budget $BUDGET_S s"; } > "$RES/env.txt"
-cat "$RES/env.txt"
+SETTINGS="size $SIZE; train $N_TRAIN, test $N_TEST, fresh $N_FRESH; epochs $EPOCHS; models: $MODELS"
+describe_env "$RES/env.txt" "$SETTINGS; budget $BUDGET_S s"
 
 "${ATS[@]}" make-dataset synthetic-slides "$WORK/data" --size "$SIZE" --virtual --n-train "$N_TRAIN" \
   --n-test "$N_TEST" --seed 0 > "$RES/make.log" 2>&1
@@ -62,11 +59,7 @@ for m in $MODELS; do
       --device "$DEVICE" --out "$RES/fresh-$m.csv" > "$RES/predict-$m.log" 2>&1
     echo "rc $?" >> "$RES/predict-$m.log" ) &
 done
-while [[ -n "$(jobs -r)" ]]; do
-  sleep 20
-  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader >> "$RES/nvidia-smi.txt" 2>/dev/null
-done
-wait
+wait_sampling "$RES/nvidia-smi.txt"
 
 "$PY" - "$RES" "$EPOCHS" $MODELS > "$RES/summary.md" <<'PY'
 import csv, json, pathlib, sys
