@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ats_cli.checkpoint import CheckpointError
+from ats_cli.core.sampling import entropy as attention_entropy
 from ats_cli.data.dataset import KNOWN_SPLITS
 from ats_cli.data.inputs import OpenedImage
 from ats_cli.models import check_model
@@ -301,8 +302,7 @@ def render_attention(
         sampling = f"{len(record.regions)} regions x {n // len(record.regions)} patches, seed {seed}"
         # the figure's "uniform" is that of the map it draws: the regions' entropy, not the
         # model's regulariser (the regions' plus the mean of the drawn regions' own)
-        grid = np.asarray(record.attention, dtype=np.float64).ravel()
-        entropy = float(-(grid[grid > 0] * np.log(grid[grid > 0])).sum())
+        entropy = float(attention_entropy(torch.as_tensor(record.attention, dtype=torch.float64).reshape(1, -1))[0])
     if getattr(net, "replace", False):
         sampling += ", with replacement"
     elif weights is not None and estimator:

@@ -150,12 +150,13 @@ def region_scores(cell_scores: torch.Tensor, cells: torch.Tensor, n_regions: int
     count = s.new_zeros(B, n_regions).scatter_add(1, idx, kept.to(s.dtype))
     masked = torch.where(kept, s, float("-inf"))
     # the largest kept score of each region, held constant (the log-sum-exp's value and its
-    # derivative, the softmax over the region's cells, do not depend on it)
+    # derivative, the softmax over the region's cells, do not depend on it); finite for a
+    # region with no kept cell, which the last line sets to -inf
     top = s.new_full((B, n_regions), float("-inf")).scatter_reduce(1, idx, masked, reduce="amax").detach()
-    shifted = torch.where(kept, torch.exp(masked - top.gather(1, idx).clamp(min=torch.finfo(s.dtype).min)), 0.0)
+    top = top.clamp(min=torch.finfo(s.dtype).min)
+    shifted = torch.where(kept, torch.exp(masked - top.gather(1, idx)), 0.0)
     total = s.new_zeros(B, n_regions).scatter_add(1, idx, shifted)
-    score = top.clamp(min=torch.finfo(s.dtype).min) + torch.log(total.clamp(min=torch.finfo(s.dtype).tiny)) \
-        - torch.log(count.clamp(min=1))
+    score = top + torch.log(total.clamp(min=torch.finfo(s.dtype).tiny)) - torch.log(count.clamp(min=1))
     return torch.where(count > 0, score, float("-inf"))
 
 
