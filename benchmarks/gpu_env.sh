@@ -19,6 +19,19 @@ describe_env() {
   cat "$1"
 }
 
+# train_boxed NAME SECONDS DATA [ats train flags...]: `ats train DATA --out $WORK/run-NAME` on
+# $DEVICE, stopped after SECONDS; its log in $RES/train-NAME.log (with the exit status and
+# the time taken) and its per-epoch figures copied to $RES/metrics-NAME.jsonl.
+train_boxed() {
+  local name=$1 seconds=$2 data=$3 start
+  shift 3
+  start=$(date +%s)
+  timeout "$seconds" "${ATS[@]}" train "$data" --out "$WORK/run-$name" --device "$DEVICE" "$@" \
+    > "$RES/train-$name.log" 2>&1
+  echo "rc $? after $(( $(date +%s) - start )) s" >> "$RES/train-$name.log"
+  cp "$WORK/run-$name/metrics.jsonl" "$RES/metrics-$name.jsonl" 2>/dev/null
+}
+
 # wait_sampling FILE: wait for this shell's background jobs, sampling the GPU's utilization
 # and memory into FILE every 20 s meanwhile.
 wait_sampling() {

@@ -38,11 +38,7 @@ echo "datasets: $(( $(date +%s) - T0 )) s"
 
 # The runs, at the same time, each boxed to what is left of the budget.
 for task in $TASKS; do
-  ( start=$(date +%s)
-    timeout "$(left)" "${ATS[@]}" train "$WORK/data-$task" --out "$WORK/run-$task" --epochs "$EPOCHS" \
-      --device "$DEVICE" > "$RES/train-$task.log" 2>&1
-    echo "rc $? after $(( $(date +%s) - start )) s" >> "$RES/train-$task.log"
-    cp "$WORK/run-$task/metrics.jsonl" "$RES/metrics-$task.jsonl" 2>/dev/null ) &
+  train_boxed "$task" "$(left)" "$WORK/data-$task" --epochs "$EPOCHS" &
 done
 wait_sampling "$RES/nvidia-smi.txt"
 

@@ -49,12 +49,8 @@ declare -A FLAGS=(
   [one]="--scale 0.015625 --patch-size 64 --n-patches 64"
 )
 for m in $MODELS; do
-  ( start=$(date +%s)
-    # shellcheck disable=SC2086  # the flags hold several words on purpose
-    timeout "$(( $(left) - PREDICT_S ))" "${ATS[@]}" train "$WORK/data" --out "$WORK/run-$m" --epochs "$EPOCHS" \
-      --batch-size 4 --device "$DEVICE" ${FLAGS[$m]} > "$RES/train-$m.log" 2>&1
-    echo "rc $? after $(( $(date +%s) - start )) s" >> "$RES/train-$m.log"
-    cp "$WORK/run-$m/metrics.jsonl" "$RES/metrics-$m.jsonl" 2>/dev/null
+  # shellcheck disable=SC2086  # the flags hold several words on purpose
+  ( train_boxed "$m" "$(( $(left) - PREDICT_S ))" "$WORK/data" --epochs "$EPOCHS" --batch-size 4 ${FLAGS[$m]}
     timeout "$(( $(left) - 5 ))" "${ATS[@]}" predict "$WORK/fresh/test.csv" --model "$WORK/run-$m/best.pt" \
       --device "$DEVICE" --out "$RES/fresh-$m.csv" > "$RES/predict-$m.log" 2>&1
     echo "rc $?" >> "$RES/predict-$m.log" ) &
