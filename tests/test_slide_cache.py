@@ -77,6 +77,23 @@ def test_a_changed_file_is_not_served_its_old_view(slides, tmp_path, count_views
     assert not torch.equal(new.low, old.low)
 
 
+def test_a_virtual_slide_rendered_anew_is_not_served_its_old_view(tmp_path, count_views, monkeypatch):
+    """A virtual slide's pixels are its renderer's: after a renderer change (RENDERER bumped)
+    the same spec file is another entry, not the older rendering's view."""
+    from ats_cli.data import virtual_slides as vsm
+
+    path = tmp_path / "s.vslide.json"
+    vsm.write_spec(path, vsm.VirtualSlideSpec(width=1024, height=1024, seed=3, nests=1, decoys=1,
+                                              downsamples=(1, 4, 16, 32)))
+    cache = ViewCache(tmp_path / "views")
+    open_input(path, **READ, view_cache=cache)
+    open_input(path, **READ, view_cache=cache)
+    assert len(count_views) == 1
+    monkeypatch.setattr(vsm, "RENDERER", vsm.RENDERER + 1)
+    open_input(path, **READ, view_cache=cache)
+    assert len(count_views) == 2 and len(list((tmp_path / "views").glob("*.npz"))) == 2
+
+
 def test_a_damaged_entry_is_made_again(slides, tmp_path, count_views):
     cache = ViewCache(tmp_path / "views")
     path = slides / "train" / "0000.tif"

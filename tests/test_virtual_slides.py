@@ -80,6 +80,59 @@ def test_spots_look_alike_at_low_resolution_and_differ_at_full(tmp_path):
         assert max(a, b) < 1.3 * min(a, b), (level, a, b)
 
 
+def _against_box(vs, spot, d, side=128, inset=4):
+    """(mean |box - render|, std inside the disc of the box-filtered level 0, of the level's
+    render) over the spot's disc, ``inset`` level-0 pixels in from its edge."""
+    y0, x0 = int(spot.row) // d * d - side // 2, int(spot.col) // d * d - side // 2
+    box = vs.render(y0, x0, side, side, 1, 0).astype(float).reshape(side // d, d, side // d, d, 3).mean((1, 3))
+    low = vs.render(y0 // d, x0 // d, side // d, side // d, d, 1).astype(float)
+    yy, xx = np.mgrid[0:side // d, 0:side // d]
+    inside = ((yy + 0.5) * d + y0 - spot.row) ** 2 + ((xx + 0.5) * d + x0 - spot.col) ** 2 \
+        <= (vs.spec.spot_radius - inset) ** 2
+    return np.abs(box - low)[inside].mean(), box[inside].std(0).mean(), low[inside].std(0).mean()
+
+
+def test_a_level_is_its_level_0_box_filtered_spots_and_texture_too(monkeypatch):
+    """What a real pyramid shows at 1/2..1/8, the virtual level shows: a spot's colour and,
+    where the box-filtered level 0 still has it, its nuclei's texture (a nest's 12-pixel grid
+    is 1.5 pixels at 1/8). Control: drawing a family as its mean below two pixels (the old
+    rule) leaves a nest at 1/8 a flat disc, and the check fails."""
+    from ats_cli.data import virtual_slides as vsm
+
+    vs = vsm.VirtualSlide(VirtualSlideSpec(width=2048, height=1536, seed=11, nests=3, decoys=3,
+                                           downsamples=(1, 2, 4, 8, 16)))
+
+    def faithful(d):
+        for spot in vs.spots:
+            err, std_box, std_low = _against_box(vs, spot, d)
+            if err > 8 or (std_box > 10 and not 0.7 < std_low / std_box < 1.3):
+                return False
+        return True
+
+    assert all(faithful(d) for d in (2, 4, 8))
+    monkeypatch.setattr(vsm, "MEAN_BELOW", 2.0)
+    assert faithful(4) is False or faithful(8) is False
+
+
+@pytest.mark.parametrize("ratio", [0.3, 0.5, 0.8, 1.5, 4.0])
+def test_a_disc_covers_its_area_at_every_level(ratio):
+    """A disc of radius r drawn at downsample d covers pi (r/d)^2 pixels in all, as a box
+    filter keeps it, whether it is narrower or wider than a pixel (the ramp alone covers
+    pi ((R/d)^2 + 1/12): a third too much for a disc one pixel wide)."""
+    from ats_cli.data.virtual_slides import _discs
+
+    d, areas = 8, []
+    rng = np.random.default_rng(3)
+    for _ in range(40):
+        cover = np.ones((40, 40), np.float32)
+        cy, cx = rng.uniform(120, 200, 2)
+        _discs(cover, [cy], [cx], [ratio * d], ratio * d, 0, 0, d)
+        areas.append(float((1 - cover).sum()))
+    # one disc's sum depends on where its centre falls in the pixel; their mean is the integral
+    assert np.mean(areas) == pytest.approx(np.pi * ratio ** 2, rel=0.03), (ratio, np.mean(areas))
+    assert np.allclose(areas, np.pi * ratio ** 2, rtol=0.15), (ratio, min(areas), max(areas))
+
+
 @pytest.mark.parametrize("reader", ["tifffile", "openslide"])
 def test_the_written_tiff_has_the_virtual_pixels(tmp_path, reader):
     """Every level, whole and at random regions, through both TIFF readers."""

@@ -315,7 +315,8 @@ class ViewCache:
                 "mtime_ns": st.st_mtime_ns, "content": content_digest(slide.path),
                 "reader": slide.name, "level": slide.level, "size": list(slide.size),
                 "channels": slide.channels, "max_pixels": slide.max_pixels, "scale": repr(float(scale)),
-                "resampled": repr(float(getattr(slide, "factor", 1.0)))}  # --mpp: the level's resampling
+                "resampled": repr(float(getattr(slide, "factor", 1.0))),  # --mpp: the level's resampling
+                "renderer": getattr(slide, "renderer", None)}  # a virtual slide's pixels: its renderer's
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
 
     def probe(self) -> bool:

@@ -657,8 +657,9 @@ class VirtualSlideReader(SlideReader):
     BAND_PIXELS = 1 << 20  # a larger region is rendered this many pixels at a time
 
     def __init__(self, path: Path, max_pixels: int | None = None):
-        from ats_cli.data.virtual_slides import VirtualSlide, level_sizes, load_spec
+        from ats_cli.data.virtual_slides import RENDERER, VirtualSlide, level_sizes, load_spec
 
+        self.renderer = RENDERER  # part of a cached view's key (ats_cli.data.inputs.ViewCache)
         self.max_pixels = max_pixels_limit(max_pixels)
         self.spec = load_spec(path)
         self.slide = VirtualSlide(self.spec)

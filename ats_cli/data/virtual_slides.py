@@ -40,13 +40,20 @@ spec's ``downsamples``; size ``floor(side / d)``) has the pixel (r, c) centred o
 level-0 point ((r + 0.5) d, (c + 0.5) d). Smooth fields are evaluated there; the fibre
 texture's amplitude falls as 1 / sqrt(1 + (d / cell)^2) (its average over a pixel wider
 than its cells tends to zero); a disc of radius r at distance ``dist`` from a pixel's
-centre covers ``clip((R - dist) / d + 1/2, 0, 1) (r / R)^2`` of it, R = max(r, d / 2): the
-antialiased edge of a disc wider than the pixel, and a disc narrower than it spread
-over a pixel's width at the density that keeps its area (pi r^2 / d^2 pixels in all,
-as a box filter keeps it); a family of shapes whose grid cells are less than 2 pixels wide at that
-level is drawn as its mean coverage instead (scattered nuclei: ``pi r^2 / cell^2`` of
-tissue; the nuclei of nests and decoys: half their disc, alike, which is the point). A
-level is thus the level-0 pattern box-filtered approximately, computed directly, so
+centre covers ``clip((R - dist) / d + 1/2, 0, 1) (r/d)^2 / ((R/d)^2 + 1/12)`` of it,
+R = max(r, d / 2): the antialiased edge of a disc wider than the pixel, a disc narrower
+than it spread over a pixel's width, both scaled to keep the disc's area (the ramp
+integrates to ``pi ((R/d)^2 + 1/12)`` pixels; a box filter keeps ``pi (r/d)^2``: without
+the factor a nucleus one pixel wide came out a third too large, and a nest darker at 1/8
+than its own level 0 box-filtered). A family of shapes whose grid cells are narrower than
+one pixel (``MEAN_BELOW``) at that level is drawn as its mean coverage instead (scattered
+nuclei: ``pi r^2 / cell^2`` of tissue; the nuclei of nests and decoys: half their disc,
+alike, which is the point). Why one pixel, not two: a family drawn as its mean loses its
+texture, and a box filter keeps it while the cells are a pixel wide (a nest's 12-pixel
+grid is 1.5 pixels at 1/8: the box-filtered level 0 still shows its nuclei, the mean
+drawing a flat disc), so under two pixels nests and decoys were alike at 1/8, where a
+real pyramid tells them apart. A level is thus the level-0 pattern
+box-filtered approximately, computed directly, so
 its cost is that of its own pixels. A pyramidal TIFF written from a virtual slide
 (:func:`write_virtual_tiff`) renders every level with the same function, losslessly
 compressed: its pixels are the virtual slide's exactly, at every level, through OpenSlide
@@ -72,7 +79,7 @@ from ats_cli.data.dataset import VIRTUAL_SUFFIX
 from ats_cli.data.images import ImageReadError
 
 __all__ = ["VirtualSlideError", "VirtualSlideSpec", "VirtualSlide", "VIRTUAL_SUFFIX", "FORMAT", "load_spec",
-           "write_spec", "write_virtual_tiff", "hash32", "default_downsamples", "level_sizes"]
+           "write_spec", "write_virtual_tiff", "RENDERER", "hash32", "default_downsamples", "level_sizes"]
 
 FORMAT = "ats-virtual-slide"
 VERSION = 1
@@ -91,6 +98,8 @@ SENSOR_SIGMA = 3.0
 DECOY_SPACING, DECOY_RADIUS = 5.0, 2.0
 NEST_SPACING, NEST_RADII, SATELLITE_RADIUS = 12.0, (4.2, 5.6), 2.5
 SPOT_COVERAGE = 0.5  # nuclei's share of a nest's or decoy's disc, both kinds (mean drawing)
+MEAN_BELOW = 1.0  # a family of nuclei whose grid cells are narrower than this many pixels is drawn as its mean
+RENDERER = 2  # bump when a spec's pixels change: cached views of the older rendering then stop matching
 TISSUE_THRESHOLD = -0.45  # the tissue field (noise minus a border taper) above this is tissue
 # salts: one independent hash stream per use
 _S_TISSUE, _S_TISSUE2, _S_FIBRE, _S_SENSOR, _S_NUCLEI, _S_SPOT = 1, 2, 3, 4, 5, 6
@@ -425,7 +434,7 @@ class VirtualSlide:
         xs = (np.arange(col, col + w, dtype=np.float64) + 0.5) * d
         tissue = self.tissue_grid(ys, xs)
         pal = self.palette
-        fine = 2 * d < NUCLEUS_CELL  # scattered nuclei drawn one by one, else as their mean
+        fine = NUCLEUS_CELL >= MEAN_BELOW * d  # scattered nuclei drawn one by one, else as their mean
         keep = 1.0 if fine else 1.0 - math.pi * NUCLEUS_RADIUS ** 2 / NUCLEUS_CELL ** 2
         stroma = pal["stroma"] if fine else (pal["nucleus"] + (pal["stroma"] - pal["nucleus"]) * np.float32(keep))
         # grey: the fibre texture (stronger in tissue; its mean-nuclei share too) and the
@@ -464,7 +473,7 @@ class VirtualSlide:
     def _spots(self, img: np.ndarray, near: list[int], row: int, col: int, d: int) -> None:
         """Composite the spots ``near`` into ``img`` (rows row.., columns col.. of the level):
         their discs' background, then their nuclei (drawn, or as their mean where a kind's
-        nuclei are less than 2 pixels apart)."""
+        nuclei are less than ``MEAN_BELOW`` pixels apart)."""
         h, w = img.shape[:2]
         pal, r = self.palette, self.spec.spot_radius
         cy, cx = self._rows[near], self._cols[near]
@@ -513,7 +522,7 @@ class VirtualSlide:
         ones, each with a small satellite (irregular outlines)."""
         s, rad = self.spots[k], self.spec.spot_radius
         spacing = NEST_SPACING if s.nest else DECOY_SPACING
-        if 2 * d >= spacing:
+        if spacing < MEAN_BELOW * d:
             return None
         grid = np.arange(-rad, rad + 1, spacing)
         gy, gx = np.meshgrid(grid, grid, indexing="ij")
@@ -574,7 +583,9 @@ def _discs(cover: np.ndarray, cy, cx, radii, r_max: float, row: int, col: int, d
     dist = np.sqrt(py[:, :, None] * py[:, :, None] + px[:, None, :] * px[:, None, :])
     fd = np.float32(d)
     reach = np.maximum(r, fd / 2)  # a disc narrower than the pixel spreads over a pixel's width
-    cov = np.clip((reach - dist) / fd + np.float32(0.5), 0, 1) * ((r / reach) * (r / reach))
+    # the ramp's integral is pi ((R/d)^2 + 1/12) pixels: scaled to the disc's pi (r/d)^2
+    rho2 = (reach / fd) * (reach / fd)
+    cov = np.clip((reach - dist) / fd + np.float32(0.5), 0, 1) * ((r / fd) * (r / fd) / (rho2 + np.float32(1 / 12)))
     inside = ((rows >= row) & (rows < row + h))[:, :, None] & ((cols >= col) & (cols < col + w))[:, None, :]
     inside &= cov > 0
     n_idx, i_idx, j_idx = np.nonzero(inside)  # C order: disc by disc, the global order kept
