@@ -144,6 +144,11 @@ class TrainConfig:
     levels: int = _key(1, "Attention levels: 1, or 2 = a coarse attention over regions draws --regions of them, "
                        "then --n-patches in each region's own view at --scale (docs/slides.md)", METHOD_PANEL)
     regions: int = _key(4, "With --levels 2: regions drawn per image", METHOD_PANEL)
+    # as eval_n_patches: more regions at evaluation cost no gradient memory and keep the estimate
+    # unbiased; where regions look alike at the coarse scale, k of them can miss the one that decides
+    eval_regions: int = _key(-1, "With --levels 2: regions drawn at evaluation and prediction (the model records "
+                             "it); 0 = as many as in training; -1 = auto: twice --regions", METHOD_PANEL,
+                             means="auto")
     region_size: int = _key(0, "With --levels 2: region side in full-res pixels (a multiple of --patch-size)",
                             METHOD_PANEL, means="off")
     region_um: float = _key(0.0, "With --levels 2, slides: region side in microns, instead of --region-size (at "
@@ -265,6 +270,8 @@ class TrainConfig:
             problems.append(f"levels 2 needs method ats (got {self.method})")
         if self.regions < 1:
             problems.append(f"regions must be >= 1 (got {self.regions})")
+        if self.eval_regions < -1:
+            problems.append(f"eval_regions must be >= 0, or -1 for auto (got {self.eval_regions})")
         if self.coarse_px < 1:
             problems.append(f"coarse_px must be >= 1 (got {self.coarse_px})")
         if self.region_size < 0 or self.region_um < 0:
@@ -403,6 +410,8 @@ def settle(flags: TrainConfig, facts: DataFacts) -> tuple[Settled, list[Reason]]
         decide(key, *_size(key, flags, facts, mpp))
     decide("batch_size", *_batch_size(flags, facts))
     decide("eval_n_patches", *_eval_n_patches(flags, out["n_patches"]))
+    if flags.levels == 2:
+        decide("eval_regions", *_eval_regions(flags))
     decide("min_brightness", *_min_brightness(flags, facts))
     decide("augment", *_augment(flags, facts))
     decide("rarity_prior", *_rarity_prior(flags, facts))
@@ -513,6 +522,14 @@ def _eval_n_patches(flags: TrainConfig, n_patches: int) -> tuple[int, str]:
     if flags.eval_n_patches != -1:
         return flags.eval_n_patches, "given" + (" (as many as in training)" if flags.eval_n_patches == 0 else "")
     return 2 * n_patches, "twice n_patches"
+
+
+def _eval_regions(flags: TrainConfig) -> tuple[int, str]:
+    """Twice the training regions, as for patches: where a slide holds more look-alike
+    regions than k, more draws at prediction find the one that decides the label."""
+    if flags.eval_regions != -1:
+        return flags.eval_regions, "given" + (" (as many as in training)" if flags.eval_regions == 0 else "")
+    return 2 * flags.regions, "twice regions"
 
 
 def _baseline(flags: TrainConfig) -> str:
@@ -650,7 +667,7 @@ def levels_spec(cfg: TrainConfig, mpp: float | None) -> dict[str, Any]:
     elif region % cfg.patch_size:
         raise ValueError(f"--region-size {region} is not a multiple of --patch-size {cfg.patch_size}: the patches "
                          "of a region would not tile it")
-    return {"levels": 2, "regions": cfg.regions, "region_size": region,
+    return {"levels": 2, "regions": cfg.regions, "eval_regions": max(0, cfg.eval_regions), "region_size": region,
             "coarse_scale": coarse_scale_for(region, cfg.coarse_px)}
 
 

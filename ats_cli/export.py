@@ -13,6 +13,8 @@ before models recorded it; predict then reads slides that record their mpp at th
 
 ``eval_n_patches``: the patches prediction draws by default (e.g. 80 where training drew 10).
 
+``eval_regions``: a two-level model's regions drawn at prediction (0 = as in training).
+
 ``pooling``: what the model pools, for a checkpoint whose classifier reads one patch as well
 as the pooled features (that of ``ats pretrain``, trained on single patches, reads either
 way); ``none_class="off"`` drops its "no class here" logit; ``count_floor`` the floor of a
@@ -72,7 +74,8 @@ def parse_share(text: str) -> float:
 
 
 def export_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, mpp: float | None = None,
-                      eval_n_patches: int | None = None, pooling: str | None = None, none_class: str | None = None,
+                      eval_n_patches: int | None = None, eval_regions: int | None = None,
+                      pooling: str | None = None, none_class: str | None = None,
                       count_floor: float | None = None, none_prior: float | None = None,
                       trained_none_share: float | None = None) -> dict[str, Any]:
     """Write ``dst``, the model of ``src`` with the given evaluation options (module
@@ -114,6 +117,13 @@ def export_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str], 
     if eval_n_patches is not None:
         changes["eval_n_patches"] = int(eval_n_patches)
         ckpt["spec"]["eval_n_patches"] = int(eval_n_patches)
+    if eval_regions is not None:
+        if ckpt["spec"].get("levels", 1) != 2:
+            raise ExportError(f"{src}: --eval-regions is for a two-level model (--levels 2); this one has one level")
+        if eval_regions < 0:
+            raise ExportError(f"--eval-regions must be >= 0, got {eval_regions}")
+        changes["eval_regions"] = int(eval_regions)
+        ckpt["spec"]["eval_regions"] = int(eval_regions)
     try:
         pooling_spec = _pooling_spec(ckpt["spec"].get("pooling"), pooling, none_class, count_floor)
     except ValueError as e:

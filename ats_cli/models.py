@@ -180,7 +180,8 @@ def _ats(spec: dict[str, Any]) -> nn.Module:
 
         coarse = nets.create(spec["attention_net"], kind="attention", **spec["attention_kwargs"])
         return NestedATSModel(coarse, attention, _features(spec), spec["n_classes"], regions=spec["regions"],
-                              region_size=spec["region_size"], coarse_scale=spec["coarse_scale"],
+                              eval_regions=spec.get("eval_regions", 0), region_size=spec["region_size"],
+                              coarse_scale=spec["coarse_scale"],
                               **_sampling_settings(spec))
     return _sampling_model(spec, attention)
 

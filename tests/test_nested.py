@@ -205,6 +205,18 @@ def test_the_two_level_model_is_unbiased_with_a_tissue_mask_a_prior_and_a_gain()
     assert _model_z(m, mask=_mask()) < Z_MAX
 
 
+def test_more_regions_at_evaluation_are_as_unbiased_and_capped_at_the_grid():
+    """The estimate is unbiased for any k (here 6 of the 16 regions, the evaluation's twice 3),
+    and evaluation draws ``eval_regions``, at most the grid's cells; training ``regions``."""
+    m = tiny_nested(eval_regions=40)
+    m.regions = 6
+    assert _model_z(m, groups=12, per_group=150) < Z_MAX
+    m.regions = 3
+    assert m.regions_for((4, 4)) == 3
+    out = m.eval()(low_res_view(_image(), m.scale), _image(), generator=torch.Generator().manual_seed(0))
+    assert out.region_indices.shape == (1, 16) and len(set(out.region_indices[0].tolist())) == 16
+
+
 def test_the_model_check_rejects_a_plain_mean_over_the_regions(monkeypatch):
     def biased(values, region_probs, patch_probs, region_weights, patch_weights):
         pooled, inner = nested_expectation(values, region_probs, patch_probs, region_weights, patch_weights)

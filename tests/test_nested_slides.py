@@ -69,7 +69,7 @@ def test_a_two_level_model_trains_predicts_visualises_and_exports(run, slides, t
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["epoch"] for m in metrics] == [1] and np.isfinite(metrics[0]["train_loss"])
     spec = torch.load(run / "best.pt", weights_only=True)["spec"]
-    assert (spec["levels"], spec["regions"], spec["region_size"]) == (2, 3, 256)
+    assert (spec["levels"], spec["regions"], spec["eval_regions"], spec["region_size"]) == (2, 3, 6, 256)
     assert spec["coarse_scale"] == pytest.approx(4 / 256) and spec["scale"] == 0.125
 
     csv_out = tmp_path / "preds.csv"
@@ -93,10 +93,10 @@ def test_a_two_level_model_trains_predicts_visualises_and_exports(run, slides, t
     assert result.exit_code == 0, result.output
     collection = json.loads(out.read_text())
     props = collection["properties"]
-    assert props["regions"]["count"] == 3 and props["regions"]["grid"] == [4, 4]
+    assert props["regions"]["count"] == 6 and props["regions"]["grid"] == [4, 4]  # eval_regions: twice 3
     regions = [f for f in collection["features"] if f["properties"].get("classification", {}).get("name") == "region"]
     patches = [f for f in collection["features"] if f["properties"]["name"].startswith("patch ")]
-    assert len(regions) == 3 and len(patches) == 3 * props["regions"]["patches_per_region"]
+    assert len(regions) == 6 and len(patches) == 6 * props["regions"]["patches_per_region"]
     region_box = {}
     for f in regions:
         m = f["properties"]["measurements"]
@@ -111,6 +111,26 @@ def test_a_two_level_model_trains_predicts_visualises_and_exports(run, slides, t
     cells = [f for f in collection["features"] if f["properties"].get("classification", {}).get("name") == "attention"]
     assert cells and all(f["geometry"]["coordinates"][0][2][0] - f["geometry"]["coordinates"][0][0][0] == 256
                          for f in cells)  # the coarse cells are the regions
+
+
+def test_export_sets_the_regions_prediction_draws(run, slides, tmp_path):
+    """``ats export --eval-regions`` on a two-level model, one line for a one-level one."""
+    from ats_cli.predict import load_predictor
+
+    out = tmp_path / "k4.pt"
+    result = runner.invoke(app, ["export", str(run / "best.pt"), str(out), "--eval-regions", "4"])
+    assert result.exit_code == 0, result.output
+    model = load_predictor(out, "cpu").model
+    assert (model.regions, model.eval_regions) == (3, 4) and model.regions_for((4, 4)) == 4
+    assert model.train().regions_for((4, 4)) == 3  # training draws --regions
+    one = tmp_path / "one"
+    result = runner.invoke(app, ["train", str(slides), "--out", str(one), "--epochs", "1", "--batch-size", "2",
+                                 "--scale", "0.125", "--patch-size", "32", "--n-patches", "2", "--feature-width", "8",
+                                 "--attention-width", "4", "--workers", "0"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["export", str(one / "best.pt"), str(tmp_path / "x.pt"), "--eval-regions", "4"])
+    assert result.exit_code == 1 and "is for a two-level model" in result.output
+    assert not (tmp_path / "x.pt").exists()
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -177,4 +197,4 @@ def test_a_two_level_model_end_to_end_on_virtual_slides(tmp_path):
         result = runner.invoke(app, ["visualize", str(slide), "--model", str(run), "--out", str(out)])
         assert result.exit_code == 0 and out.stat().st_size > 0, result.output
     regions = json.loads((tmp_path / "v.geojson").read_text())["properties"]["regions"]
-    assert regions["count"] == 3 and regions["size_level"] == 256
+    assert regions["count"] == 6 and regions["size_level"] == 256

@@ -30,6 +30,8 @@ def export(
                                  "+ DST/config.json, for --feature-net DST in another run (docs/training.md)."),
     eval_n_patches: int = typer.Option(None, "--eval-n-patches", min=0, show_default=False,
                                        help="Patches prediction draws by default \\[default: as in SRC]."),
+    eval_regions: int = typer.Option(None, "--eval-regions", min=0, show_default=False,
+                                     help="Two levels: regions prediction draws \\[default: as in SRC]."),
     pooling: str = typer.Option(None, "--pooling", show_default=False,
                                 help="What the model pools: features | votes | counts \\[default: as in SRC]."),
     count_floor: float = typer.Option(None, "--count-floor", min=0.0, max=1.0, show_default=False,
@@ -66,7 +68,8 @@ def export(
         err.print(f"[red]error:[/] --none-class takes only off (got {none_class!r})")
         raise typer.Exit(2)
     try:
-        done = export_checkpoint(src, dst, mpp=mpp, eval_n_patches=eval_n_patches, pooling=pooling,
+        done = export_checkpoint(src, dst, mpp=mpp, eval_n_patches=eval_n_patches, eval_regions=eval_regions,
+                                 pooling=pooling,
                                  none_class=none_class, count_floor=count_floor, none_prior=none_prior,
                                  trained_none_share=trained_none_share)
     except ExportError as e:

@@ -48,6 +48,7 @@ from ats_cli.core.nested import (
     cell_regions,
     check_regions,
     nested_expectation,
+    region_grid,
     region_offsets,
     region_scores,
 )
@@ -156,16 +157,22 @@ class NestedATSModel(ATSModel):
     the coarse view, whose view is made at ``coarse_scale`` (this model's :attr:`scale`, the
     one every reader makes ``low`` at); ``attention_net``: the fine attention net, on each
     drawn region's view at ``fine_scale``. ``regions`` regions of ``region_size``
-    full-resolution pixels are drawn, then ``n_patches`` (``eval_n_patches`` in evaluation)
-    patches in each. The other arguments are :class:`ATSModel`'s."""
+    full-resolution pixels are drawn (``eval_regions`` in evaluation, at most the grid's
+    cells; 0 = ``regions``), then ``n_patches`` (``eval_n_patches`` in evaluation) patches in
+    each. Why more regions at evaluation: as for patches, they cost no gradient memory, the
+    estimate stays unbiased for any k, and a few drawn regions can miss the one that decides
+    the label where several regions look alike at the coarse scale. The other arguments
+    are :class:`ATSModel`'s."""
 
     def __init__(self, coarse_net: nn.Module, attention_net: nn.Module, feature_net: nn.Module, n_classes: int, *,
-                 regions: int, region_size: int, coarse_scale: float, scale: float, **kwargs: Any):
+                 regions: int, region_size: int, coarse_scale: float, scale: float, eval_regions: int = 0,
+                 **kwargs: Any):
         super().__init__(attention_net, feature_net, n_classes, scale=coarse_scale, **kwargs)
         if isinstance(self.pooling, CountPooling):
             raise NestedConfigError("--pooling counts needs one attention grid; use features or votes with --levels 2")
         self.coarse_net = coarse_net
         self.regions = int(regions)
+        self.eval_regions = int(eval_regions)  # 0 = regions
         self.region_size = int(region_size)
         self.fine_scale = float(scale)
         if self.regions < 1:
@@ -173,6 +180,13 @@ class NestedATSModel(ATSModel):
         if self.region_size % self.patch_size[0] or self.region_size % self.patch_size[1]:
             raise NestedConfigError(f"--region-size {region_size} is not a multiple of the patch side "
                                     f"{self.patch_size[0]}: the patches of a region would not tile it")
+
+    def regions_for(self, grid: tuple[int, int]) -> int:
+        """The regions drawn now on a grid of ``grid`` cells: ``regions`` in training,
+        ``eval_regions`` (or ``regions``) in evaluation, there at most the grid's cells."""
+        if self.training or not self.eval_regions:
+            return self.regions
+        return min(self.eval_regions, grid[0] * grid[1])
 
     @property
     def view_size(self) -> tuple[int, int]:
@@ -224,7 +238,7 @@ class NestedATSModel(ATSModel):
         """As :meth:`ATSModel.forward`, ``low`` being the coarse views [B, C, h, w] and
         ``n_patches`` the patches per region."""
         n = self.patches_now if n_patches is None else int(n_patches)
-        k, R = self.regions, self.region_size
+        R = self.region_size
         sizes = source_sizes(sources)
         if not bool((sizes == sizes[0]).all()):
             raise NestedConfigError("images of different sizes in one batch have different region grids; use "
@@ -235,6 +249,7 @@ class NestedATSModel(ATSModel):
 
         # ---- the coarse level: k regions drawn from a over the region grid
         a = self.coarse_attention(low, image_size, support_mask)
+        k = self.regions_for(region_grid(image_size, R))
         grid = check_regions(image_size, R, k)
         outer = sample(a, k, replace=self.replace, generator=generator)
         outer_w = estimator_weights(outer.probs, replace=self.replace,
