@@ -286,7 +286,7 @@ class TrainConfig:
     def settled_eval_n_patches(self) -> int:
         """``eval_n_patches`` with auto (-1) read as twice ``n_patches``, as
         :func:`ats_cli.config.settle` settles it (a settled configuration has no -1)."""
-        return 2 * self.n_patches if self.eval_n_patches == -1 else self.eval_n_patches
+        return _at_evaluation(self.eval_n_patches, self.n_patches, "n_patches")[0]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -409,9 +409,9 @@ def settle(flags: TrainConfig, facts: DataFacts) -> tuple[Settled, list[Reason]]
     for key in DATA_DEFAULTS:
         decide(key, *_size(key, flags, facts, mpp))
     decide("batch_size", *_batch_size(flags, facts))
-    decide("eval_n_patches", *_eval_n_patches(flags, out["n_patches"]))
+    decide("eval_n_patches", *_at_evaluation(flags.eval_n_patches, out["n_patches"], "n_patches"))
     if flags.levels == 2:
-        decide("eval_regions", *_eval_regions(flags))
+        decide("eval_regions", *_at_evaluation(flags.eval_regions, flags.regions, "regions"))
     decide("min_brightness", *_min_brightness(flags, facts))
     decide("augment", *_augment(flags, facts))
     decide("rarity_prior", *_rarity_prior(flags, facts))
@@ -516,20 +516,16 @@ def _batch_size(flags: TrainConfig, facts: DataFacts) -> tuple[int, str]:
     return AUTO_BATCH, "the default"
 
 
-def _eval_n_patches(flags: TrainConfig, n_patches: int) -> tuple[int, str]:
-    """More patches at evaluation cost no memory for gradients and cut the estimator's
-    noise; twice the training count is where docs/training.md found the gain to end."""
-    if flags.eval_n_patches != -1:
-        return flags.eval_n_patches, "given" + (" (as many as in training)" if flags.eval_n_patches == 0 else "")
-    return 2 * n_patches, "twice n_patches"
-
-
-def _eval_regions(flags: TrainConfig) -> tuple[int, str]:
-    """Twice the training regions, as for patches: where a slide holds more look-alike
-    regions than k, more draws at prediction find the one that decides the label."""
-    if flags.eval_regions != -1:
-        return flags.eval_regions, "given" + (" (as many as in training)" if flags.eval_regions == 0 else "")
-    return 2 * flags.regions, "twice regions"
+def _at_evaluation(given: int, trained: int, name: str) -> tuple[int, str]:
+    """Draws at evaluation and prediction (``eval_n_patches``, ``eval_regions``), auto (-1)
+    twice the training count ``trained``: more draws cost no memory for gradients and cut
+    the estimator's noise, and the estimate stays unbiased for any count; for patches,
+    twice is where docs/training.md found the gain to end; for a two-level model's regions,
+    where a slide holds more look-alike regions than k, more draws find the one that
+    decides the label."""
+    if given != -1:
+        return given, "given" + (" (as many as in training)" if given == 0 else "")
+    return 2 * trained, f"twice {name}"
 
 
 def _baseline(flags: TrainConfig) -> str:
@@ -667,7 +663,8 @@ def levels_spec(cfg: TrainConfig, mpp: float | None) -> dict[str, Any]:
     elif region % cfg.patch_size:
         raise ValueError(f"--region-size {region} is not a multiple of --patch-size {cfg.patch_size}: the patches "
                          "of a region would not tile it")
-    return {"levels": 2, "regions": cfg.regions, "eval_regions": max(0, cfg.eval_regions), "region_size": region,
+    return {"levels": 2, "regions": cfg.regions,
+            "eval_regions": _at_evaluation(cfg.eval_regions, cfg.regions, "regions")[0], "region_size": region,
             "coarse_scale": coarse_scale_for(region, cfg.coarse_px)}
 
 

@@ -86,7 +86,7 @@ def export_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str], 
     from ats_cli.models import create_model
     from ats_cli.pretrain.internals import NONE_BIAS_KEY, NONE_PREFIX
 
-    _check_values(mpp, eval_n_patches, count_floor)
+    _check_values(mpp, eval_n_patches, eval_regions, count_floor)
     try:
         ckpt = load_checkpoint(src)
     except CheckpointError as e:
@@ -120,8 +120,6 @@ def export_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str], 
     if eval_regions is not None:
         if ckpt["spec"].get("levels", 1) != 2:
             raise ExportError(f"{src}: --eval-regions is for a two-level model (--levels 2); this one has one level")
-        if eval_regions < 0:
-            raise ExportError(f"--eval-regions must be >= 0, got {eval_regions}")
         changes["eval_regions"] = int(eval_regions)
         ckpt["spec"]["eval_regions"] = int(eval_regions)
     try:
@@ -168,10 +166,12 @@ def _pooling_spec(current: dict[str, Any] | None, name: str | None, none_class: 
     return spec
 
 
-def _check_values(mpp: float | None, eval_n_patches: int | None, count_floor: float | None) -> None:
+def _check_values(mpp: float | None, eval_n_patches: int | None, eval_regions: int | None,
+                  count_floor: float | None) -> None:
     if mpp is not None and not mpp > 0:
         raise ExportError(f"--mpp must be > 0, got {mpp}")
-    if eval_n_patches is not None and eval_n_patches < 0:
-        raise ExportError(f"--eval-n-patches must be >= 0, got {eval_n_patches}")
+    for flag, count in (("--eval-n-patches", eval_n_patches), ("--eval-regions", eval_regions)):
+        if count is not None and count < 0:
+            raise ExportError(f"{flag} must be >= 0, got {count}")
     if count_floor is not None and not 0 <= count_floor <= 1:
         raise ExportError(f"--count-floor must be in [0, 1], got {count_floor}")

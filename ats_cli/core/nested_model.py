@@ -249,8 +249,8 @@ class NestedATSModel(ATSModel):
 
         # ---- the coarse level: k regions drawn from a over the region grid
         a = self.coarse_attention(low, image_size, support_mask)
-        k = self.regions_for(region_grid(image_size, R))
-        grid = check_regions(image_size, R, k)
+        grid = region_grid(image_size, R)  # checked with --regions by coarse_attention
+        k = self.regions_for(grid)
         outer = sample(a, k, replace=self.replace, generator=generator)
         outer_w = estimator_weights(outer.probs, replace=self.replace,
                                     threshold=estimator_threshold(estimator, outer, a))
