@@ -315,12 +315,7 @@ def test_mixing_draws_each_patch_family_uniformly(tmp_path: Path, bundled: Digit
 
 
 def test_noise_robustness_benchmark(tmp_path: Path) -> None:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("noise_robustness", "benchmarks/noise_robustness.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from benchmarks import noise_robustness as bench
     lines: list[str] = []
     result = bench.run(["--model", "models/megapixel-mnist-ats.pt", "--n", "6", "--families", "all",
                         "--width", "200", "--height", "200", "--n-noise", "8", "--workers", "1", "--offline",
@@ -344,14 +339,8 @@ def test_noise_robustness_benchmark(tmp_path: Path) -> None:
 
 def test_noise_robustness_benchmark_draws_the_patches_asked(tmp_path: Path, monkeypatch) -> None:
     """--n-patches reaches the prediction (as ats predict --n-patches) and the record."""
-    import importlib.util
-
     from ats_cli.predict.predictor import Predictor
-
-    spec = importlib.util.spec_from_file_location("noise_robustness", "benchmarks/noise_robustness.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from benchmarks import noise_robustness as bench
     asked: list = []
     predict = Predictor.predict
 
@@ -373,14 +362,9 @@ def test_noise_robustness_benchmark_draws_the_patches_asked(tmp_path: Path, monk
 def test_bold_digits_benchmark(tmp_path: Path) -> None:
     """benchmarks/bold_digits.py: the same layouts twice, the non-target digits dilated in the
     second set only (more ink there, the targets untouched), predicted, tabled and saved."""
-    import importlib.util
-
     from PIL import Image
 
-    spec = importlib.util.spec_from_file_location("bold_digits", "benchmarks/bold_digits.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from benchmarks import bold_digits as bench
     line = np.zeros((7, 7), np.uint8)
     line[3, 3] = 200
     assert (bench.dilate(line, 1) == 200).sum() == 9 and bench.dilate(line, 1)[3, 3] == 200
@@ -407,12 +391,7 @@ def test_digit_attention_benchmark(tmp_path: Path, bundled: DigitSet) -> None:
     the released model's attention (sampling bright cells only) lies all on them, its 80
     draws reach all 5, and the mass-weighted and count votes are the majority: the cell ->
     pixel geometry and the digit boxes line up (swapped axes or a wrong window would not)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("digit_attention", "benchmarks/digit_attention.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from benchmarks import digit_attention as bench
     config = make_config("small", n_train=1, n_test=4, width=400, height=400, n_noise=0, seed=0)
     generate_megapixel_mnist(tmp_path / "clean", config, bundled, workers=1)
     lines: list[str] = []
@@ -429,12 +408,7 @@ def test_digit_attention_benchmark(tmp_path: Path, bundled: DigitSet) -> None:
 def test_noise_robustness_jobs_give_the_rows_of_one_job(tmp_path: Path) -> None:
     """--jobs 2 predicts the sets in child processes: the same rows as one job (each image
     is predicted alone with seed 0), in the same order."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("noise_robustness", "benchmarks/noise_robustness.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from benchmarks import noise_robustness as bench
     argv = ["--model", "models/megapixel-mnist-ats.pt", "--n", "3", "--families", "rings,grid", "--width", "200",
             "--height", "200", "--n-noise", "6", "--workers", "1", "--offline", "--device", "cpu",
             "--work", str(tmp_path / "work")]

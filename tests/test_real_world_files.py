@@ -9,7 +9,6 @@ images) are written here. Pixels are compared with the source image the tool rec
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -19,12 +18,10 @@ from typer.testing import CliRunner
 
 from ats_cli.cli import app
 from ats_cli.data.slides import SlideReadError, open_image
+from tools import make_real_world_fixtures as fixtures
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "real-world"
-_spec = importlib.util.spec_from_file_location("real_world_tool", ROOT / "tools" / "make_real_world_fixtures.py")
-fixtures = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fixtures)
 source_image, block_mean = fixtures.source_image, fixtures.block_mean
 
 JPEG_TOLERANCE = 6.0  # mean |difference| per level (JPEG Q75 on fine stripes); a tile out of place is far above

@@ -65,6 +65,7 @@ def _root(
 
 # Each module registers its command(s) on `app` when imported.
 from ats_cli.cli import fetch_mnist  # noqa: E402, F401  (registers make-dataset fetch-mnist)
+from ats_cli.cli import from_folder as _from_folder  # noqa: E402
 from ats_cli.cli import selfcheck as _selfcheck  # noqa: E402
 from ats_cli.cli.make_dataset import make_dataset_app  # noqa: E402
 
@@ -79,7 +80,7 @@ from ats_cli.cli import pretrain as _pretrain  # noqa: E402
 from ats_cli.cli import train as _train  # noqa: E402
 from ats_cli.cli import visualize as _visualize  # noqa: E402
 
-_ = (_selfcheck, _train, _predict, _visualize, _doctor, _info, _benchmark, _pretrain, _export)
+_ = (_from_folder, _selfcheck, _train, _predict, _visualize, _doctor, _info, _benchmark, _pretrain, _export)
 
 
 def main() -> None:

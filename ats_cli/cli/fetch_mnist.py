@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from ats_cli.cli.make_dataset import _fail, console, make_dataset_app
+from ats_cli.cli.make_dataset import console, fail, make_dataset_app
 
 
 @make_dataset_app.command("fetch-mnist")
@@ -24,5 +24,5 @@ def fetch_mnist(
     try:
         fetch(dest, say=lambda line: console.print(line, highlight=False))
     except MnistFetchError as e:
-        raise _fail(e) from None
+        raise fail(e) from None
     console.print(f"full MNIST in {dest}: use  ats make-dataset megapixel-mnist OUT --mnist {dest}", highlight=False)

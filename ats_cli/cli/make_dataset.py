@@ -13,15 +13,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ats_cli.cli import OutputConsole
 from ats_cli.data.dataset import DatasetError
-from ats_cli.data.folder import dataset_from_folder
 from ats_cli.data.generation import GenerationReport
-from ats_cli.data.megapixel_mnist import (
-    MegapixelMNISTConfig,
-    PlacementError,
-    check_output,
-    generate_megapixel_mnist,
-    make_config,
-)
+from ats_cli.data.megapixel_mnist import PlacementError, check_output, generate_megapixel_mnist, make_config
 from ats_cli.data.mnist import DigitSourceError, resolve_digits
 from ats_cli.data.noise import FAMILIES as NOISE_FAMILIES
 
@@ -48,13 +41,8 @@ class Task(StrEnum):
     multilabel = "multilabel"
 
 
-class Mode(StrEnum):
-    reference = "reference"
-    copy = "copy"
-    link = "link"
-
-
-def _fail(err: Exception) -> typer.Exit:
+def fail(err: Exception) -> typer.Exit:
+    """``err`` as the one-line error every ``make-dataset`` command prints (exit 1)."""
     err_console.print(f"[bold red]error:[/] {err}", highlight=False, markup=True, soft_wrap=True)
     return typer.Exit(code=1)
 
@@ -107,30 +95,17 @@ def megapixel_mnist(
             on_notice=lambda msg: err_console.print(f"[yellow]note:[/] {msg}", highlight=False),
         )
     except (ValueError, DigitSourceError, OSError) as err:
-        raise _fail(err) from None
+        raise fail(err) from None
     workers = workers or os.cpu_count() or 1
-    console.print(
-        f"Megapixel MNIST -> [bold]{out}[/]: {config.n_train} train + {config.n_test} test images, "
-        f"{config.width}x{config.height}, {config.n_digits} digits ({config.n_target} target), "
-        f"{config.n_noise} noise ({_noise_text(config)}), seed {config.seed}, task {config.task}, "
-        f"{workers} worker(s)",
-        highlight=False,
-    )
+    console.print(f"Megapixel MNIST -> [bold]{out}[/]: {config.summary()}, {workers} worker(s)", highlight=False)
     console.print(f"digits: {digits.description}", highlight=False)
     try:
         check_output(out, config, digits)  # before the progress bar: a refusal should not draw one
     except DatasetError as err:
-        raise _fail(err) from None
+        raise fail(err) from None
 
     _generate(lambda progress: generate_megapixel_mnist(out, config, digits, workers=workers, progress=progress),
               {"train": config.n_train, "test": config.n_test})
-
-
-def _noise_text(config: MegapixelMNISTConfig) -> str:
-    """'reference, may cover digits' / 'strokes+blobs, never on digits' / mixed placement."""
-    rules = {config.overlaps(f) for f in config.families}
-    where = "may cover digits" if rules == {True} else "never on digits" if rules == {False} else "per family"
-    return f"{'+'.join(config.families)}, {where}"
 
 
 def _generate(run: Callable[[Callable[[str, int, int], None]], GenerationReport], totals: dict[str, int]) -> None:
@@ -143,7 +118,7 @@ def _generate(run: Callable[[Callable[[str, int, int], None]], GenerationReport]
         try:
             report = run(lambda split, done, total: bar.update(tasks[split], completed=done))
         except (DatasetError, PlacementError, ValueError, OSError) as err:
-            raise _fail(err) from None
+            raise fail(err) from None
         except KeyboardInterrupt:
             err_console.print("[yellow]interrupted[/]: finished images are kept; rerun the same command to resume")
             raise typer.Exit(code=130) from None
@@ -187,7 +162,7 @@ def synthetic_slides(
 
     check, generate = check_slides_output, generate_synthetic_slides
     if tiff and not virtual:
-        raise _fail(ValueError("--tiff renders virtual slides into TIFFs: give --virtual too"))
+        raise fail(ValueError("--tiff renders virtual slides into TIFFs: give --virtual too"))
     if virtual:
         from functools import partial
 
@@ -201,39 +176,9 @@ def synthetic_slides(
                                        seed=seed, stain_jitter=stain_jitter).validate()
         check(out, config)
     except (ValueError, OSError) as err:
-        raise _fail(err) from None
+        raise fail(err) from None
     workers = workers or os.cpu_count() or 1
-    console.print(f"{'virtual ' if virtual else ''}synthetic slides -> [bold]{out}[/]: {n_train} train + {n_test} "
-                  f"test slides, {size}x{size}, "
-                  f"{n_spots} clusters, up to {max_targets} targets, {mpp} um/px, seed {seed}"
-                  + (f", stain jitter {stain_jitter:g}" if stain_jitter else "") + f", {workers} worker(s)",
-                  highlight=False)
+    console.print(f"{'virtual ' if virtual else ''}synthetic slides -> [bold]{out}[/]: {config.summary()}, "
+                  f"{workers} worker(s)", highlight=False)
     _generate(lambda progress: generate(out, config, workers=workers, progress=progress),
               {"train": n_train, "test": n_test})
-
-
-@make_dataset_app.command("from-folder")
-def from_folder(
-    src: Annotated[Path, typer.Argument(help="Folder with one sub-folder per class (SRC/<class>/<image>).")],
-    out: Annotated[Path, typer.Argument(help="Output directory for train.csv, test.csv, (val.csv), dataset.json.")],
-    test: Annotated[float, typer.Option("--test", help="Fraction of each class for the test split.")] = 0.2,
-    val: Annotated[float, typer.Option("--val", help="Fraction of each class for a validation split (0: none).")]
-    = 0.0,
-    seed: Annotated[int, typer.Option(help="Seed of the stratified split.")] = 0,
-    mode: Annotated[Mode, typer.Option(help="reference: CSVs point at the source files by absolute path; "
-                                       "copy / link: copy or symlink them under OUT/images/.")] = Mode.reference,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing dataset.json in OUT.")] = False,
-) -> None:
-    """Turn an ImageFolder-style tree into the ats format (seeded, stratified split; no copying by default)."""
-    try:
-        dataset = dataset_from_folder(src, out, test_fraction=test, val_fraction=val, seed=seed,
-                                      mode=mode.value, overwrite=force)
-    except (ValueError, OSError) as err:  # DatasetError is a ValueError
-        raise _fail(err) from None
-    counts = ", ".join(f"{name} {len(rows)}" for name, rows in dataset.splits.items())
-    names = ", ".join(dataset.classes[:10]) + (", ..." if len(dataset.classes) > 10 else "")
-    console.print(
-        f"{len(dataset.classes)} classes ({names}); {counts}; written to {dataset.root / 'dataset.json'}",
-        highlight=False,
-    )
-

@@ -129,6 +129,14 @@ class MegapixelMNISTConfig:
         """Whether ``family``'s patches are placed independently of the digits (and may cover them)."""
         return FAMILIES[family].overlap if self.noise_overlap is None else self.noise_overlap
 
+    def summary(self) -> str:
+        """What this config makes, in the words ``ats make-dataset`` prints before it starts."""
+        rules = {self.overlaps(f) for f in self.families}
+        where = "may cover digits" if rules == {True} else "never on digits" if rules == {False} else "per family"
+        return (f"{self.n_train} train + {self.n_test} test images, {self.width}x{self.height}, {self.n_digits} "
+                f"digits ({self.n_target} target), {self.n_noise} noise ({'+'.join(self.families)}, {where}), "
+                f"seed {self.seed}, task {self.task}")
+
     def validate(self, digit_shape: tuple[int, int] = (28, 28)) -> None:
         """Raise ``ValueError`` naming the first impossible parameter."""
         for f in fields(self):

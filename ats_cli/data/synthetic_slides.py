@@ -100,6 +100,12 @@ class SyntheticSlidesConfig:
             raise ValueError(f"stain_jitter must be in [0, 1), got {self.stain_jitter}")
         return self
 
+    def summary(self) -> str:
+        """What this config makes, in the words ``ats make-dataset`` prints before it starts."""
+        return (f"{self.n_train} train + {self.n_test} test slides, {self.size}x{self.size}, {self.n_spots} clusters, "
+                f"up to {self.max_targets} targets, {self.mpp} um/px, seed {self.seed}"
+                + (f", stain jitter {self.stain_jitter:g}" if self.stain_jitter else ""))
+
     def params(self) -> dict[str, Any]:
         """The parameters ``dataset.json`` records. ``stain_jitter`` only when it is on: at 0
         the files are those of the generator before the option existed, and so are the
