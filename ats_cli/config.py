@@ -622,11 +622,15 @@ def usable_hints(hints: Mapping[str, Any]) -> dict[str, float]:
 def _feature_train(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
     """--feature-train auto: frozen (none) when the feature net starts from pretrained
     weights (hundreds of labels cannot move millions of weights well, and a frozen net costs
-    no gradient memory: docs/training.md), else all of it trains."""
+    no gradient memory: docs/training.md), else all of it trains (from ``--init``'s weights
+    at ``--feature-lr``, when given)."""
     if flags.feature_train != "auto":
         return flags.feature_train, "given"
     if facts.pretrained:
         return "none", f"the feature net starts from pretrained weights ({facts.pretrained}): frozen"
+    if flags.init:  # fine-tuning or a curriculum: --feature-lr sets how fast it moves
+        pace = "frozen (--feature-lr 0)" if flags.feature_lr == 0 else f"trains at {flags.feature_lr:g} x --lr"
+        return "all", f"the feature net starts from --init {flags.init}: {pace}"
     return "all", "the feature net starts from random weights: all of it trains"
 
 

@@ -493,25 +493,45 @@ def train(
                       log=log if ctx.is_main else lambda s: None)
 
 
-def _init_from(model: torch.nn.Module, path: str, spec: dict[str, Any], classes: list[str], ctx: Dist) -> None:
-    """Load another run's weights into ``model``: the networks and the classes must match.
+def _init_from(model: torch.nn.Module, path: str, spec: dict[str, Any], classes: list[str], ctx: Dist) -> str:
+    """Load another run's weights into ``model``; returns what was taken, in words.
 
-    Used to fine-tune a released model on one's own data, or as a curriculum (train where
-    the task is easy, continue where it is hard). Only the weights are taken: optimizer,
-    schedule and epoch count start afresh.
+    Used to fine-tune a released model on one's own data, as a curriculum (train where the
+    task is easy, continue where it is hard), or to transfer to another task. The networks
+    must be the same (names and arguments): they are what is transferred. The classifier is
+    taken when the classes are the same; for other classes (another label rule, another
+    task) it starts from its own initialisation, as a pretrained backbone's head does. An
+    extension's parameters are taken where this model has the same ones (a ``counts``
+    pooling's "none" logit is not used by a ``features`` pooling). Only the weights are
+    taken: optimizer, schedule and epoch count start afresh.
     """
     ckpt = from_main(lambda: load_checkpoint(path), ctx)
-    if list(ckpt.get("classes", [])) != list(classes):
-        raise CheckpointError(f"{path}: its classes {ckpt.get('classes')} differ from the dataset's {list(classes)}")
     nets = ("attention_net", "attention_kwargs", "feature_net", "feature_kwargs", "channels")
     theirs = {k: ckpt.get("spec", {}).get(k) for k in nets}
     ours = {k: spec[k] for k in nets}
     if theirs != ours:
         raise CheckpointError(f"{path}: networks {theirs} differ from this run's {ours}")
-    try:
-        model.load_state_dict(ckpt["model"])
-    except RuntimeError as e:
-        raise CheckpointError(f"{path}: weights do not fit this run's model ({str(e).splitlines()[0]})") from None
+    same_classes = list(ckpt.get("classes", [])) == list(classes)
+    weights, own = ckpt["model"], model.state_dict()
+    take = {k: w for k, w in weights.items()
+            if k in own and w.shape == own[k].shape and (same_classes or not k.startswith("classifier."))}
+    networks = ("attention_net.", "coarse_net.", "feature_net.")
+    unfit = [k for k in own if k.startswith(networks) and k not in take]
+    if unfit:
+        raise CheckpointError(f"{path}: weights do not fit this run's networks ({', '.join(unfit[:3])}"
+                              f"{', ...' if len(unfit) > 3 else ''})")
+    model.load_state_dict(take, strict=False)
+
+    def parts(keys) -> str:  # "attention_net, classifier, pooling.none": modules, an extension's by its part
+        names = (k.split(".")[0] if k.split(".")[0] not in ("pooling", "support", "prior", "gain", "position")
+                 else ".".join(k.split(".")[:2]) for k in keys)
+        return ", ".join(dict.fromkeys(names))
+
+    fresh = [k for k in own if k not in take]
+    unused = [k for k in weights if k not in take]
+    why = "" if same_classes else f" (its classes {ckpt.get('classes')} are not the dataset's)"
+    return (f"took {parts(take)}" + (f"; from their own initialisation: {parts(fresh)}{why}" if fresh else "")
+            + (f"; not used: {parts(unused)}" if unused else ""))
 
 
 def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, board: _TensorBoard,
@@ -578,8 +598,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
     scaler = torch.amp.GradScaler("cuda", enabled=amp == "fp16")  # fp16 only: bf16 has float32's range
     start_epoch, start_done, history, running = 0, 0, [], {}
     if cfg.init and not resume:  # a resumed run already holds its (fine-tuned) weights
-        _init_from(model, cfg.init, spec, data.classes, ctx)
-        log(f"initialised the model from {cfg.init}")
+        log(f"initialised the model from {cfg.init}: {_init_from(model, cfg.init, spec, data.classes, ctx)}")
     if resume:
         state, ckpt = from_main(lambda: resume_state(run, load_checkpoint), ctx)  # last.pt, or a newer best.pt
         check_training_set(state, ckpt.get("train_set"), train_identity, str(data.root / "train.csv"))

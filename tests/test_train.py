@@ -25,7 +25,7 @@ cli_train = importlib.import_module("ats_cli.cli.train")  # the module; the pack
 
 
 def _write_squares_dataset(root, n_train=48, n_test=16, size=64, box=16, seed=0, *, period=2, floor=80,
-                           n_noise=0, channels=1):
+                           n_noise=0, channels=1, names=("horizontal", "vertical")):
     """A bright square at a random place whose stripe direction (class) is invisible at
     low resolution: the model must find it with the attention and read it in a patch.
     ``n_noise`` decoy squares of random dots (as bright on average, so alike at low
@@ -56,8 +56,8 @@ def _write_squares_dataset(root, n_train=48, n_test=16, size=64, box=16, seed=0,
             if channels == 3:
                 img = (img[..., None] * np.array([1.0, 0.55, 0.8])).astype(np.uint8)
             Image.fromarray(img).save(root / split / f"{i}.png")
-            rows[split].append({"path": f"{split}/{i}.png", "label": ["horizontal", "vertical"][label]})
-    write_dataset(root, ["horizontal", "vertical"], rows, hints={"channels": channels})
+            rows[split].append({"path": f"{split}/{i}.png", "label": names[label]})
+    write_dataset(root, list(names), rows, hints={"channels": channels})
     return root
 
 
@@ -248,6 +248,31 @@ def test_init_starts_from_another_runs_weights_and_checks_they_fit(squares, tmp_
     with pytest.raises(CheckpointError, match="networks"):
         train(_cfg(squares, tmp_path / "wider", feature_width=12, init=str(tmp_path / "first" / "best.pt"),
                    feature_net=net), log=lambda s: None)
+
+
+def test_init_transfers_the_networks_to_other_classes_and_another_pooling(squares, tmp_path):
+    """Transfer: --init from a run with other classes and a counts pooling takes the two
+    networks; the classifier (other classes) starts from its own initialisation and the
+    "none" logit (a counts pooling's) is not used; the log line says so."""
+    net = "mnist-features"
+    train(_cfg(squares, tmp_path / "source", epochs=1, feature_net=net, pooling="counts", none_class="on"),
+          log=lambda s: None)
+    source = load_checkpoint(tmp_path / "source" / "best.pt")["model"]
+    assert "pooling.none.weight" in source
+    other = _write_squares_dataset(tmp_path / "other", names=("rows", "columns"))
+    lines: list[str] = []
+    train(_cfg(other, tmp_path / "target", epochs=1, lr=1e-12, feature_net=net,
+               init=str(tmp_path / "source" / "best.pt")), log=lines.append)
+    target = _weights(tmp_path / "target")
+    for k, v in source.items():
+        if k.startswith(("attention_net.", "feature_net.")) and v.is_floating_point():
+            torch.testing.assert_close(target[k], v, rtol=0, atol=1e-6, msg=k)
+    assert not torch.allclose(target["classifier.weight"], source["classifier.weight"], atol=1e-3)
+    assert "pooling.none.weight" not in target
+    [said] = [line for line in lines if line.startswith("initialised the model from")]
+    assert "took attention_net, feature_net" in said and "initialisation: classifier" in said
+    assert "not used: classifier, pooling.none" in said and "['horizontal', 'vertical']" in said
+    assert any("feature_train all: the feature net starts from --init" in line for line in lines)
 
 
 def test_feature_lr_zero_freezes_the_encoder_and_its_batch_norms(squares, tmp_path):
