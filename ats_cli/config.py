@@ -159,6 +159,9 @@ class TrainConfig:
     # coarse view (391²) outgrows the region views and the step grows with the slide
     coarse_px: int = _key(4, "With --levels 2: coarse-view pixels per region side (the coarse attention's "
                           "resolution; the coarse view of an H-pixel slide is H / region-size x this)", METHOD_PANEL)
+    region_temperature: float = _key(1.0, "With --levels 2: a region's score is t x the log-mean-exp of its coarse "
+                                     "cells' scores / t: 1 = the log-mean-exp, towards 0 its largest cell (for an "
+                                     "object of one coarse cell among thousands; docs/slides.md)", METHOD_PANEL)
     # reading slides and TIFFs (saved in the model, so predict and visualize read alike; their
     # --reader/--level/--mpp/--tissue-mask are these fields too: ats_cli/cli/options.py)
     reader: str = _key("auto", "Force a reader: {choices}", READ_PANEL, choices={
@@ -274,6 +277,8 @@ class TrainConfig:
             problems.append(f"eval_regions must be >= 0, or -1 for auto (got {self.eval_regions})")
         if self.coarse_px < 1:
             problems.append(f"coarse_px must be >= 1 (got {self.coarse_px})")
+        if not self.region_temperature > 0:
+            problems.append(f"region_temperature must be > 0 (got {self.region_temperature})")
         if self.region_size < 0 or self.region_um < 0:
             problems.append("region_size and region_um must be >= 0")
         elif bool(self.region_size) == bool(self.region_um):
@@ -651,8 +656,8 @@ def levels_spec(cfg: TrainConfig, mpp: float | None) -> dict[str, Any]:
     """A two-level model's keys (:class:`~ats_cli.core.nested_model.NestedATSModel`), none
     for one level, whose spec stays as it was: ``levels`` 2, ``regions`` (k), ``region_size``
     (full-resolution pixels: ``--region-size``, or ``--region-um`` at ``mpp`` rounded to a
-    multiple of the patch side) and ``coarse_scale`` (the coarse view's, ``--coarse-px``
-    pixels per region side; ``scale`` stays the region views'). Raises ValueError in one
+    multiple of the patch side), ``coarse_scale`` (the coarse view's, ``--coarse-px``
+    pixels per region side; ``scale`` stays the region views') and ``region_temperature``. Raises ValueError in one
     line for a region that cannot be cut into patches or microns without a pixel size."""
     if cfg.levels == 1:
         return {}
@@ -669,7 +674,7 @@ def levels_spec(cfg: TrainConfig, mpp: float | None) -> dict[str, Any]:
                          "of a region would not tile it")
     return {"levels": 2, "regions": cfg.regions,
             "eval_regions": _at_evaluation(cfg.eval_regions, cfg.regions, "regions")[0], "region_size": region,
-            "coarse_scale": coarse_scale_for(region, cfg.coarse_px)}
+            "coarse_scale": coarse_scale_for(region, cfg.coarse_px), "region_temperature": cfg.region_temperature}
 
 
 def view_scale(cfg: TrainConfig, mpp: float | None) -> float:

@@ -21,8 +21,8 @@ extension slots as plain specs (``"pooling": {"name": "counts", "none_class": tr
 "floor": 0.02}``; ``support``, ``prior`` and ``gain`` likewise or null:
 :mod:`ats_cli.extensions`) and ``input``, how training read its inputs. A two-level
 ``ats`` model (:class:`~ats_cli.core.nested_model.NestedATSModel`) adds ``levels`` (2),
-``regions``, ``region_size`` and ``coarse_scale`` (:func:`ats_cli.config.levels_spec`); a one-level
-spec has none of them, as before they existed.
+``regions``, ``region_size``, ``coarse_scale`` and ``region_temperature``
+(:func:`ats_cli.config.levels_spec`); a one-level spec has none of them.
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def _ats(spec: dict[str, Any]) -> nn.Module:
         coarse = nets.create(spec["attention_net"], kind="attention", **spec["attention_kwargs"])
         return NestedATSModel(coarse, attention, _features(spec), spec["n_classes"], regions=spec["regions"],
                               eval_regions=spec.get("eval_regions", 0), region_size=spec["region_size"],
-                              coarse_scale=spec["coarse_scale"],
+                              coarse_scale=spec["coarse_scale"], region_temperature=spec.get("region_temperature", 1.0),
                               **_sampling_settings(spec))
     return _sampling_model(spec, attention)
 

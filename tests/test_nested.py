@@ -7,6 +7,8 @@ configuration errors."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -296,3 +298,43 @@ def test_bad_configurations_fail_in_one_line(size, region, k, message):
 def test_counts_pooling_is_refused_in_one_line():
     with pytest.raises(NestedConfigError, match="--pooling counts needs one attention grid"):
         tiny_nested(pooling={"name": "counts"})
+
+
+def test_a_region_temperature_moves_the_score_to_the_largest_cell_and_stays_unbiased(monkeypatch):
+    """``t * LME(s / t)``: checked against a direct logsumexp, at t = 1 the log-mean-exp,
+    towards the largest kept cell as t falls. What it is for: one cell 3 above the other
+    255 of its region, which the log-mean-exp (t = 1, the control) ranks below a region of
+    uniformly higher cells, makes its region the likeliest at t = 0.1. The two-level model with it
+    is unbiased in value and every parameter, and the check still catches a plain mean over
+    the regions (the negative control) at this temperature."""
+    g = torch.Generator().manual_seed(1)
+    scores = torch.randn(2, 12, generator=g)
+    cells = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3])
+    for t in (1.0, 0.3, 0.05):
+        got = region_scores(scores, cells, 4, temperature=t)
+        for b in range(2):
+            for r in range(4):
+                s = scores[b][cells == r]
+                want = t * (torch.logsumexp(s / t, 0) - math.log(len(s)))
+                assert float(got[b, r]) == pytest.approx(float(want), abs=1e-5), (t, b, r)
+    top = torch.stack([scores[:, cells == r].amax(1) for r in range(4)], 1)
+    assert torch.allclose(region_scores(scores, cells, 4, temperature=1e-3), top, atol=0.01)
+    with pytest.raises(ValueError, match="temperature"):
+        region_scores(scores, cells, 4, temperature=0.0)
+
+    flat = torch.zeros(1, 4 * 256)
+    flat[0, 256:512] = 0.5  # region 1: every cell a little higher
+    flat[0, 3 * 256 + 17] = 3.0  # region 3: one cell well above the rest
+    grid = torch.arange(4).repeat_interleave(256)
+    assert int(torch.softmax(region_scores(flat, grid, 4), 1)[0].argmax()) == 1  # the control: t = 1
+    a = torch.softmax(region_scores(flat, grid, 4, temperature=0.1), 1)[0]
+    assert int(a.argmax()) == 3 and float(a[3]) > 0.7
+
+    assert _model_z(tiny_nested(region_temperature=0.1)) < Z_MAX
+
+    def biased(values, region_probs, patch_probs, region_weights, patch_weights):
+        pooled, inner = nested_expectation(values, region_probs, patch_probs, region_weights, patch_weights)
+        return inner.mean(1), inner
+
+    monkeypatch.setattr(nested_model, "nested_expectation", biased)
+    assert _model_z(tiny_nested(region_temperature=0.1)) > 3 * Z_MAX

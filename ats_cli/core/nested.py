@@ -126,7 +126,7 @@ def cell_regions(att_shape: tuple[int, int], low_size: tuple[int, int], margin: 
 
 
 def region_scores(cell_scores: torch.Tensor, cells: torch.Tensor, n_regions: int,
-                  keep: torch.Tensor | None = None) -> torch.Tensor:
+                  keep: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
     """[B, n_regions] each region's score, the log of the mean of ``exp`` of its cells'
     scores (``cell_scores`` [B, K] of the coarse attention map, ``cells`` [K] from
     :func:`cell_regions`); -inf for a region with no cell, or none kept by ``keep`` [B, K]
@@ -142,9 +142,20 @@ def region_scores(cell_scores: torch.Tensor, cells: torch.Tensor, n_regions: int
     rest lifts its region by about ``L - log(cells)`` once ``exp(L)`` outweighs them). Why
     a mean and not a sum: a region's score does not grow with how many cells of the coarse
     view it happens to hold (the last row and column of the grid, the tissue's edge).
-    A function of the coarse view alone, like the mean: the estimator stays unbiased."""
+    A function of the coarse view alone, like the mean: the estimator stays unbiased.
+
+    ``temperature`` t: the score is ``t * LME(s / t)``, which runs from the log-mean-exp
+    (t = 1) to the largest kept cell (t -> 0). Why: a cell ``L`` above the rest lifts its
+    region by about ``L - t log(cells)``, so where one cell of thousands decides (a nest
+    of one coarse pixel in a 4096-pixel region at 1/64: ``log(4096)`` = 8.3 nats) a small
+    t lets the prior and the net point at the region without first beating that dilution
+    (``ats train --region-temperature``). Any t keeps the score a function of the coarse
+    view: unbiased, as above."""
     B = cell_scores.shape[0]
-    s = cell_scores.float()
+    t = float(temperature)
+    if not t > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    s = cell_scores.float() / t
     kept = torch.ones_like(s, dtype=torch.bool) if keep is None else keep > 0
     idx = cells.to(s.device).expand(B, -1)
     count = s.new_zeros(B, n_regions).scatter_add(1, idx, kept.to(s.dtype))
@@ -157,7 +168,7 @@ def region_scores(cell_scores: torch.Tensor, cells: torch.Tensor, n_regions: int
     shifted = torch.where(kept, torch.exp(masked - top.gather(1, idx)), 0.0)
     total = s.new_zeros(B, n_regions).scatter_add(1, idx, shifted)
     score = top + torch.log(total.clamp(min=torch.finfo(s.dtype).tiny)) - torch.log(count.clamp(min=1))
-    return torch.where(count > 0, score, float("-inf"))
+    return torch.where(count > 0, t * score, float("-inf"))
 
 
 def region_offsets(indices: torch.Tensor, grid: tuple[int, int], region: int) -> torch.Tensor:

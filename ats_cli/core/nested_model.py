@@ -159,14 +159,15 @@ class NestedATSModel(ATSModel):
     drawn region's view at ``fine_scale``. ``regions`` regions of ``region_size``
     full-resolution pixels are drawn (``eval_regions`` in evaluation, at most the grid's
     cells; 0 = ``regions``), then ``n_patches`` (``eval_n_patches`` in evaluation) patches in
-    each. Why more regions at evaluation: as for patches, they cost no gradient memory, the
-    estimate stays unbiased for any k, and a few drawn regions can miss the one that decides
-    the label where several regions look alike at the coarse scale. The other arguments
-    are :class:`ATSModel`'s."""
+    each; ``region_temperature``: how close a region's score is to its largest cell's
+    (:func:`~ats_cli.core.nested.region_scores`). Why more regions at evaluation: as for
+    patches, they cost no gradient memory, the estimate stays unbiased for any k, and a few
+    drawn regions can miss the one that decides the label where several regions look alike
+    at the coarse scale. The other arguments are :class:`ATSModel`'s."""
 
     def __init__(self, coarse_net: nn.Module, attention_net: nn.Module, feature_net: nn.Module, n_classes: int, *,
                  regions: int, region_size: int, coarse_scale: float, scale: float, eval_regions: int = 0,
-                 **kwargs: Any):
+                 region_temperature: float = 1.0, **kwargs: Any):
         super().__init__(attention_net, feature_net, n_classes, scale=coarse_scale, **kwargs)
         if isinstance(self.pooling, CountPooling):
             raise NestedConfigError("--pooling counts needs one attention grid; use features or votes with --levels 2")
@@ -175,8 +176,11 @@ class NestedATSModel(ATSModel):
         self.eval_regions = int(eval_regions)  # 0 = regions
         self.region_size = int(region_size)
         self.fine_scale = float(scale)
+        self.region_temperature = float(region_temperature)  # core.nested.region_scores
         if self.regions < 1:
             raise NestedConfigError(f"--regions {regions}: must be >= 1")
+        if not self.region_temperature > 0:
+            raise NestedConfigError(f"--region-temperature {region_temperature}: must be > 0")
         if self.region_size % self.patch_size[0] or self.region_size % self.patch_size[1]:
             raise NestedConfigError(f"--region-size {region_size} is not a multiple of the patch side "
                                     f"{self.patch_size[0]}: the patches of a region would not tile it")
@@ -218,7 +222,8 @@ class NestedATSModel(ATSModel):
         att_shape = tuple(scores.shape[-2:])
         cells = cell_regions(att_shape, tuple(low.shape[-2:]), getattr(self.coarse_net, "margin", 0), image_size,
                              self.region_size, low.device)
-        rs = region_scores(scores.flatten(1), cells, grid[0] * grid[1], None if keep is None else keep.flatten(1))
+        rs = region_scores(scores.flatten(1), cells, grid[0] * grid[1], None if keep is None else keep.flatten(1),
+                           self.region_temperature)
         if not torch.isfinite(rs).any(1).all():
             raise NestedConfigError(f"the coarse view ({low.shape[-1]}x{low.shape[-2]}) has no cell in any kept "
                                     f"region of {self.region_size} pixels; give larger regions")
