@@ -657,8 +657,9 @@ def levels_spec(cfg: TrainConfig, mpp: float | None) -> dict[str, Any]:
     for one level, whose spec stays as it was: ``levels`` 2, ``regions`` (k), ``region_size``
     (full-resolution pixels: ``--region-size``, or ``--region-um`` at ``mpp`` rounded to a
     multiple of the patch side), ``coarse_scale`` (the coarse view's, ``--coarse-px``
-    pixels per region side; ``scale`` stays the region views') and ``region_temperature``. Raises ValueError in one
-    line for a region that cannot be cut into patches or microns without a pixel size."""
+    pixels per region side; ``scale`` stays the region views') and ``region_temperature``.
+    Raises ValueError in one line for a region that cannot be cut into patches or microns
+    without a pixel size."""
     if cfg.levels == 1:
         return {}
     from ats_cli.core.nested_model import coarse_scale_for

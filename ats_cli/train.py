@@ -51,6 +51,7 @@ from ats_cli.models import check_patch_size, create_model, model_spec
 from ats_cli.multilabel import confusion_counts, exact_matches, is_multilabel, macro_f1
 from ats_cli.multilabel import loss as multilabel_loss
 from ats_cli.nets.encoders import apply_feature_train, freeze, load_start_weights
+from ats_cli.registry import KINDS
 from ats_cli.runtime import (
     Deferred,
     Dist,
@@ -522,10 +523,12 @@ def _init_from(model: torch.nn.Module, path: str, spec: dict[str, Any], classes:
                               f"{', ...' if len(unfit) > 3 else ''})")
     model.load_state_dict(take, strict=False)
 
-    def parts(keys) -> str:  # "attention_net, classifier, pooling.none": modules, an extension's by its part
-        names = (k.split(".")[0] if k.split(".")[0] not in ("pooling", "support", "prior", "gain", "position")
-                 else ".".join(k.split(".")[:2]) for k in keys)
-        return ", ".join(dict.fromkeys(names))
+    def parts(keys) -> str:  # "attention_net, classifier, pooling.none": modules, an extension slot's by its part
+        def part(key: str) -> str:
+            head, *rest = key.split(".")
+            return f"{head}.{rest[0]}" if head in (*KINDS, "position") and rest else head
+
+        return ", ".join(dict.fromkeys(part(k) for k in keys))
 
     fresh = [k for k in own if k not in take]
     unused = [k for k in weights if k not in take]

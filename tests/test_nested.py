@@ -219,12 +219,15 @@ def test_more_regions_at_evaluation_are_as_unbiased_and_capped_at_the_grid():
     assert out.region_indices.shape == (1, 16) and len(set(out.region_indices[0].tolist())) == 16
 
 
-def test_the_model_check_rejects_a_plain_mean_over_the_regions(monkeypatch):
-    def biased(values, region_probs, patch_probs, region_weights, patch_weights):
-        pooled, inner = nested_expectation(values, region_probs, patch_probs, region_weights, patch_weights)
-        return inner.mean(1), inner
+def _plain_mean_over_regions(values, region_probs, patch_probs, region_weights, patch_weights):
+    """A biased nested estimate (the negative control): the drawn regions' inner estimates
+    averaged, ignoring the outer weights."""
+    pooled, inner = nested_expectation(values, region_probs, patch_probs, region_weights, patch_weights)
+    return inner.mean(1), inner
 
-    monkeypatch.setattr(nested_model, "nested_expectation", biased)
+
+def test_the_model_check_rejects_a_plain_mean_over_the_regions(monkeypatch):
+    monkeypatch.setattr(nested_model, "nested_expectation", _plain_mean_over_regions)
     assert _model_z(tiny_nested()) > 3 * Z_MAX
 
 
@@ -304,9 +307,9 @@ def test_a_region_temperature_moves_the_score_to_the_largest_cell_and_stays_unbi
     """``t * LME(s / t)``: checked against a direct logsumexp, at t = 1 the log-mean-exp,
     towards the largest kept cell as t falls. What it is for: one cell 3 above the other
     255 of its region, which the log-mean-exp (t = 1, the control) ranks below a region of
-    uniformly higher cells, makes its region the likeliest at t = 0.1. The two-level model with it
-    is unbiased in value and every parameter, and the check still catches a plain mean over
-    the regions (the negative control) at this temperature."""
+    uniformly higher cells, makes its region the likeliest at t = 0.1. The two-level model
+    with it is unbiased in value and every parameter, and the check still catches a plain
+    mean over the regions (the negative control) at this temperature."""
     g = torch.Generator().manual_seed(1)
     scores = torch.randn(2, 12, generator=g)
     cells = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3])
@@ -331,10 +334,5 @@ def test_a_region_temperature_moves_the_score_to_the_largest_cell_and_stays_unbi
     assert int(a.argmax()) == 3 and float(a[3]) > 0.7
 
     assert _model_z(tiny_nested(region_temperature=0.1)) < Z_MAX
-
-    def biased(values, region_probs, patch_probs, region_weights, patch_weights):
-        pooled, inner = nested_expectation(values, region_probs, patch_probs, region_weights, patch_weights)
-        return inner.mean(1), inner
-
-    monkeypatch.setattr(nested_model, "nested_expectation", biased)
+    monkeypatch.setattr(nested_model, "nested_expectation", _plain_mean_over_regions)
     assert _model_z(tiny_nested(region_temperature=0.1)) > 3 * Z_MAX

