@@ -261,9 +261,10 @@ def test_ats_predict_on_slides_keeps_going_past_a_bad_one(tmp_path):
     assert len((tmp_path / "q.csv").read_text().splitlines()) == 3
 
 
-def test_tissue_mask_equals_scikit_images_saturation_and_otsu():
+def test_tissue_mask_is_scikit_images_saturation_and_otsu_split():
     """tissue_mask computes HSV saturation and Otsu's threshold itself (to keep SciPy out of
-    a slide prediction's start-up); scikit-image, the reference implementation, agrees."""
+    a slide prediction's start-up): the saturation is scikit-image's, and the split its
+    threshold_otsu chooses, every value of the chosen bin on the glass side."""
     from skimage.color import rgb2hsv
     from skimage.filters import threshold_otsu
 
@@ -279,9 +280,35 @@ def test_tissue_mask_equals_scikit_images_saturation_and_otsu():
         rgb = low.permute(1, 2, 0).numpy()
         sat = rgb2hsv(rgb)[..., 1]
         np.testing.assert_allclose(saturation(rgb), sat, atol=1e-6)
-        assert otsu_threshold(sat) == pytest.approx(threshold_otsu(sat), abs=1e-9)
-        assert torch.equal(tissue_mask(low), torch.from_numpy(sat > threshold_otsu(sat)))
+        edges = np.histogram_bin_edges(sat, 256, (sat.min(), sat.max()))
+        centre = threshold_otsu(sat)  # the centre of the bin scikit-image's split ends with
+        assert otsu_threshold(sat) == pytest.approx(centre + (edges[1] - edges[0]) / 2, abs=1e-6)
+        bin_of = np.clip(np.searchsorted(edges, sat, side="right") - 1, 0, 255)
+        chosen = np.searchsorted(edges, centre, side="right") - 1
+        assert torch.equal(tissue_mask(low), torch.from_numpy(bin_of > chosen))  # the bins above the split
     assert tissue_mask(pink)[:, 25:].all() and tissue_mask(pink)[:, :25].float().mean() < 0.05
+
+
+def test_tissue_mask_leaves_out_all_of_a_flat_glass():
+    """Glass of nearly one colour (a synthetic slide's, a flat scanner background: here
+    saturations 0.0157 to 0.0169 as in a 100k virtual slide's coarse view) falls into one of
+    Otsu's bins: all of it is background. Control: scikit-image's bin centre with its ``>``
+    test takes the more saturated half of that glass for tissue, as this function did
+    before (the attention's support then covered the background)."""
+    from skimage.filters import threshold_otsu
+
+    from ats_cli.data.slides import saturation, tissue_mask
+
+    v = torch.arange(236, 252).repeat_interleave(50)[:800].view(40, 20).float()  # glass brightness, 236..251
+    low = torch.zeros(3, 40, 60)
+    low[:, :, :20] = torch.stack([v + 2, v, v + 4]) / 255  # saturation 4 / (v + 4)
+    low[:, 0, 0] = torch.tensor([254.0, 252, 255]) / 255  # one whiter pixel: 0.0118, the range's low end
+    low[:, :, 20:] = torch.tensor([226.0, 154, 192])[:, None, None] / 255  # stained tissue, 0.32
+    low[:, ::2, 20:] = torch.tensor([255.0, 165, 210])[:, None, None] / 255  # and 0.35
+    mask = tissue_mask(low)
+    assert not mask[:, :20].any() and mask[:, 20:].all()
+    sat = saturation(low.permute(1, 2, 0).numpy())
+    assert 0.2 < (sat[:, :20] > threshold_otsu(sat)).mean() < 0.8
 
 
 def test_without_openslide_tiffs_read_with_tifffile_and_the_rest_name_the_fix(generic, aperio, tmp_path,

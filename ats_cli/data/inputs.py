@@ -281,7 +281,7 @@ def file_facts(path: str | Path, *, reader: str | None = None, level: int | None
 
 # ----------------------------- the view cache: slides' low-res views, made once per run
 VIEW_CACHE_ENV = "ATS_VIEW_CACHE"
-VIEW_CACHE_FORMAT = 1  # bump when what is stored changes: old entries then simply stop matching
+VIEW_CACHE_FORMAT = 2  # bump when what is stored changes: old entries then simply stop matching
 DIGEST_BYTES = 64 << 10  # read from each end of a file for its content digest
 
 

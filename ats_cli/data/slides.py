@@ -814,18 +814,18 @@ def tissue_mask(low: torch.Tensor) -> torch.Tensor:
     attention's support (``ATSModel.support``), so background is never sampled. A
     grayscale view or one of uniform saturation has no tissue/background split: all True.
 
-    Saturation and threshold are computed here, in numpy, exactly as scikit-image's
-    ``rgb2hsv`` and ``threshold_otsu`` compute them (tests/test_slides.py checks the two
-    agree pixel for pixel): importing ``skimage.filters`` pulls in much of SciPy, which
-    was a large part of a one-slide ``ats predict``'s start-up, for a dozen lines of
-    arithmetic.
+    Saturation and threshold are computed here, in numpy (importing ``skimage.filters``
+    pulls in much of SciPy, which was a large part of a one-slide ``ats predict``'s
+    start-up, for a dozen lines of arithmetic): the saturation exactly as scikit-image's
+    ``rgb2hsv``, the split as its ``threshold_otsu`` chooses it, but applied at the chosen
+    bin's upper edge, not its centre (:func:`otsu_threshold`).
     """
     if low.shape[0] != 3:
         return torch.ones(low.shape[-2:], dtype=torch.bool)
     sat = saturation(low.permute(1, 2, 0).clamp(0, 1).numpy())
     if float(sat.max() - sat.min()) < 1e-3:
         return torch.ones(low.shape[-2:], dtype=torch.bool)
-    return torch.from_numpy(sat > otsu_threshold(sat))
+    return torch.from_numpy(sat >= otsu_threshold(sat))
 
 
 def saturation(rgb: np.ndarray) -> np.ndarray:
@@ -839,8 +839,18 @@ def saturation(rgb: np.ndarray) -> np.ndarray:
 
 
 def otsu_threshold(values: np.ndarray, bins: int = 256) -> float:
-    """Otsu's threshold: the bin centre (of ``bins`` over the values' range) that maximises
-    the between-class variance ``w1 w2 (m1 - m2)^2`` of the two classes it splits."""
+    """Otsu's threshold: values ``>=`` it are the upper class, of the split (after one of
+    ``bins`` bins over the values' range) that maximises the between-class variance
+    ``w1 w2 (m1 - m2)^2``.
+
+    The split is scikit-image's ``threshold_otsu``'s; the value returned is the upper edge
+    of the last bin of the lower class, where scikit-image returns that bin's centre for a
+    ``>`` test. Why: values inside the chosen bin belong to the lower class by Otsu's own
+    split, and the centre cuts that bin in two. On glass that is nearly one colour (a
+    scanner's flat background, a synthetic slide) the lower class is often that one bin,
+    and its upper half, up to half of the glass, was taken for tissue: the attention's
+    support then covered the background, and the rarity prior, its median taken over that
+    support, ranked glass above the tissue's unusual cells."""
     hist, edges = np.histogram(values.ravel(), bins=bins, range=(float(values.min()), float(values.max())))
     hist = hist.astype(np.float64)
     centres = (edges[:-1] + edges[1:]) / 2
@@ -850,4 +860,4 @@ def otsu_threshold(values: np.ndarray, bins: int = 256) -> float:
         m1 = np.cumsum(hist * centres) / w1
         m2 = (np.cumsum((hist * centres)[::-1]) / w2[::-1])[::-1]
     between = w1[:-1] * w2[1:] * (m1[:-1] - m2[1:]) ** 2
-    return float(centres[int(np.nanargmax(between))])
+    return float(edges[int(np.nanargmax(between)) + 1])
