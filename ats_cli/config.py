@@ -109,6 +109,9 @@ class TrainConfig:
     rarity_prior: float = _key(-1.0, "Weight beta of the attention's starting prior exp(beta r), r = how unusual a "
                                "low-res cell's colour is in its image (1 = typical); 0 = off (the thesis); -1 = auto: "
                                "on for slides (tissue mask), else off", METHOD_PANEL, means="auto")
+    rarity_cap: float = _key(0.0, "With --rarity-prior: cells at least this unusual (r >= cap) start alike, so that "
+                             "a large weight does not hand all the mass to the single most unusual cell; 0 = no cap",
+                             METHOD_PANEL)
     # multiplies the L2-normalised features (1 = the paper; see ATSModel)
     feature_scale: float = _key(10.0, "Multiplies the L2-normalised features; >1 lets the classifier become "
                                 "confident sooner (docs/training.md; 1 = the paper)", METHOD_PANEL)
@@ -244,6 +247,8 @@ class TrainConfig:
             problems.append(f"position_features on: method {self.method} does not pool sampled patches")
         if self.rarity_prior < 0 and self.rarity_prior != -1:
             problems.append(f"rarity_prior must be >= 0, or -1 for auto (got {self.rarity_prior})")
+        if self.rarity_cap != 0 and not self.rarity_cap > 1:
+            problems.append(f"rarity_cap must be > 1 (a typical cell's r), or 0 for none (got {self.rarity_cap})")
         if self.workers < -1:
             problems.append(f"workers must be >= 0, or -1 for auto (got {self.workers})")
         if self.eval_n_patches < 0 and self.eval_n_patches != -1:

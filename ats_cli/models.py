@@ -111,7 +111,7 @@ def model_spec(cfg: TrainConfig, *, n_classes: int, channels: int, mpp: float | 
 def extension_specs(cfg: TrainConfig) -> dict[str, dict[str, Any] | None]:
     """The extension slots (:mod:`ats_cli.extensions`) ``cfg``'s flags select, as plain specs:
     ``--pooling``, ``--none-class`` and ``--count-floor`` the pooling; ``--min-brightness``
-    the ``bright`` support; ``--rarity-prior`` the ``rarity`` prior (never for ``uniform``,
+    the ``bright`` support; ``--rarity-prior`` and ``--rarity-cap`` the ``rarity`` prior (never for ``uniform``,
     whose attention is uniform by definition); ``--patch-gain`` the ``learned`` gain. A
     value still at auto (-1, settled by training) or at 0 selects nothing."""
     pooling: dict[str, Any] = {"name": cfg.pooling}
@@ -122,7 +122,8 @@ def extension_specs(cfg: TrainConfig) -> dict[str, dict[str, Any] | None]:
     return {
         "pooling": pooling,
         "support": {"name": "bright", "threshold": float(cfg.min_brightness)} if cfg.min_brightness > 0 else None,
-        "prior": {"name": "rarity", "weight": float(cfg.rarity_prior)}
+        "prior": {"name": "rarity", "weight": float(cfg.rarity_prior),
+                  **({"cap": float(cfg.rarity_cap)} if cfg.rarity_cap > 0 else {})}  # absent: as it always was
         if cfg.rarity_prior > 0 and cfg.method != "uniform" else None,
         "gain": {"name": "learned"} if cfg.patch_gain == "on" else None,
         # present only when on, so that the spec of a model without it is what it always was

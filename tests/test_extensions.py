@@ -146,6 +146,24 @@ def test_the_check_rejects_a_prior_that_is_not_a_function_of_the_input():
     assert z_of_estimate(tiny_model("auto", prior=_RedrawnPrior(weight=1.5)), **QUICK) > REJECTED
 
 
+def test_a_capped_rarity_prior_starts_the_most_unusual_cells_alike_and_is_unbiased():
+    """The cap binds (several cells at weight x cap, none above; below it the prior is the
+    uncapped one) and the estimate stays unbiased; control: the same capped prior redrawn
+    at every call is rejected."""
+    m = tiny_model("auto", prior={"name": "rarity", "weight": 3.0, "cap": 1.5})
+    low = low_res_view(image(), SCALE)
+    capped = m.log_prior(low, (6, 6))
+    plain = tiny_model("auto", prior={"name": "rarity", "weight": 3.0}).log_prior(low, (6, 6))
+    assert float(capped.max()) == pytest.approx(4.5) and int((capped > 4.5 - 1e-6).sum()) >= 2
+    assert float(plain.max()) > 4.5 + 0.1
+    torch.testing.assert_close(capped, plain.clamp(max=4.5))
+    a = torch.softmax((m.attention_net(low) + capped[:, None]).flatten(1), 1)
+    assert float((a.max() / a.min()).detach()) > 2  # still reshapes the attention
+    assert z_of_estimate(m) < Z_MAX
+    torch.manual_seed(0)
+    assert z_of_estimate(tiny_model("auto", prior=_RedrawnPrior(weight=3.0, cap=1.5)), **QUICK) > REJECTED
+
+
 # ---------------------------------------------------------------- gain "learned"
 class _GainOverTheDraws(LearnedGain):
     """Each gain over the mean gain of the patches drawn with it: depends on the draw."""
@@ -203,6 +221,7 @@ def test_a_model_takes_specs_in_its_slots_and_none_is_the_thesis():
     ("support", {"name": "bright"}, {}, "support 'bright': .*threshold"),
     ("support", {"name": "bright", "threshold": 0.0}, {}, "threshold must be in"),
     ("prior", {"name": "rarity", "weight": -1.0}, {}, "weight must be > 0"),
+    ("prior", {"name": "rarity", "weight": 1.0, "cap": 0.5}, {}, "cap must be > 1"),
     ("gain", "learned", {"features": D}, "a gain spec is a dict with a 'name'"),
     ("mask", {"name": "x"}, {}, "unknown kind of extension 'mask'"),
 ])

@@ -13,7 +13,7 @@ from ats_cli.extensions import ExtensionError, UnknownExtensionError
 from ats_cli.extensions.pooling import FeaturePooling
 from ats_cli.extensions.pooling_counts import CountPooling, local_mass
 from ats_cli.extensions.pooling_votes import VotePooling
-from ats_cli.models import create_model, model_spec
+from ats_cli.models import create_model, extension_specs, model_spec
 
 
 def test_counts_weigh_every_object_once_where_votes_follow_the_attention_mass():
@@ -83,6 +83,15 @@ def test_a_count_floor_outside_0_1_is_refused():
     for bad in (-0.1, 1.5):
         with pytest.raises(ConfigError, match="count_floor must be in"):
             resolve_config(None, pooling="counts", count_floor=bad)
+
+
+def test_a_rarity_cap_is_in_the_spec_only_when_given_and_at_most_1_is_refused():
+    assert "cap" not in extension_specs(resolve_config(None, rarity_prior=2.0))["prior"]
+    assert extension_specs(resolve_config(None, rarity_prior=2.0, rarity_cap=4.5))["prior"] == {
+        "name": "rarity", "weight": 2.0, "cap": 4.5}
+    for bad in (-1.0, 0.5, 1.0):
+        with pytest.raises(ConfigError, match="rarity_cap must be > 1"):
+            resolve_config(None, rarity_cap=bad)
 
 
 def test_a_none_logit_is_refused_where_patches_do_not_vote():

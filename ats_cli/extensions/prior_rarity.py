@@ -10,7 +10,15 @@ label usually look unlike the rest of the image (dense nuclei on stroma, a digit
 blank canvas), so the attention starts there, and the attention net, whose last layer
 starts at zero, learns its correction on top.
 
-Unbiased: ``r`` is a fixed function of the input, computed without gradient
+``cap`` (optional): the log-prior is ``weight * min(r, cap)``, so every cell at least ``cap``
+times as unusual as the typical one starts alike. Why: the prior is to say where to look,
+not which of the unusual cells matters, and without a cap a large weight hands the whole
+mass to the single most unusual cell: on the coarse level of a two-level model the
+estimate then becomes one region's, often a look-alike's (benchmarks/README.md, Two
+levels). ``weight * (cap - 1)`` nats is the most a capped prior favours a cell over a
+typical one.
+
+Unbiased: ``r`` and its cap are a fixed function of the input, computed without gradient
 (:mod:`ats_cli.extensions.prior`).
 """
 
@@ -59,11 +67,15 @@ def _median(values: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
 
 @register_extension("prior", "rarity")
 class RarityPrior(Prior):
-    def __init__(self, *, weight: float):
+    def __init__(self, *, weight: float, cap: float | None = None):
         super().__init__()
         if not weight > 0:
             raise ExtensionError(f"prior 'rarity': weight must be > 0, got {weight}")
+        if cap is not None and not cap > 1:
+            raise ExtensionError(f"prior 'rarity': cap must be > 1 (the typical cell's rarity), got {cap}")
         self.weight = float(weight)
+        self.cap = None if cap is None else float(cap)
 
     def forward(self, low: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-        return self.weight * rarity(low, keep)
+        r = rarity(low, keep)
+        return self.weight * (r if self.cap is None else r.clamp(max=self.cap))
