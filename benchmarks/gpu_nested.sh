@@ -9,10 +9,12 @@
 # SIZE² slides with the task's nest size in level-0 pixels; N_TRAIN for training, N_TEST
 # (the split each epoch reports) and N_FRESH fresh slides of another seed, scored once at the
 # end with best.pt (which the N_TEST split chose). Models (image labels only, the defaults
-# plus the method's flags): `two` = --levels 2, regions of 4096 px, k = 8, a coarse view at
-# 1/64 (--coarse-px 64: a nest is a dark pixel there, benchmarks/README.md "Two levels"),
-# region views at 1/32, 8 patches of 64 a region; `one` = one level at 1/64, 64 patches (the
-# same patch budget; the largest view that fits in 2 GB of RAM on the CPU). Both train at the
+# plus the method's flags): `two` = --levels 2, regions of 768 px, k = 8, a coarse view at
+# 1/64 (--coarse-px 12: a nest is a dark pixel there, benchmarks/README.md "Two levels"),
+# region views at 1/8, 4 patches of 64 a region, the rarity prior at 10 capped at 4.5 and
+# region temperature 0.1 (the settings whose coarse attention starts on the spots:
+# benchmarks/coarse_prior.py); `one` = one level at 1/64, 32 patches (the same patch budget;
+# the largest view that fits in 2 GB of RAM on the CPU). Both train at the
 # same time, each boxed so that the call returns within BUDGET_S (a run cut short keeps its
 # best.pt and per-epoch figures). Results in $OUT/gpu_nested (default ./out): summary.md,
 # each run's metrics.jsonl, training and prediction logs.
@@ -45,8 +47,8 @@ describe_env "$RES/env.txt" "$SETTINGS; budget $BUDGET_S s"
 tail -n 2 "$RES/make.log"
 
 declare -A FLAGS=(
-  [two]="--levels 2 --regions 8 --region-size 4096 --coarse-px 64 --scale 0.03125 --patch-size 64 --n-patches 8"
-  [one]="--scale 0.015625 --patch-size 64 --n-patches 64"
+  [two]="--levels 2 --regions 8 --region-size 768 --coarse-px 12 --scale 0.125 --patch-size 64 --n-patches 4 --rarity-prior 10 --rarity-cap 4.5 --region-temperature 0.1"
+  [one]="--scale 0.015625 --patch-size 64 --n-patches 32"
 )
 for m in $MODELS; do
   # shellcheck disable=SC2086  # the flags hold several words on purpose
