@@ -647,7 +647,7 @@ def _feature_train(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
 def _position_features(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
     """--position-features auto: the dataset's hint, which only its maker can know (a label
     that depends on where things are, as IPS's top-most digit, cannot be read from what the
-    patches show: benchmarks/README.md, IPS's tasks), else off, the thesis's model."""
+    patches show: benchmarks/accuracy.md, IPS's tasks), else off, the thesis's model."""
     if flags.position_features != "auto":
         return flags.position_features, "given"
     if _baseline(flags):

@@ -96,7 +96,7 @@ def loader_workers(workers: int, device: torch.device, *, prepared: bool = False
     source files, the GPU waits for the CPU (each worker decodes a full-size image, makes
     its low-res view and cuts its patches) and samples/s follow the workers; prepared
     images read fast enough with any count, and the workers cost little there
-    (benchmarks/README.md, "On a GPU").
+    (benchmarks/gpu.md, "On a GPU").
     Auto on a CPU device: none for prepared images, else ``AUTO_WORKERS_CPU``, since there
     the workers take cores from the training itself. A prepared sample costs the loader a
     stored view and the few tiles its patches touch, a small part of its share of a
@@ -569,7 +569,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
     held_out = ("val", "test") if data.splits.get("val") else ("test",)
     # preparing decodes every image once, in processes of its own that pass no tensors: at
     # least the auto count even when --workers 0 keeps the loader in this process
-    # (benchmarks/README.md, "On a GPU")
+    # (benchmarks/gpu.md, "On a GPU")
     prepare_workers = max(cfg.workers, loader_workers(-1, device))
     prepared = prepare_for_run(cfg.prepare, data, reading, workers=prepare_workers, log=log,
                                splits=("train", *held_out))

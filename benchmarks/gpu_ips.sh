@@ -7,7 +7,7 @@
 # reference noise, seed 0, the bundled digits; image labels only; each task with the defaults: top gets
 # --position-features from its dataset.json hint),
 # but the tasks train at the same time on the one GPU (a run keeps the device ~busy only a few
-# percent of the time: benchmarks/README.md "On a GPU"), each with the auto loader workers.
+# percent of the time: benchmarks/gpu.md "On a GPU"), each with the auto loader workers.
 # Every run is time-boxed so that the call returns within BUDGET_S; a run cut short keeps
 # its per-epoch figures (marked "cut" in the summary: its cosine schedule did not end).
 # Results in $OUT/gpu_ips (default ./out): summary.md, each run's metrics.jsonl and log.

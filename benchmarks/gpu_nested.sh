@@ -10,7 +10,7 @@
 # (the split each epoch reports) and N_FRESH fresh slides of another seed, scored once at the
 # end with best.pt (which the N_TEST split chose). Models (image labels only, the defaults
 # plus the method's flags): `two` = --levels 2, regions of 768 px, k = 8, a coarse view at
-# 1/64 (--coarse-px 12: a nest is a dark pixel there, benchmarks/README.md "Two levels"),
+# 1/64 (--coarse-px 12: a nest is a dark pixel there, benchmarks/slides.md "Two levels"),
 # region views at 1/8, 4 patches of 64 a region, the rarity prior at 10 capped at 4.5 and
 # region temperature 0.1 (the settings whose coarse attention starts on the spots:
 # benchmarks/coarse_prior.py); `one` = one level at 1/64, 32 patches (the same patch budget;

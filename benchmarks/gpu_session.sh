@@ -22,7 +22,7 @@
 #              patches), source PNGs against the prepared layout, one thread
 #   train-*    `ats train` from the prepared layout, 2 epochs, --workers 16: batch 32 and 1, fp32 and
 #              --amp bf16; nvidia-smi samples utilization.gpu (the share of time a kernel runs) beside
-#   summary    summary.md: tables for benchmarks/README.md, the targets checked
+#   summary    summary.md: tables for benchmarks/gpu.md, the targets checked
 #
 # Results, 8 files (what the device tool brings back): $OUT/gpu39/{session.log, env.txt, pytest.txt,
 # patch_extraction.json, benchmark.json, train.json (with the loader's figures), summary.md, details.tar.gz}.

@@ -1,4 +1,4 @@
-"""The summary of a benchmarks/gpu_session.sh run: summary.md (tables for benchmarks/README.md,
+"""The summary of a benchmarks/gpu_session.sh run: summary.md (tables for benchmarks/gpu.md,
 the issue-39 targets checked), benchmark.json and train.json, from the files the session left.
 
     python benchmarks/gpu_session_summary.py RESULTS_DIR WORK_DIR

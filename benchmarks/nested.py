@@ -16,7 +16,7 @@ Models: ``two-level`` (``--levels 2``: regions of ``--region`` pixels, k = ``--r
 ``--scale`` (its view grows with the slide: that is the comparison).
 
 Usage: OMP_NUM_THREADS=1 python benchmarks/nested.py --sizes 10000 25000 --out /tmp/nestedbench
-Prints a Markdown table; copy it into benchmarks/README.md with `uptime` and the commit.
+Prints a Markdown table; copy it into benchmarks/slides.md with `uptime` and the commit.
 """
 
 from __future__ import annotations

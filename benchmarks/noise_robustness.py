@@ -24,7 +24,7 @@ Why these choices:
 * A failed prediction (unreadable file) counts as wrong, and is reported.
 * ``--jobs N`` predicts N sets at once, each in a process of its own (the sets are
   generated first, once). On a GPU one process leaves it idle while the next image is
-  decoded (benchmarks/README.md, "On a GPU"); the figures are the same as with one job,
+  decoded (benchmarks/gpu.md, "On a GPU"); the figures are the same as with one job,
   since every image is predicted alone with seed 0.
 
 Imports of torch and the library happen inside :func:`run`, so ``--help`` is instant.

@@ -3,7 +3,7 @@
 # (ats pretrain, keeping its "none" row: --none-class on, the default) at a scale a
 # 2-core CPU cannot reach, and the robustness table of the checkpoint it writes, read four
 # ways by ats export (the release recipe first: counts, none logit at the object prior
-# 50/55, floor 0.02; then without the prior, without the floor, as votes: benchmarks/README.md, "Votes and
+# 50/55, floor 0.02; then without the prior, without the floor, as votes: benchmarks/accuracy.md, "Votes and
 # counts"), on fresh sets of every noise family (MNIST's test digits).
 #
 #   MNIST=.mnist/mnist.npz bash benchmarks/robust_mnist_gpu.sh      # results in $OUT/robust

@@ -15,7 +15,7 @@ interleaved (A B A B ...) and the median of ``--repeats`` is reported, so that a
 machine slows both alike.
 
 Usage: python benchmarks/slide_reads.py [--size 20000] [--patches 10 100] [--patch 256]
-Prints a Markdown table; copy it into benchmarks/README.md with the machine and `uptime`.
+Prints a Markdown table; copy it into benchmarks/slides.md with the machine and `uptime`.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ test evaluation; peak RSS is the largest of the training process and its DataLoa
 workers (``resource.getrusage(RUSAGE_CHILDREN)`` of a wrapper process, as benchmarks/slides.py).
 
 Usage: python benchmarks/slide_training.py --sizes 3072 20000 50000 --out /tmp/slidetrain
-Prints a Markdown table; copy it into benchmarks/README.md with the machine and `uptime`.
+Prints a Markdown table; copy it into benchmarks/slides.md with the machine and `uptime`.
 """
 
 from __future__ import annotations

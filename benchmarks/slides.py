@@ -11,7 +11,7 @@ Writes an N x N RGB pyramidal tiled TIFF per size (white glass, one elliptical p
   them, in batches, as tiling tools do. Timed in this process.
 
 Usage: python benchmarks/slides.py --sizes 10000 20000 --out /tmp/slidebench
-Prints a Markdown table row per size; copy it into benchmarks/README.md with `uptime`.
+Prints a Markdown table row per size; copy it into benchmarks/slides.md with `uptime`.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def make_model(path: Path) -> None:
     from ats_cli.models import create_model, model_spec
 
     torch.manual_seed(0)
-    # eval_n_patches=0: predict draws the 20 patches the figures in benchmarks/README.md name
+    # eval_n_patches=0: predict draws the 20 patches the figures in benchmarks/slides.md name
     cfg = TrainConfig(patch_size=64, scale=0.01, n_patches=20, eval_n_patches=0, feature_width=32)
     spec = model_spec(cfg, n_classes=2, channels=3)
     save_checkpoint(path, spec=spec, classes=["a", "b"], model=create_model(spec))

@@ -17,7 +17,7 @@ pyramidal TIFF of side ``--tiff`` written from a virtual slide (:func:`write_vir
 lossless).
 
 Usage: python benchmarks/virtual_slides.py --out /tmp/vbench
-Prints Markdown rows for benchmarks/README.md.
+Prints Markdown rows for benchmarks/slides.md.
 """
 
 from __future__ import annotations

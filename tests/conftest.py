@@ -36,7 +36,7 @@ def _no_cuda_unless_asked(request, monkeypatch):
     """On a machine with a GPU, every command's ``--device auto`` would pick it, and the
     suite would test another computation than the one its expected values were made with
     on CPU (CUDA draws other patches for the same seed, and its training is not bitwise
-    repeatable: docs/training.md, ``--seed``); seen on an H100 (benchmarks/README.md).
+    repeatable: docs/training.md, ``--seed``); seen on an H100 (benchmarks/gpu.md).
     So ``auto`` means the CPU in a test, in this process and in the processes it starts,
     unless the test is marked ``uses_cuda`` (the kernels' and the host-sync tests)."""
     if _HAS_CUDA and request.node.get_closest_marker("uses_cuda") is None:

@@ -26,7 +26,7 @@ whose coordinates change from one call to the next.
 The feature side alone tells the head where each patch was, but the sampler still draws
 where a translation-equivariant attention puts its mass, the same for every object that
 looks alike; on the top task the two sides together learned much faster than the features
-alone (benchmarks/README.md, IPS's tasks). ``--position-features on`` gives both; a model
+alone (benchmarks/accuracy.md, IPS's tasks). ``--position-features on`` gives both; a model
 whose spec says ``{"frequencies": ...}`` without ``"attention"`` has the feature side only.
 """
 

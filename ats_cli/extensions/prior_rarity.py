@@ -14,7 +14,7 @@ starts at zero, learns its correction on top.
 times as unusual as the typical one starts alike. Why: the prior is to say where to look,
 not which of the unusual cells matters, and without a cap a large weight hands the whole
 mass to the single most unusual cell: on the coarse level of a two-level model the
-estimate then becomes one region's, often a look-alike's (benchmarks/README.md, Two
+estimate then becomes one region's, often a look-alike's (benchmarks/slides.md, Two
 levels). ``weight * (cap - 1)`` nats is the most a capped prior favours a cell over a
 typical one.
 
