@@ -12,7 +12,8 @@ settings mean "decide from the data": the sizes at 0 (dataset.json's hint, else
 :data:`DATA_DEFAULTS`), ``--patch-um`` / ``--low-res-um`` (microns, turned into
 pixels at the model's microns per pixel), ``--eval-n-patches -1`` and the four that look
 at the training images (``--min-brightness``, ``--rarity-prior``, ``--augment``,
-``--patch-gain``). Two steps decide them:
+``--patch-gain``), with ``--rarity-cap`` and, for two levels, ``--region-temperature``,
+which follow from them. Two steps decide them:
 
 * :func:`gather_facts` reads what the rules need from the dataset, once: the hints, the
   microns per pixel the training files record, and a look at the first training images
@@ -45,9 +46,10 @@ if TYPE_CHECKING:
     from ats_cli.data.dataset import Dataset
 
 __all__ = ["TrainConfig", "ConfigError", "allowed_values", "load_config_file", "resolve_config",
-           "AUTO_MIN_BRIGHTNESS", "AUTO_PROBE_IMAGES", "AUTO_RARITY_PRIOR", "DATA_DEFAULTS", "DataFacts", "Reason",
+           "AUTO_MIN_BRIGHTNESS", "AUTO_PROBE_IMAGES", "AUTO_RARITY_PRIOR", "DATA_DEFAULTS",
+           "TWO_LEVEL_RARITY_CAP", "TWO_LEVEL_RARITY_PRIOR", "TWO_LEVEL_REGION_TEMPERATURE", "DataFacts", "Reason",
            "SETTLED_JSON", "Settled", "gather_facts", "load_facts", "looks_at_images", "save_settled", "settle",
-           "usable_hints", "levels_spec", "view_scale"]
+           "usable_hints", "levels_spec", "rarity_cap", "view_scale"]
 
 
 class ConfigError(ValueError):
@@ -108,10 +110,10 @@ class TrainConfig:
     # (ats_cli.extensions.prior_rarity); -1 = auto
     rarity_prior: float = _key(-1.0, "Weight beta of the attention's starting prior exp(beta r), r = how unusual a "
                                "low-res cell's colour is in its image (1 = typical); 0 = off (the thesis); -1 = auto: "
-                               "on for slides (tissue mask), else off", METHOD_PANEL, means="auto")
-    rarity_cap: float = _key(0.0, "With --rarity-prior: cells at least this unusual (r >= cap) start alike, so that "
-                             "a large weight does not hand all the mass to the single most unusual cell; 0 = no cap",
-                             METHOD_PANEL)
+                               "slides (tissue mask) 2, with --levels 2 10, else off", METHOD_PANEL, means="auto")
+    rarity_cap: float = _key(-1.0, "With --rarity-prior: cells at least this unusual (r >= cap) start alike, so "
+                             "that a large weight does not hand all the mass to the single most unusual cell; 0 = no "
+                             "cap; -1 = auto: 4.5 for two levels on slides, else none", METHOD_PANEL, means="auto")
     # multiplies the L2-normalised features (1 = the paper; see ATSModel)
     feature_scale: float = _key(10.0, "Multiplies the L2-normalised features; >1 lets the classifier become "
                                 "confident sooner (docs/training.md; 1 = the paper)", METHOD_PANEL)
@@ -162,9 +164,9 @@ class TrainConfig:
     # coarse view (391²) outgrows the region views and the step grows with the slide
     coarse_px: int = _key(4, "With --levels 2: coarse-view pixels per region side (the coarse attention's "
                           "resolution; the coarse view of an H-pixel slide is H / region-size x this)", METHOD_PANEL)
-    region_temperature: float = _key(1.0, "With --levels 2: a region's score is t x the log-mean-exp of its coarse "
-                                     "cells' scores / t: 1 = the log-mean-exp, towards 0 its largest cell (for an "
-                                     "object of one coarse cell among thousands; docs/slides.md)", METHOD_PANEL)
+    region_temperature: float = _key(-1.0, "With --levels 2: a region's score is t x the log-mean-exp of its "
+                                     "coarse cells' scores / t: 1 = the log-mean-exp, towards 0 its largest cell "
+                                     "(docs/slides.md); -1 = auto: 0.1", METHOD_PANEL, means="auto")
     # reading slides and TIFFs (saved in the model, so predict and visualize read alike; their
     # --reader/--level/--mpp/--tissue-mask are these fields too: ats_cli/cli/options.py)
     reader: str = _key("auto", "Force a reader: {choices}", READ_PANEL, choices={
@@ -247,8 +249,9 @@ class TrainConfig:
             problems.append(f"position_features on: method {self.method} does not pool sampled patches")
         if self.rarity_prior < 0 and self.rarity_prior != -1:
             problems.append(f"rarity_prior must be >= 0, or -1 for auto (got {self.rarity_prior})")
-        if self.rarity_cap != 0 and not self.rarity_cap > 1:
-            problems.append(f"rarity_cap must be > 1 (a typical cell's r), or 0 for none (got {self.rarity_cap})")
+        if self.rarity_cap not in (0, -1) and not self.rarity_cap > 1:
+            problems.append(f"rarity_cap must be > 1 (a typical cell's r), 0 for none or -1 for auto (got "
+                            f"{self.rarity_cap})")
         if self.workers < -1:
             problems.append(f"workers must be >= 0, or -1 for auto (got {self.workers})")
         if self.eval_n_patches < 0 and self.eval_n_patches != -1:
@@ -282,8 +285,8 @@ class TrainConfig:
             problems.append(f"eval_regions must be >= 0, or -1 for auto (got {self.eval_regions})")
         if self.coarse_px < 1:
             problems.append(f"coarse_px must be >= 1 (got {self.coarse_px})")
-        if not self.region_temperature > 0:
-            problems.append(f"region_temperature must be > 0 (got {self.region_temperature})")
+        if not self.region_temperature > 0 and self.region_temperature != -1:
+            problems.append(f"region_temperature must be > 0, or -1 for auto (got {self.region_temperature})")
         if self.region_size < 0 or self.region_um < 0:
             problems.append("region_size and region_um must be >= 0")
         elif bool(self.region_size) == bool(self.region_um):
@@ -351,6 +354,19 @@ def resolve_config(file: str | Path | None = None, **overrides: Any) -> TrainCon
 DATA_DEFAULTS: dict[str, Any] = {"n_patches": 10, "patch_size": 50, "scale": 0.12}
 AUTO_MIN_BRIGHTNESS = 0.15  # --min-brightness auto on a black background (docs/training.md)
 AUTO_RARITY_PRIOR = 2.0  # --rarity-prior auto on slides (docs/training.md)
+# --levels 2: --rarity-prior (on slides), --rarity-cap and --region-temperature auto. Where a
+# two-level model's coarse attention starts decides whether training gets a signal at all: at
+# initialisation the coarse net adds nothing (its last layer is zero), so the coarse attention
+# is the prior's, and on a large slide the region that decides the label is one of thousands,
+# its object perhaps one coarse pixel. On the first 20 tumour slides of 100k² synthetic slides,
+# regions of 768 px seen at 1/64 (benchmarks/coarse_prior.py; benchmarks/slides.md, "Two
+# levels"), the one-level auto (prior 2, a region scored by the log-mean-exp of its cells,
+# t = 1) puts 0.021 of the coarse mass on the nests' regions; t = 0.1 (a region scored near its
+# most unusual cell) 0.20; a prior of 10 more, but uncapped it hands 0.998 of the mass to the
+# single most unusual region (the estimate is then one region's and training stalls); capped at
+# 4.5 (every cell at least 4.5 times as unusual as the typical one starts alike) the mass
+# spreads over the slide's unusual regions, 0.28 of it on the nests'.
+TWO_LEVEL_RARITY_PRIOR, TWO_LEVEL_RARITY_CAP, TWO_LEVEL_REGION_TEMPERATURE = 10.0, 4.5, 0.1
 AUTO_PROBE_IMAGES = 16  # the first training images looked at
 DARK = 0.05  # a low-res pixel at or below this in every channel is dark
 SETTLED_JSON = "settled.json"
@@ -425,6 +441,9 @@ def settle(flags: TrainConfig, facts: DataFacts) -> tuple[Settled, list[Reason]]
     decide("min_brightness", *_min_brightness(flags, facts))
     decide("augment", *_augment(flags, facts))
     decide("rarity_prior", *_rarity_prior(flags, facts))
+    decide("rarity_cap", *_rarity_cap(flags, out["rarity_prior"]))
+    if flags.levels == 2:
+        decide("region_temperature", *_region_temperature(flags))
     decide("patch_gain", *_patch_gain(flags, facts))
     decide("feature_train", *_feature_train(flags, facts))
     decide("position_features", *_position_features(flags, facts))
@@ -585,14 +604,40 @@ def _augment(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
 def _rarity_prior(flags: TrainConfig, facts: DataFacts) -> tuple[float, str]:
     """Slides: the few regions that decide a label are lost among thousands of cells, and
     uniform draws never meet them, so the attention starts on the tissue's unusual cells
-    (ATSModel.prior). On a black canvas the brightness support already does that job."""
+    (ATSModel.prior); with two levels more strongly (TWO_LEVEL_RARITY_PRIOR). On a
+    black canvas the brightness support already does that job."""
     if flags.rarity_prior != -1:
         return flags.rarity_prior, "given"
     if _baseline(flags):
         return 0.0, _baseline(flags)
+    if facts.slides and flags.levels == 2:
+        return TWO_LEVEL_RARITY_PRIOR, f"{_looked(facts)}; two levels: the coarse attention starts on the regions " \
+                                       "holding unusual cells"
     if facts.slides:
         return AUTO_RARITY_PRIOR, f"{_looked(facts)}; the attention starts on the unusual cells"
     return 0.0, _looked(facts)
+
+
+def _rarity_cap(flags: TrainConfig, prior: float) -> tuple[float, str]:
+    """--rarity-cap auto: TWO_LEVEL_RARITY_CAP with two levels, else none: the one-level
+    prior of 2 is not large enough to hand one cell the mass."""
+    if flags.rarity_cap != -1:
+        return flags.rarity_cap, "given"
+    if not prior:
+        return 0.0, "no rarity prior"
+    if flags.levels == 2:
+        return TWO_LEVEL_RARITY_CAP, "two levels: every cell at least this unusual starts alike, so the coarse " \
+                                     "attention spreads over the unusual regions instead of the single most unusual"
+    return 0.0, "none: one level"
+
+
+def _region_temperature(flags: TrainConfig) -> tuple[float, str]:
+    """--region-temperature auto: TWO_LEVEL_REGION_TEMPERATURE, a region scored near its
+    largest coarse cell (ats_cli.core.nested.region_scores)."""
+    if flags.region_temperature != -1:
+        return flags.region_temperature, "given"
+    return TWO_LEVEL_REGION_TEMPERATURE, "a region is scored near its most telling coarse cell, not the mean of " \
+                                         "its thousands"
 
 
 def _patch_gain(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
@@ -662,8 +707,9 @@ def levels_spec(cfg: TrainConfig, mpp: float | None) -> dict[str, Any]:
     for one level, whose spec stays as it was: ``levels`` 2, ``regions`` (k), ``region_size``
     (full-resolution pixels: ``--region-size``, or ``--region-um`` at ``mpp`` rounded to a
     multiple of the patch side), ``coarse_scale`` (the coarse view's, ``--coarse-px``
-    pixels per region side; ``scale`` stays the region views') and ``region_temperature``.
-    Raises ValueError in one line for a region that cannot be cut into patches or microns
+    pixels per region side; ``scale`` stays the region views') and ``region_temperature``
+    (``eval_regions`` and ``region_temperature`` at auto as :func:`settle` settles them, which
+    needs no data). Raises ValueError in one line for a region that cannot be cut into patches or microns
     without a pixel size."""
     if cfg.levels == 1:
         return {}
@@ -680,7 +726,13 @@ def levels_spec(cfg: TrainConfig, mpp: float | None) -> dict[str, Any]:
                          "of a region would not tile it")
     return {"levels": 2, "regions": cfg.regions,
             "eval_regions": _at_evaluation(cfg.eval_regions, cfg.regions, "regions")[0], "region_size": region,
-            "coarse_scale": coarse_scale_for(region, cfg.coarse_px), "region_temperature": cfg.region_temperature}
+            "coarse_scale": coarse_scale_for(region, cfg.coarse_px), "region_temperature": _region_temperature(cfg)[0]}
+
+
+def rarity_cap(cfg: TrainConfig) -> float:
+    """``--rarity-cap`` with auto (-1) read as :func:`settle` settles it (from the prior and
+    the levels, no data needed); 0: none."""
+    return _rarity_cap(cfg, cfg.rarity_prior)[0]
 
 
 def view_scale(cfg: TrainConfig, mpp: float | None) -> float:

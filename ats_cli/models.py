@@ -33,7 +33,7 @@ import torch.nn as nn
 
 from ats_cli import nets
 from ats_cli.baselines import CNNClassifier, DeepMIL, UniformAttention
-from ats_cli.config import ConfigError, TrainConfig, levels_spec
+from ats_cli.config import ConfigError, TrainConfig, levels_spec, rarity_cap
 from ats_cli.core.model import ATSModel
 from ats_cli.nets.encoders import feature_spec
 from ats_cli.registry import Registry, UnknownNameError
@@ -113,7 +113,8 @@ def extension_specs(cfg: TrainConfig) -> dict[str, dict[str, Any] | None]:
     ``--pooling``, ``--none-class`` and ``--count-floor`` the pooling; ``--min-brightness``
     the ``bright`` support; ``--rarity-prior`` and ``--rarity-cap`` the ``rarity`` prior (never for ``uniform``,
     whose attention is uniform by definition); ``--patch-gain`` the ``learned`` gain. A
-    value still at auto (-1, settled by training) or at 0 selects nothing."""
+    value still at auto (-1, settled by training) or at 0 selects nothing, except the cap,
+    whose auto follows from the prior and the levels alone (:func:`ats_cli.config.settle`)."""
     pooling: dict[str, Any] = {"name": cfg.pooling}
     if cfg.pooling in ("votes", "counts"):
         pooling["none_class"] = cfg.none_class == "on"
@@ -123,7 +124,7 @@ def extension_specs(cfg: TrainConfig) -> dict[str, dict[str, Any] | None]:
         "pooling": pooling,
         "support": {"name": "bright", "threshold": float(cfg.min_brightness)} if cfg.min_brightness > 0 else None,
         "prior": {"name": "rarity", "weight": float(cfg.rarity_prior),
-                  **({"cap": float(cfg.rarity_cap)} if cfg.rarity_cap > 0 else {})}  # absent: as it always was
+                  **({"cap": float(cap)} if (cap := rarity_cap(cfg)) > 0 else {})}  # absent: as it always was
         if cfg.rarity_prior > 0 and cfg.method != "uniform" else None,
         "gain": {"name": "learned"} if cfg.patch_gain == "on" else None,
         # present only when on, so that the spec of a model without it is what it always was

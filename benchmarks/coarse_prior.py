@@ -40,7 +40,8 @@ def rarity_cells(data: Path, split: str, slides: int, region: int, coarse_px: in
     from ats_cli.predict.predictor import load_predictor
 
     cfg = TrainConfig(levels=2, regions=4, region_size=region, coarse_px=coarse_px, patch_size=64, n_patches=4,
-                      scale=0.125, rarity_prior=1.0, min_brightness=0.0, tissue_mask="on", patch_gain="off")
+                      scale=0.125, rarity_prior=1.0, rarity_cap=0.0, min_brightness=0.0, tissue_mask="on",
+                      patch_gain="off")  # uncapped at weight 1: log_prior is r itself
     spec = model_spec(cfg.validate(), n_classes=2, channels=3)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "m.pt"

@@ -89,7 +89,7 @@ def test_a_rarity_cap_is_in_the_spec_only_when_given_and_at_most_1_is_refused():
     assert "cap" not in extension_specs(resolve_config(None, rarity_prior=2.0))["prior"]
     assert extension_specs(resolve_config(None, rarity_prior=2.0, rarity_cap=4.5))["prior"] == {
         "name": "rarity", "weight": 2.0, "cap": 4.5}
-    for bad in (-1.0, 0.5, 1.0):
+    for bad in (-2.0, 0.5, 1.0):  # -1 is auto (ats_cli.config.settle)
         with pytest.raises(ConfigError, match="rarity_cap must be > 1"):
             resolve_config(None, rarity_cap=bad)
 

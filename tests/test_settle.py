@@ -16,6 +16,9 @@ from ats_cli.config import (
     AUTO_MIN_BRIGHTNESS,
     AUTO_RARITY_PRIOR,
     DATA_DEFAULTS,
+    TWO_LEVEL_RARITY_CAP,
+    TWO_LEVEL_RARITY_PRIOR,
+    TWO_LEVEL_REGION_TEMPERATURE,
     ConfigError,
     DataFacts,
     TrainConfig,
@@ -27,7 +30,7 @@ from ats_cli.config import (
 from ats_cli.data.dataset import load_dataset, write_dataset
 
 SETTLED = ("n_patches", "patch_size", "scale", "batch_size", "eval_n_patches", "min_brightness", "augment",
-           "rarity_prior", "patch_gain", "feature_train", "position_features")
+           "rarity_prior", "rarity_cap", "patch_gain", "feature_train", "position_features")
 MNIST = DataFacts(hints={"n_patches": 10, "patch_size": 50, "scale": 0.12}, channels=1, files=40, probed=16, dark=0.9)
 SLIDES = DataFacts(hints={"n_patches": 12, "patch_size": 64, "scale": 1 / 32}, channels=3, files=12,
                    mpps=(0.5,) * 12, mpps_agree=True, probed=12, masked=12)
@@ -52,6 +55,7 @@ def test_settle_is_pure_and_leaves_no_auto_value(monkeypatch):
     assert first == second and first[0].config is not flags
     config = first[0].config
     assert config.eval_n_patches >= 0 and config.min_brightness >= 0 and config.rarity_prior >= 0
+    assert config.rarity_cap >= 0
     assert "auto" not in (config.augment, config.patch_gain, config.feature_train, config.position_features)
     assert config.n_patches and config.patch_size and config.scale
     assert [r.key for r in first[1]] == ["mpp", *SETTLED]  # one reason per value, the microns first
@@ -115,6 +119,28 @@ def test_patch_gain_and_rarity_prior_auto_are_on_for_slides_only(facts, method, 
     assert (settled.config.patch_gain, settled.config.rarity_prior) == (gain, prior)
     assert ("on: slides: a tissue mask on 12 of the first 12 training images" in _why(reasons)["patch_gain"]) == (
         facts is SLIDES and method == "ats")
+
+
+def test_two_levels_start_the_coarse_attention_on_the_unusual_regions():
+    two = dict(levels=2, region_size=768)
+    settled, reasons = settle(TrainConfig(**two), SLIDES)
+    c = settled.config
+    assert (c.rarity_prior, c.rarity_cap, c.region_temperature) == (
+        TWO_LEVEL_RARITY_PRIOR, TWO_LEVEL_RARITY_CAP, TWO_LEVEL_REGION_TEMPERATURE) == (10.0, 4.5, 0.1)
+    keys = [r.key for r in reasons]
+    assert keys.index("rarity_cap") == keys.index("rarity_prior") + 1 and "region_temperature" in keys
+    assert "two levels" in _why(reasons)["rarity_prior"] and "two levels" in _why(reasons)["rarity_cap"]
+    # one level on the same slides: as it always was (prior 2, no cap, no region temperature decided)
+    one, reasons = settle(TrainConfig(), SLIDES)
+    assert (one.config.rarity_prior, one.config.rarity_cap) == (AUTO_RARITY_PRIOR, 0.0)
+    assert "region_temperature" not in [r.key for r in reasons]
+    # two levels off slides: no prior, so no cap; the region score still follows its largest cell
+    bare = settle(TrainConfig(**two), MNIST)[0].config
+    assert (bare.rarity_prior, bare.rarity_cap, bare.region_temperature) == (0.0, 0.0, 0.1)
+    # given values win, each alone: a given prior is still capped with two levels, a given cap or t stays
+    assert settle(TrainConfig(**two, rarity_prior=3.0), SLIDES)[0].config.rarity_cap == TWO_LEVEL_RARITY_CAP
+    given = settle(TrainConfig(**two, rarity_cap=0.0, region_temperature=1.0), SLIDES)[0].config
+    assert (given.rarity_prior, given.rarity_cap, given.region_temperature) == (TWO_LEVEL_RARITY_PRIOR, 0.0, 1.0)
 
 
 def test_position_features_auto_follows_the_datasets_hint():
