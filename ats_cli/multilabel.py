@@ -87,7 +87,7 @@ def decide(probs: Sequence[float], classes: Sequence[str], threshold: float = DE
 
 def loss(model: Any, out: Any, target: torch.Tensor) -> torch.Tensor:
     """Binary cross-entropy with logits, summed over the classes and averaged over the
-    images, minus the model's entropy bonus where it has one (thesis eq. 3.21, as
+    images, minus the model's exploration bonus where it has one (thesis eq. 3.21, as
     :meth:`ATSModel.loss` for a single label). ``target`` [B, classes] the multi-hot labels.
 
     Summed, not averaged, over the classes: the sum is the negative log-likelihood of the
@@ -97,9 +97,11 @@ def loss(model: Any, out: Any, target: torch.Tensor) -> torch.Tensor:
     against the entropy bonus and keep the attention near uniform."""
     import torch.nn.functional as F
 
+    from ats_cli.core.model import exploration
+
     bce = F.binary_cross_entropy_with_logits(out.logits.float(), target.float(), reduction="none").sum(-1).mean()
     weight = float(getattr(model, "entropy_weight", 0.0))
-    return bce - weight * out.entropy.mean() if weight else bce
+    return bce - weight * exploration(out).mean() if weight else bce
 
 
 def exact_matches(probs: torch.Tensor, target: torch.Tensor, threshold: float = DEFAULT_THRESHOLD) -> int:

@@ -28,6 +28,7 @@ from ats_cli.core.sampling import (
     estimator_threshold,
     estimator_weights,
     expectation,
+    prior_divergence,
     sample,
 )
 from ats_cli.core.source import Sources, gather_patches, positions_to_offsets, source_shapes, to_device, uniform_shape
@@ -38,7 +39,7 @@ from ats_cli.extensions.position import PositionFeatures, patch_centres
 from ats_cli.extensions.prior import Prior
 from ats_cli.extensions.support import Support
 
-__all__ = ["ATSModel", "ATSOutput", "pixels_to_float"]
+__all__ = ["ATSModel", "ATSOutput", "exploration", "pixels_to_float"]
 
 
 @dataclass
@@ -61,6 +62,16 @@ class ATSOutput:
     contributions: torch.Tensor | None = None
     patch_logits: torch.Tensor | None = None  # [B, n, classes]: the classifier on each sampled patch alone
     patches: torch.Tensor | None = None  # [B, n, C, ph, pw] when asked for (visualisation)
+    # [B] what the loss's regulariser maximises: H(a) (the thesis), or with a prior -KL(a || the
+    # prior's own attention) (ats_cli.core.sampling.prior_divergence); None: the entropy
+    explore: torch.Tensor | None = None
+
+
+def exploration(out: Any) -> torch.Tensor:
+    """[B] the term ``loss = CE - lambda * this`` maximises: ``out.explore``, else the
+    attention's entropy (the thesis's eq. 3.21)."""
+    explore = getattr(out, "explore", None)
+    return out.entropy if explore is None else explore
 
 
 def pixels_to_float(patches: torch.Tensor) -> torch.Tensor:
@@ -84,7 +95,10 @@ class ATSModel(nn.Module):
     (``auto``, ``threshold``, ``sequential``: same expectation, other variance, see
     :mod:`ats_cli.core.sampling`; it may change after training). ``eval_n_patches`` (0 =
     ``n_patches``) are drawn in evaluation: more draws, less variance, no gradient memory.
-    ``entropy_weight`` is lambda in ``loss = CE - lambda H(a)`` (thesis eq. 3.21).
+    ``entropy_weight`` is lambda in ``loss = CE - lambda H(a)`` (thesis eq. 3.21); with a
+    prior, ``loss = CE - lambda (-KL(a || pi))``, pi the prior's own attention, which keeps
+    the attention where the prior started it rather than pulling it to uniform
+    (:func:`~ats_cli.core.sampling.prior_divergence` says why).
 
     ``feature_scale`` multiplies the L2-normalised features. Equal norms make sampling from
     the attention optimal (thesis 3.3.4), but with unit norms a linear classifier's logits
@@ -176,17 +190,25 @@ class ATSModel(nn.Module):
         return None if self.prior is None else self._to_cells(self.prior(low, keep_px), att_shape)
 
     def _scores_and_support(self, net: nn.Module, view: torch.Tensor, mask: torch.Tensor | None
-                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``net``'s attention scores [B, 1, att_h, att_w] on ``view`` with the prior's
-        log-prior added, and the cells the support and ``mask`` keep (None = all): what every
-        attention of the model (a one-level model's, both of a two-level model's) is made of."""
+        log-prior added, the cells the support and ``mask`` keep (None = all) and the
+        log-prior [B, att_h, att_w] (None without a prior): what every attention of the model
+        (a one-level model's, both of a two-level model's) is made of."""
         scores = net(view)
         att_shape = tuple(scores.shape[-2:])
         keep_px = self._supported_pixels(view, mask)  # shared by the prior and the support
         prior = self._prior_cells(view, keep_px, att_shape)
         if prior is not None:
             scores = scores + prior[:, None].to(scores.dtype)
-        return scores, self._support_cells(keep_px, att_shape)
+        return scores, self._support_cells(keep_px, att_shape), prior
+
+    @staticmethod
+    def _explore(probs: torch.Tensor, ent: torch.Tensor, prior: torch.Tensor | None, keep: torch.Tensor | None
+                 ) -> torch.Tensor:
+        """[B] the regulariser's term for the attention ``probs`` [B, K] (:class:`ATSOutput`
+        ``explore``): its entropy ``ent``, or with a prior -KL(a || the prior's attention)."""
+        return ent if prior is None else -prior_divergence(probs, prior, keep)
 
     def sampling_support(self, low: torch.Tensor, att_shape: tuple[int, int], mask: torch.Tensor | None = None
                          ) -> torch.Tensor | None:
@@ -249,7 +271,7 @@ class ATSModel(nn.Module):
         (:class:`ats_cli.augment.Augmentation`), prediction never does. It changes what the
         feature net sees, not which positions are drawn nor how they are pooled."""
         n = self.patches_now if n_patches is None else int(n_patches)
-        scores, keep = self._scores_and_support(self.attention_net, low, support_mask)
+        scores, keep, prior = self._scores_and_support(self.attention_net, low, support_mask)
         att_shape = tuple(scores.shape[-2:])
         # the support cells are never empty (a blank image gets the whole map): no check, which would wait
         probs = attention_distribution(scores, keep, check=False)
@@ -282,19 +304,22 @@ class ATSModel(nn.Module):
         with torch.no_grad():  # each draw's share, in the unit of what was pooled (see ATSOutput)
             size = self.pooling.sizes(values, None if gain is None else gain.view(B, n))
             contributions = weights.double() * size.double()
+        ent = entropy(probs)
         return ATSOutput(
             logits=self.pooling.readout(pooled, self.classifier),
             attention=probs.view(B, *att_shape),
             indices=indices,
             offsets=offsets,
             sampled_probs=sampled_probs,
-            entropy=entropy(probs),
+            entropy=ent,
             weights=weights.detach(),
             contributions=contributions,
             patch_logits=self.classifier(feats),  # for consumers; the pooled estimate above does not use it
             patches=patches if return_patches else None,
+            explore=self._explore(probs, ent, prior, keep),
         )
 
     def loss(self, out: ATSOutput, target: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy minus the entropy bonus (thesis eq. 3.21), averaged over the batch."""
-        return F.cross_entropy(out.logits, target) - self.entropy_weight * out.entropy.mean()
+        """Cross-entropy minus the exploration bonus (thesis eq. 3.21; :func:`exploration`),
+        averaged over the batch."""
+        return F.cross_entropy(out.logits, target) - self.entropy_weight * exploration(out).mean()

@@ -217,17 +217,28 @@ class NestedATSModel(ATSModel):
                          ) -> torch.Tensor:
         """[B, rows * cols] the coarse attention over the region grid of images of ``image_size``
         (full resolution) from their coarse views ``low``; ``mask`` [B, h, w] e.g. tissue."""
+        return self._coarse(low, image_size, mask)[0]
+
+    def _coarse(self, low: torch.Tensor, image_size: tuple[int, int], mask: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The coarse attention [B, regions] (:meth:`coarse_attention`) and the prior's own
+        region scores [B, regions] (None without a prior), whose softmax is where the coarse
+        attention starts (the regulariser's reference: ATSModel._explore)."""
         grid = check_regions(image_size, self.region_size, self.regions, self.patch_size)
-        scores, keep = self._scores_and_support(self.coarse_net, low, mask)
+        scores, keep, prior = self._scores_and_support(self.coarse_net, low, mask)
         att_shape = tuple(scores.shape[-2:])
         cells = cell_regions(att_shape, tuple(low.shape[-2:]), getattr(self.coarse_net, "margin", 0), image_size,
                              self.region_size, low.device)
-        rs = region_scores(scores.flatten(1), cells, grid[0] * grid[1], None if keep is None else keep.flatten(1),
-                           self.region_temperature)
+        kept = None if keep is None else keep.flatten(1)
+
+        def per_region(cell_scores: torch.Tensor) -> torch.Tensor:
+            return region_scores(cell_scores.flatten(1), cells, grid[0] * grid[1], kept, self.region_temperature)
+
+        rs = per_region(scores)
         if not torch.isfinite(rs).any(1).all():
             raise NestedConfigError(f"the coarse view ({low.shape[-1]}x{low.shape[-2]}) has no cell in any kept "
                                     f"region of {self.region_size} pixels; give larger regions")
-        return torch.softmax(rs, dim=1)
+        return torch.softmax(rs, dim=1), None if prior is None else per_region(prior.to(scores.dtype))
 
     def forward(
         self,
@@ -253,7 +264,7 @@ class NestedATSModel(ATSModel):
         estimator = self.active_estimator
 
         # ---- the coarse level: k regions drawn from a over the region grid
-        a = self.coarse_attention(low, image_size, support_mask)
+        a, region_prior = self._coarse(low, image_size, support_mask)
         grid = region_grid(image_size, R)  # checked with --regions by coarse_attention
         k = self.regions_for(grid)
         outer = sample(a, k, replace=self.replace, generator=generator)
@@ -271,7 +282,7 @@ class NestedATSModel(ATSModel):
             views = colour(views.view(B, k, *views.shape[1:])).flatten(0, 1)
         mask = None if support_mask is None else self._region_mask(low, support_mask.to(low.device), views,
                                                                     image_size, roff)
-        fscores, fkeep = self._scores_and_support(self.attention_net, views, mask)
+        fscores, fkeep, fprior = self._scores_and_support(self.attention_net, views, mask)
         fatt = tuple(fscores.shape[-2:])
         b = attention_distribution(fscores, fkeep)  # [B*k, K_f]
         inner = sample(b, n, replace=self.replace, generator=generator)
@@ -294,8 +305,12 @@ class NestedATSModel(ATSModel):
         with torch.no_grad():
             size = self.pooling.sizes(values, None if gain is None else gain.view(B, k * n))
             contributions = weights.double() * size.double()
-        # the regulariser keeps both levels exploring: H(a) + the mean of the drawn regions' H(b^r)
-        ent = entropy(a) + entropy(b).view(B, k).mean(1)
+        # the regulariser keeps both levels exploring: H(a) + the mean of the drawn regions' H(b^r),
+        # with a prior each -KL to where the prior starts that level (ATSModel._explore)
+        ent_a, ent_b = entropy(a), entropy(b)
+        ent = ent_a + ent_b.view(B, k).mean(1)
+        explore = self._explore(a, ent_a, region_prior, None) + \
+            self._explore(b, ent_b, fprior, fkeep).view(B, k).mean(1)
         return NestedOutput(
             logits=self.pooling.readout(pooled, self.classifier),
             attention=a.view(B, *grid),
@@ -314,4 +329,5 @@ class NestedATSModel(ATSModel):
             region_weights=outer_w.detach(),
             region_contributions=contributions.view(B, k, n).sum(2),
             fine_attention=b.detach().view(B, k, *fatt),
+            explore=explore,
         )

@@ -39,7 +39,7 @@ from typing import NamedTuple
 import torch
 
 __all__ = ["ESTIMATORS", "Draw", "sample", "expectation", "estimator_weights", "estimator_threshold",
-           "attention_distribution", "entropy"]
+           "attention_distribution", "entropy", "prior_divergence"]
 
 ESTIMATORS = ("auto", "threshold", "sequential")
 
@@ -249,3 +249,29 @@ def entropy(probs: torch.Tensor) -> torch.Tensor:
     probability 0 receives no gradient."""
     logp = torch.log(probs.clamp(min=torch.finfo(probs.dtype).tiny))
     return -(probs * logp).sum(dim=1)
+
+
+def prior_divergence(probs: torch.Tensor, log_prior: torch.Tensor, support: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """KL(a || pi) [B] in nats: how far the attention ``probs`` [B, K] has moved from the
+    prior's own distribution pi = softmax(``log_prior``) [B, ...] over the ``support`` (bool,
+    shaped as ``log_prior``; None = all); ``-lambda * KL`` is the regulariser of a model with
+    a prior, in place of the thesis's ``-lambda * H(a)``.
+
+    Why: the entropy bonus is ``-KL(a || uniform)`` up to a constant, i.e. it pulls the
+    attention towards uniform. With a prior the attention starts at pi, not at uniform, and
+    while the classifier has nothing to say yet (the class is in a few regions the feature
+    net cannot yet tell apart) the entropy bonus is the attention net's only steady
+    gradient: Adam's normalised steps follow it, and within an epoch or two it flattens the
+    attention the prior had put on the unusual regions, before any signal arrives
+    (benchmarks/slides.md, "Two levels"). Pulled towards pi instead, the attention stays
+    where the prior put it until the loss moves it, and still never collapses onto a few
+    cells the prior does not favour. Without a prior pi is uniform and the gradient is the
+    entropy bonus's. A function of the attention alone, computed exactly: the estimator
+    and its gradients are untouched."""
+    log_pi = attention_distribution(log_prior, support, log=True, check=False).to(probs.dtype)
+    # off the support a = pi = 0: their terms are 0 and, with log pi made finite there, so is
+    # the gradient (0 * -inf in the backward pass would be NaN even through torch.where)
+    log_pi = torch.where(torch.isfinite(log_pi), log_pi, 0.0)
+    logp = torch.log(probs.clamp(min=torch.finfo(probs.dtype).tiny))
+    return torch.where(probs > 0, probs * (logp - log_pi), 0.0).sum(dim=1)
