@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from ats_cli.data.dataset import Dataset
 
 __all__ = ["TrainConfig", "ConfigError", "allowed_values", "load_config_file", "resolve_config",
-           "AUTO_MIN_BRIGHTNESS", "AUTO_PROBE_IMAGES", "AUTO_RARITY_PRIOR", "DATA_DEFAULTS",
+           "AUTO_MIN_BRIGHTNESS", "AUTO_PROBE_IMAGES", "AUTO_VIEW_PIXELS", "AUTO_RARITY_PRIOR", "DATA_DEFAULTS",
            "TWO_LEVEL_RARITY_CAP", "TWO_LEVEL_RARITY_PRIOR", "TWO_LEVEL_REGION_TEMPERATURE", "DataFacts", "Reason",
            "SETTLED_JSON", "Settled", "gather_facts", "load_facts", "looks_at_images", "save_settled", "settle",
            "usable_hints", "levels_spec", "rarity_cap", "view_scale"]
@@ -213,7 +213,8 @@ class TrainConfig:
         "none": "", "colour": "HED stain jitter, brightness and contrast",
         "colour+flips": "and every patch flipped or rotated by a multiple of 90 degrees"})
     batch_size: int = _key(0, "Images per step, per process; 0 = auto: 32, or 1 when the training images differ "
-                           "in size (they cannot be stacked)", OPT_PANEL)
+                           "in size (they cannot be stacked), or fewer when 32 low-res views would exceed 8 M pixels",
+                           OPT_PANEL)
     epochs: int = _key(20, "Epochs", OPT_PANEL)
     # running; "" = random init
     init: str = _key("", "Start from the weights of this checkpoint (fine-tuning, or a curriculum from easier "
@@ -389,6 +390,7 @@ class DataFacts:
     pretrained: str = ""  # where the feature net's pretrained starting weights come from; "": random
     sizes: tuple[str, ...] = ()  # the first 3 distinct sizes of the training images as read ("HxW [at MPP µm/px]")
     n_sizes: int = 0  # how many distinct ones there are; 0: not read
+    pixels: int = 0  # the largest training image's pixels, H x W as its header says; 0: not read
     position_hint: str = ""  # dataset.json hints.position_features ("on"/"off"); "": none
 
     @property
@@ -434,7 +436,7 @@ def settle(flags: TrainConfig, facts: DataFacts) -> tuple[Settled, list[Reason]]
 
     for key in DATA_DEFAULTS:
         decide(key, *_size(key, flags, facts, mpp))
-    decide("batch_size", *_batch_size(flags, facts))
+    decide("batch_size", *_batch_size(flags, facts, _settled_view_scale(replace(flags, **out), mpp)))
     decide("eval_n_patches", *_at_evaluation(flags.eval_n_patches, out["n_patches"], "n_patches"))
     if flags.levels == 2:
         decide("eval_regions", *_at_evaluation(flags.eval_regions, flags.regions, "regions"))
@@ -528,21 +530,41 @@ def _from_microns(key: str, microns: float, given: float, mpp: float | None) -> 
 
 
 AUTO_BATCH = 32  # --batch-size auto for images of one size
+AUTO_VIEW_PIXELS = 8_000_000  # --batch-size auto: at most this many low-res view pixels a step
 
 
-def _batch_size(flags: TrainConfig, facts: DataFacts) -> tuple[int, str]:
-    """A step stacks its images' low-res views into one tensor, which only images of one
-    size (and, for slides read at the model's microns per pixel, one pixel size) allow: a
-    cohort of slides of many sizes trains one slide per step instead of stopping at its
-    first mixed batch. Images of one size: AUTO_BATCH (the thesis's 32 at the paper spec)."""
+def _batch_size(flags: TrainConfig, facts: DataFacts, scale: float) -> tuple[int, str]:
+    """A step stacks its images' low-res views (at ``scale``) into one tensor, which only
+    images of one size (and, for slides read at the model's microns per pixel, one pixel
+    size) allow: a cohort of slides of many sizes trains one slide per step instead of
+    stopping at its first mixed batch. Images of one size: AUTO_BATCH (the thesis's 32 at
+    the paper spec), unless their views are large: the attention net's activations grow
+    with the view, a CPU step at 1/64 of a 100k slide (1,562² views, two levels or one) held
+    ~0.6 GB a slide (benchmarks/slides.md, "Two levels"), so 32 of them would need ~20 GB;
+    at most AUTO_VIEW_PIXELS view pixels a step keeps a step near 2-3 GB. (The size is the
+    header's, before any resampling to --mpp: an overestimate for slides read coarser.)"""
     if flags.batch_size:
         return flags.batch_size, "given"
     if facts.n_sizes > 1:
         shown = ", ".join(facts.sizes) + (", ..." if facts.n_sizes > len(facts.sizes) else "")
         return 1, f"the training images come in {facts.n_sizes} sizes ({shown}): one image per step"
-    if facts.n_sizes == 1:
+    if facts.n_sizes != 1:
+        return AUTO_BATCH, "the default"
+    view = facts.pixels * scale * scale
+    fits = int(AUTO_VIEW_PIXELS // view) if view else AUTO_BATCH
+    if fits >= AUTO_BATCH:
         return AUTO_BATCH, f"every training image is {facts.sizes[0]}"
-    return AUTO_BATCH, "the default"
+    return max(1, fits), (f"every training image is {facts.sizes[0]}, its low-res view {view / 1e6:.2g} M pixels: "
+                          f"at most {AUTO_VIEW_PIXELS / 1e6:g} M a step (memory)")
+
+
+def _settled_view_scale(sizes: TrainConfig, mpp: float | None) -> float:
+    """:func:`view_scale` of a configuration whose sizes are settled; ``--scale`` where the
+    levels cannot be read yet (their error is raised when the model is made)."""
+    try:
+        return view_scale(sizes, mpp)
+    except ValueError:
+        return sizes.scale
 
 
 def _at_evaluation(given: int, trained: int, name: str) -> tuple[int, str]:
@@ -765,6 +787,7 @@ def gather_facts(flags: TrainConfig, data: Dataset, *, view_cache: Any = None) -
                       files=len(records), mpps=tuple(known), mpps_agree=agree, no_mpp=missing[0] if missing else "",
                       pretrained=pretrained_source(flags.feature_net, flags.feature_weights),
                       sizes=tuple(shapes[:3]), n_sizes=len(shapes),
+                      pixels=max((s[0] * s[1] for _, s in headers if s), default=0),
                       position_hint=position if position in ("on", "off") else "")
     if not looks_at_images(flags):
         return facts

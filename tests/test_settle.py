@@ -7,6 +7,7 @@ import builtins
 import copy
 import io
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from PIL import Image
 from ats_cli.config import (
     AUTO_MIN_BRIGHTNESS,
     AUTO_RARITY_PRIOR,
+    AUTO_VIEW_PIXELS,
     DATA_DEFAULTS,
     TWO_LEVEL_RARITY_CAP,
     TWO_LEVEL_RARITY_PRIOR,
@@ -141,6 +143,21 @@ def test_two_levels_start_the_coarse_attention_on_the_unusual_regions():
     assert settle(TrainConfig(**two, rarity_prior=3.0), SLIDES)[0].config.rarity_cap == TWO_LEVEL_RARITY_CAP
     given = settle(TrainConfig(**two, rarity_cap=0.0, region_temperature=1.0), SLIDES)[0].config
     assert (given.rarity_prior, given.rarity_cap, given.region_temperature) == (TWO_LEVEL_RARITY_PRIOR, 0.0, 1.0)
+
+
+def test_batch_size_auto_keeps_a_steps_views_bounded():
+    """32 images a step, unless their low-res views would hold more than AUTO_VIEW_PIXELS:
+    100k² slides seen at 1/64 (a two-level model's coarse view, or one level's) train 3 a
+    step; 3k slides at 1/32 the usual 32; a given size wins."""
+    big = replace(SLIDES, sizes=("100000x100000 at 0.5 µm/px",), n_sizes=1, pixels=100_000 ** 2)
+    two = dict(levels=2, regions=8, region_size=768, coarse_px=12, scale=0.125, patch_size=64)
+    settled, reasons = settle(TrainConfig(**two), big)
+    assert settled.config.batch_size == 3 == AUTO_VIEW_PIXELS // round((100_000 / 64) ** 2)
+    assert "low-res view 2.4 M pixels: at most 8 M a step" in _why(reasons)["batch_size"]
+    assert settle(TrainConfig(scale=1 / 64), big)[0].config.batch_size == 3  # one level at the same scale
+    assert settle(TrainConfig(**two, batch_size=4), big)[0].config.batch_size == 4
+    small = replace(SLIDES, sizes=("3072x3072 at 0.5 µm/px",), n_sizes=1, pixels=3072 ** 2)
+    assert settle(TrainConfig(), small)[0].config.batch_size == 32
 
 
 def test_position_features_auto_follows_the_datasets_hint():
