@@ -159,7 +159,7 @@ def _exact_logits(m: NestedATSModel, img: torch.Tensor, mask: torch.Tensor | Non
     fatt = tuple(scores.shape[-2:])
     fmask = None if mask is None else m._region_mask(low, mask, views, (SIZE, SIZE), roff)
     keep = m._supported_pixels(views, fmask)
-    prior = m._prior_cells(views, keep, fatt)
+    prior = m._prior_cells(views, keep, fatt, within_region=True)  # as the model's fine level
     b = attention_distribution(scores if prior is None else scores + prior[:, None], m._support_cells(keep, fatt))
     cells = torch.arange(b.shape[1])[None].expand(G, -1)
     within = positions_to_offsets(cells, fatt, (REGION, REGION), m.patch_size, low_size=m.view_size)
@@ -205,6 +205,24 @@ def test_the_two_level_model_is_unbiased_with_a_tissue_mask_a_prior_and_a_gain()
     the rarity prior on the coarse and the fine cells, the learned gain on the features."""
     m = tiny_nested(prior={"name": "rarity", "weight": 1.0}, gain={"name": "learned"})
     assert _model_z(m, mask=_mask()) < Z_MAX
+
+
+def test_a_capped_prior_caps_the_coarse_level_only_and_stays_unbiased(monkeypatch):
+    """The rarity prior's cap spreads the coarse attention over the unusual regions; within
+    a region its ``within_region`` form is uncapped, so the fine attention starts on the
+    region's most unusual cell. The model with it is unbiased (its exact expectation uses
+    the same forms), and the check rejects the plain mean over regions (the control)."""
+    from ats_cli.extensions.prior_rarity import rarity
+
+    m = tiny_nested(prior={"name": "rarity", "weight": 3.0, "cap": 1.5})
+    views = region_views(_image(), torch.zeros(1, 1, 2, dtype=torch.long), REGION, m.view_size)[0].float()
+    r = rarity(views)
+    assert float(r.max()) > 2.5  # cells past the cap, which the two forms treat apart
+    assert torch.allclose(m.prior.within_region(views, None), 3.0 * r)
+    assert torch.allclose(m.prior(views, None), 3.0 * r.clamp(max=1.5))
+    assert _model_z(m, mask=_mask()) < Z_MAX
+    monkeypatch.setattr(nested_model, "nested_expectation", _plain_mean_over_regions)
+    assert _model_z(m, mask=_mask()) > 3 * Z_MAX
 
 
 def test_more_regions_at_evaluation_are_as_unbiased_and_capped_at_the_grid():

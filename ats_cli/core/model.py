@@ -185,20 +185,25 @@ class ATSModel(nn.Module):
         blank = ~keep.flatten(1).any(1)  # a blank image: the whole map
         return keep | blank[:, None, None]
 
-    def _prior_cells(self, low: torch.Tensor, keep_px: torch.Tensor | None, att_shape: tuple[int, int]
-                     ) -> torch.Tensor | None:
-        return None if self.prior is None else self._to_cells(self.prior(low, keep_px), att_shape)
+    def _prior_cells(self, low: torch.Tensor, keep_px: torch.Tensor | None, att_shape: tuple[int, int],
+                     within_region: bool = False) -> torch.Tensor | None:
+        if self.prior is None:
+            return None
+        prior = self.prior.within_region(low, keep_px) if within_region else self.prior(low, keep_px)
+        return self._to_cells(prior, att_shape)
 
-    def _scores_and_support(self, net: nn.Module, view: torch.Tensor, mask: torch.Tensor | None
+    def _scores_and_support(self, net: nn.Module, view: torch.Tensor, mask: torch.Tensor | None,
+                            within_region: bool = False
                             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``net``'s attention scores [B, 1, att_h, att_w] on ``view`` with the prior's
         log-prior added, the cells the support and ``mask`` keep (None = all) and the
         log-prior [B, att_h, att_w] (None without a prior): what every attention of the model
-        (a one-level model's, both of a two-level model's) is made of."""
+        (a one-level model's, both of a two-level model's) is made of. ``within_region``: the
+        view is a region's, the prior's :meth:`~ats_cli.extensions.prior.Prior.within_region`."""
         scores = net(view)
         att_shape = tuple(scores.shape[-2:])
         keep_px = self._supported_pixels(view, mask)  # shared by the prior and the support
-        prior = self._prior_cells(view, keep_px, att_shape)
+        prior = self._prior_cells(view, keep_px, att_shape, within_region)
         if prior is not None:
             scores = scores + prior[:, None].to(scores.dtype)
         return scores, self._support_cells(keep_px, att_shape), prior

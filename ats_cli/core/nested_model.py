@@ -26,7 +26,9 @@ What the extensions do here: the support (tissue mask, ``bright``) restricts bot
 kept are those under the coarse mask and, for a tissue mask, those of the region's own
 view above the saturation that splits the coarse view as the mask does:
 :meth:`NestedATSModel._region_mask`); the prior shifts the coarse cells' scores
-(and so the regions') and the fine cells'; the gain multiplies the features. Each is a
+(and so the regions') and the fine cells' (its ``within_region`` form: the rarity prior
+uncapped, so that a region's fine attention starts on its most unusual object); the gain
+multiplies the features. Each is a
 function of the input alone at its level, so the derivation in :mod:`ats_cli.core.nested`
 holds. ``counts`` pooling needs the attention around each patch on one grid and is
 refused.
@@ -282,7 +284,7 @@ class NestedATSModel(ATSModel):
             views = colour(views.view(B, k, *views.shape[1:])).flatten(0, 1)
         mask = None if support_mask is None else self._region_mask(low, support_mask.to(low.device), views,
                                                                     image_size, roff)
-        fscores, fkeep, fprior = self._scores_and_support(self.attention_net, views, mask)
+        fscores, fkeep, fprior = self._scores_and_support(self.attention_net, views, mask, within_region=True)
         fatt = tuple(fscores.shape[-2:])
         b = attention_distribution(fscores, fkeep)  # [B*k, K_f]
         inner = sample(b, n, replace=self.replace, generator=generator)

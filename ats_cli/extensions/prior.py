@@ -26,3 +26,10 @@ class Prior(nn.Module):
         """Log-prior [B, 1, h, w] of the pixels of ``low`` [B, C, h, w] (float, [0, 1]);
         ``keep`` [B, 1, h, w] the pixels that may be sampled (None = all)."""
         raise NotImplementedError
+
+    def within_region(self, low: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        """The log-prior inside one region of a two-level model, ``low`` being the region's
+        view (:class:`~ats_cli.core.nested_model.NestedATSModel`'s fine level): what
+        :meth:`forward` gives, unless a prior spreads its coarse mass on purpose and need
+        not within a region (:class:`~ats_cli.extensions.prior_rarity.RarityPrior`'s cap)."""
+        return self(low, keep)

@@ -16,7 +16,10 @@ not which of the unusual cells matters, and without a cap a large weight hands t
 mass to the single most unusual cell: on the coarse level of a two-level model the
 estimate then becomes one region's, often a look-alike's (benchmarks/slides.md, Two
 levels). ``weight * (cap - 1)`` nats is the most a capped prior favours a cell over a
-typical one.
+typical one. Within a region of a two-level model (:meth:`within_region`) the prior is not
+capped: there the mass should go to the region's most unusual object, which the capped
+prior shares with every cell past the cap (a nest held 0.35 of its region's fine attention
+capped at 4.5 with weight 10, 1.0 uncapped, on 21 nests of 100k² synthetic slides).
 
 Unbiased: ``r`` and its cap are a fixed function of the input, computed without gradient
 (:mod:`ats_cli.extensions.prior`).
@@ -79,3 +82,6 @@ class RarityPrior(Prior):
     def forward(self, low: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         r = rarity(low, keep)
         return self.weight * (r if self.cap is None else r.clamp(max=self.cap))
+
+    def within_region(self, low: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        return self.weight * rarity(low, keep)
