@@ -120,7 +120,7 @@ class TrainConfig:
     # on: the gain extension "learned", a per-patch gain on the unit-norm features
     # (ats_cli.extensions.gain_learned); auto = on for slides, where one small region decides the label
     patch_gain: str = _key("auto", "Learned per-patch feature gain: {choices}; docs/training.md", METHOD_PANEL,
-                           choices={"auto": "on for slides, i.e. a tissue mask, else off",
+                           choices={"auto": "on for slides, i.e. a tissue mask (one level), else off",
                                     "on": "one patch showing the class can outweigh look-alikes",
                                     "off": "every patch weighed by its attention alone, the thesis"})
     # the pooling extension: what the estimator averages (ats_cli.extensions.pooling*); none_class
@@ -665,11 +665,19 @@ def _region_temperature(flags: TrainConfig) -> tuple[float, str]:
 def _patch_gain(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
     """Slides: a label decided by one small region among look-alikes the attention cannot
     tell apart (ATSModel's docstring), so one patch that shows the class may outweigh them.
-    Anything else off, so that a label that counts objects weighs each alike."""
+    Anything else off, so that a label that counts objects weighs each alike. Two levels
+    off: where the signal comes late (a nest of a 100k² slide is a tenth of the pooled
+    weight at the start), the cheapest way to lower a loss that has nothing to say yet is to
+    shrink every logit, and the gain does it at once: on 100k² synthetic slides it fell to
+    0.007 for every patch in the first epoch, scaling the feature net's gradient with it,
+    and the run stayed at chance (3 epochs, one level at 1/64 alike), where the same runs
+    without it learned (benchmarks/slides.md, "Two levels")."""
     if flags.patch_gain != "auto":
         return flags.patch_gain, "given"
     if _baseline(flags):
         return "off", _baseline(flags)
+    if flags.levels == 2:
+        return "off", "two levels: on 100k² slides the gain switched every patch off before the first signal"
     if facts.slides:
         return "on", f"{_looked(facts)}; one region showing the class can outweigh the look-alikes"
     return "off", f"{_looked(facts)}; each object weighs alike"
