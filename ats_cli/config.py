@@ -110,10 +110,11 @@ class TrainConfig:
     # (ats_cli.extensions.prior_rarity); -1 = auto
     rarity_prior: float = _key(-1.0, "Weight beta of the attention's starting prior exp(beta r), r = how unusual a "
                                "low-res cell's colour is in its image (1 = typical); 0 = off (the thesis); -1 = auto: "
-                               "slides (tissue mask) 2, with --levels 2 10, else off", METHOD_PANEL, means="auto")
+                               "on for slides (tissue mask): 2, or 10 with --levels 2; else off", METHOD_PANEL,
+                               means="auto")
     rarity_cap: float = _key(-1.0, "With --rarity-prior: cells at least this unusual (r >= cap) start alike, so "
                              "that a large weight does not hand all the mass to the single most unusual cell; 0 = no "
-                             "cap; -1 = auto: 4.5 for two levels on slides, else none", METHOD_PANEL, means="auto")
+                             "cap; -1 = auto: 4.5 with --levels 2, else none", METHOD_PANEL, means="auto")
     # multiplies the L2-normalised features (1 = the paper; see ATSModel)
     feature_scale: float = _key(10.0, "Multiplies the L2-normalised features; >1 lets the classifier become "
                                 "confident sooner (docs/training.md; 1 = the paper)", METHOD_PANEL)
@@ -355,17 +356,18 @@ def resolve_config(file: str | Path | None = None, **overrides: Any) -> TrainCon
 DATA_DEFAULTS: dict[str, Any] = {"n_patches": 10, "patch_size": 50, "scale": 0.12}
 AUTO_MIN_BRIGHTNESS = 0.15  # --min-brightness auto on a black background (docs/training.md)
 AUTO_RARITY_PRIOR = 2.0  # --rarity-prior auto on slides (docs/training.md)
-# --levels 2: --rarity-prior (on slides), --rarity-cap and --region-temperature auto. Where a
-# two-level model's coarse attention starts decides whether training gets a signal at all: at
-# initialisation the coarse net adds nothing (its last layer is zero), so the coarse attention
-# is the prior's, and on a large slide the region that decides the label is one of thousands,
-# its object perhaps one coarse pixel. On the first 20 tumour slides of 100k² synthetic slides,
-# regions of 768 px seen at 1/64 (benchmarks/coarse_prior.py; benchmarks/slides.md, "Two
-# levels"), the one-level auto (prior 2, a region scored by the log-mean-exp of its cells,
-# t = 1) puts 0.021 of the coarse mass on the nests' regions; t = 0.1 (a region scored near its
-# most unusual cell) 0.20; a prior of 10 more, but uncapped it hands 0.998 of the mass to the
-# single most unusual region (the estimate is then one region's and training stalls); capped at
-# 4.5 (every cell at least 4.5 times as unusual as the typical one starts alike) the mass
+# --levels 2: --rarity-prior (on slides), --rarity-cap and --region-temperature auto (and
+# --patch-gain off: _patch_gain). Where a two-level model's coarse attention starts decides
+# whether training gets a signal at all: at initialisation the coarse net adds nothing (its
+# last layer is zero), so the coarse attention is the prior's, and on a large slide the
+# region that decides the label is one of thousands, its object perhaps one coarse pixel. On
+# the first 20 tumour slides of 100k² synthetic slides, regions of 4096 px seen at 1/64
+# (benchmarks/coarse_prior.py; benchmarks/slides.md, "Two levels"), the one-level auto
+# (prior 2, a region scored by the log-mean-exp of its cells, t = 1) puts 0.021 of the
+# coarse mass on the nests' regions; t = 0.1 (a region scored near its most unusual cell)
+# 0.20; a prior of 10 more, but uncapped it hands 0.998 of the mass to the single most
+# unusual region (the estimate is then one region's and training stalls); capped at 4.5
+# (every cell at least 4.5 times as unusual as the typical one starts alike) the mass
 # spreads over the slide's unusual regions, 0.28 of it on the nests'.
 TWO_LEVEL_RARITY_PRIOR, TWO_LEVEL_RARITY_CAP, TWO_LEVEL_REGION_TEMPERATURE = 10.0, 4.5, 0.1
 AUTO_PROBE_IMAGES = 16  # the first training images looked at
@@ -739,8 +741,8 @@ def levels_spec(cfg: TrainConfig, mpp: float | None) -> dict[str, Any]:
     multiple of the patch side), ``coarse_scale`` (the coarse view's, ``--coarse-px``
     pixels per region side; ``scale`` stays the region views') and ``region_temperature``
     (``eval_regions`` and ``region_temperature`` at auto as :func:`settle` settles them, which
-    needs no data). Raises ValueError in one line for a region that cannot be cut into patches or microns
-    without a pixel size."""
+    needs no data). Raises ValueError in one line for a region that cannot be cut into
+    patches or microns without a pixel size."""
     if cfg.levels == 1:
         return {}
     from ats_cli.core.nested_model import coarse_scale_for

@@ -9,12 +9,11 @@
 # SIZE² slides with the task's nest size in level-0 pixels; N_TRAIN for training, N_TEST
 # (the split each epoch reports) and N_FRESH fresh slides of another seed, scored once at the
 # end with best.pt (which the N_TEST split chose). Models (image labels only, the defaults
-# plus the method's flags): `two` = --levels 2, regions of 768 px, k = 8, a coarse view at
-# 1/64 (--coarse-px 12: a nest is a dark pixel there, benchmarks/slides.md "Two levels"),
-# region views at 1/8, 4 patches of 64 a region, the rarity prior at 10 capped at 4.5 and
-# region temperature 0.1 (the settings whose coarse attention starts on the spots:
-# benchmarks/coarse_prior.py); `one` = one level at 1/64, 32 patches (the same patch budget;
-# the largest view that fits in 2 GB of RAM on the CPU). Both train at the
+# plus the geometry): `two` = --levels 2, regions of 768 px, k = 8, a coarse view at 1/64
+# (--coarse-px 12: a nest is a dark pixel there, benchmarks/slides.md "Two levels"), region
+# views at 1/8, 4 patches of 64 a region; `one` = one level at 1/64, 32 patches (the same
+# patch budget; the largest view that fits in 2 GB of RAM on the CPU) with the two-level
+# model's prior (10 capped at 4.5) and no gain, without which it stays at chance. Both train at the
 # same time, each boxed so that the call returns within BUDGET_S (a run cut short keeps its
 # best.pt and per-epoch figures). Results in $OUT/gpu_nested (default ./out): summary.md,
 # each run's metrics.jsonl, training and prediction logs.
@@ -47,12 +46,12 @@ describe_env "$RES/env.txt" "$SETTINGS; budget $BUDGET_S s"
 tail -n 2 "$RES/make.log"
 
 declare -A FLAGS=(
-  [two]="--levels 2 --regions 8 --region-size 768 --coarse-px 12 --scale 0.125 --patch-size 64 --n-patches 4 --rarity-prior 10 --rarity-cap 4.5 --region-temperature 0.1"
-  [one]="--scale 0.015625 --patch-size 64 --n-patches 32"
+  [two]="--levels 2 --regions 8 --region-size 768 --coarse-px 12 --scale 0.125 --patch-size 64 --n-patches 4"
+  [one]="--scale 0.015625 --patch-size 64 --n-patches 32 --rarity-prior 10 --rarity-cap 4.5 --patch-gain off"
 )
 for m in $MODELS; do
   # shellcheck disable=SC2086  # the flags hold several words on purpose
-  ( train_boxed "$m" "$(( $(left) - PREDICT_S ))" "$WORK/data" --epochs "$EPOCHS" --batch-size 4 ${FLAGS[$m]}
+  ( train_boxed "$m" "$(( $(left) - PREDICT_S ))" "$WORK/data" --epochs "$EPOCHS" ${FLAGS[$m]}
     timeout "$(( $(left) - 5 ))" "${ATS[@]}" predict "$WORK/fresh/test.csv" --model "$WORK/run-$m/best.pt" \
       --device "$DEVICE" --out "$RES/fresh-$m.csv" > "$RES/predict-$m.log" 2>&1
     echo "rc $?" >> "$RES/predict-$m.log" ) &
