@@ -121,7 +121,7 @@ class TrainConfig:
     # on: the gain extension "learned", a per-patch gain on the unit-norm features
     # (ats_cli.extensions.gain_learned); auto = on for slides, where one small region decides the label
     patch_gain: str = _key("auto", "Learned per-patch feature gain: {choices}; docs/training.md", METHOD_PANEL,
-                           choices={"auto": "on for slides, i.e. a tissue mask (one level), else off",
+                           choices={"auto": "on for slides, i.e. a tissue mask, with one level; else off",
                                     "on": "one patch showing the class can outweigh look-alikes",
                                     "off": "every patch weighed by its attention alone, the thesis"})
     # the pooling extension: what the estimator averages (ats_cli.extensions.pooling*); none_class
