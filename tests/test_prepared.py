@@ -308,6 +308,29 @@ def test_where_entries_go(tmp_path, monkeypatch):
             locked.chmod(0o755)
 
 
+def test_a_folder_another_preparer_creates_meanwhile_is_still_the_one_beside_the_dataset(tmp_path, monkeypatch):
+    """Two preparers start at once: the first looks, finds no folder, and the second creates
+    it right then. The first must still go beside the dataset, not to the cache as if the
+    dataset were read-only (what made two preparers of one dataset prepare it twice)."""
+    monkeypatch.delenv("ATS_PREPARED", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    beside = tmp_path / "d" / ".ats-prepared"
+    beside.parent.mkdir()
+    real_stat, looked = os.stat, []
+
+    def stat_then_created(path, *args, **kwargs):
+        if Path(path) == beside and not looked:  # the first look: absent, then the other one creates it
+            looked.append(path)
+            beside.mkdir()
+            raise FileNotFoundError(path)
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat_then_created)
+    folder, why = store_folder(tmp_path / "d")
+    monkeypatch.undo()
+    assert looked and (folder, why) == (beside, "beside the dataset")
+
+
 def test_training_with_and_without_preparing_gives_the_same_metrics(tmp_path):
     data = _dataset(tmp_path / "d", sizes=((96, 96),) * 10, channels=3)
     base = dict(data=str(data.root), n_patches=2, patch_size=16, scale=0.125, feature_width=8, batch_size=4,

@@ -113,6 +113,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import stat
 import struct
 import time
 import zlib
@@ -399,7 +400,15 @@ def store_folder(root: str | os.PathLike[str]) -> tuple[Path | None, str]:
     if where:
         return Path(where).expanduser() / _digest(str(Path(root).resolve()))[:16], f"{ENV}={where}"
     beside = Path(root) / FOLDER
-    if beside.is_dir() and os.access(beside, os.W_OK | os.X_OK) or not beside.exists() and os.access(root, os.W_OK):
+    # one look at the folder decides: asked twice (is it a directory? does it exist?), a
+    # second preparer creating it in between made the first take the cache below
+    try:
+        mode = os.stat(beside).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        usable = os.access(root, os.W_OK | os.X_OK)
+    else:
+        usable = stat.S_ISDIR(mode) and os.access(beside, os.W_OK | os.X_OK)
+    if usable:
         return beside, "beside the dataset"
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ats" / "prepared"
     return cache / _digest(str(Path(root).resolve()))[:16], f"{root} is not writable"
