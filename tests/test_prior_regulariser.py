@@ -103,7 +103,7 @@ def test_adam_on_the_regulariser_alone_keeps_the_priors_mass_where_the_entropy_b
             opt.zero_grad()
             (-getattr(out, name).mean()).backward()
             opt.step()
-        kept[name] = float(_forward(model).attention.flatten(1)[0, top].sum()) / float(start[top].sum())
+        kept[name] = float(_forward(model).attention.detach().flatten(1)[0, top].sum()) / float(start[top].sum())
     assert kept["explore"] > 0.99 and kept["entropy"] < 0.1, kept
 
 
