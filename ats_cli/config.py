@@ -119,10 +119,13 @@ class TrainConfig:
     feature_scale: float = _key(10.0, "Multiplies the L2-normalised features; >1 lets the classifier become "
                                 "confident sooner (docs/training.md; 1 = the paper)", METHOD_PANEL)
     # on: the gain extension "learned", a per-patch gain on the unit-norm features
-    # (ats_cli.extensions.gain_learned); auto = on for slides, where one small region decides the label
+    # (ats_cli.extensions.gain_learned); auto = on for slides, where one small region decides the
+    # label; late: the same model, the gain trained from GAIN_LATE_START of the epochs (train._optimizer)
     patch_gain: str = _key("auto", "Learned per-patch feature gain: {choices}; docs/training.md", METHOD_PANEL,
-                           choices={"auto": "on for slides, i.e. a tissue mask, with one level; else off",
+                           choices={"auto": "on for slides, i.e. a tissue mask: with one level; late with two; "
+                                            "else off",
                                     "on": "one patch showing the class can outweigh look-alikes",
+                                    "late": "on, trained from half-way, once the feature net tells the class apart",
                                     "off": "every patch weighed by its attention alone, the thesis"})
     # the pooling extension: what the estimator averages (ats_cli.extensions.pooling*); none_class
     # and count_floor are its options (ats_cli.models.extension_specs)
@@ -356,8 +359,9 @@ def resolve_config(file: str | Path | None = None, **overrides: Any) -> TrainCon
 DATA_DEFAULTS: dict[str, Any] = {"n_patches": 10, "patch_size": 50, "scale": 0.12}
 AUTO_MIN_BRIGHTNESS = 0.15  # --min-brightness auto on a black background (docs/training.md)
 AUTO_RARITY_PRIOR = 2.0  # --rarity-prior auto on slides (docs/training.md)
+GAIN_LATE_START = 0.5  # --patch-gain late: the gain trains from this fraction of --epochs (_patch_gain says why)
 # --levels 2: --rarity-prior (on slides), --rarity-cap and --region-temperature auto (and
-# --patch-gain off: _patch_gain). Where a two-level model's coarse attention starts decides
+# --patch-gain late: _patch_gain). Where a two-level model's coarse attention starts decides
 # whether training gets a signal at all: at initialisation the coarse net adds nothing (its
 # last layer is zero), so the coarse attention is the prior's, and on a large slide the
 # region that decides the label is one of thousands, its object perhaps one coarse pixel. On
@@ -667,19 +671,27 @@ def _region_temperature(flags: TrainConfig) -> tuple[float, str]:
 def _patch_gain(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
     """Slides: a label decided by one small region among look-alikes the attention cannot
     tell apart (ATSModel's docstring), so one patch that shows the class may outweigh them.
-    Anything else off, so that a label that counts objects weighs each alike. Two levels
-    off: where the signal comes late (a nest of a 100k² slide is a tenth of the pooled
-    weight at the start), the cheapest way to lower a loss that has nothing to say yet is to
-    shrink every logit, and the gain does it at once: on 100k² synthetic slides it fell to
-    0.007 for every patch in the first epoch, scaling the feature net's gradient with it,
-    and the run stayed at chance (3 epochs, one level at 1/64 alike), where the same runs
-    without it learned (benchmarks/slides.md, "Two levels")."""
+    Anything else off, so that a label that counts objects weighs each alike.
+
+    Two levels on slides: late. Where the signal comes late (a nest of a 100k² slide is a
+    tenth of the pooled weight at the start), the cheapest way to lower a loss that has
+    nothing to say yet is to shrink every logit, and a gain trained from the start does it
+    at once: on 100k² synthetic slides it fell to 0.007 for every patch in the first epoch,
+    scaling the feature net's gradient with it, and the run stayed at chance (a floor of
+    0.5 under it only left it on the floor). Trained once the feature net tells nests apart
+    (there: continued for 3 epochs from 10 without it), the same gain rose to 5.8 on nests
+    and stayed at 1.0 elsewhere, and 400 fresh slides went from 85.5% to 90.5%: the coarse
+    attention, which cannot tell a nest's region from a decoy's, leaves a nest ~0.3 of the
+    estimate, and the gain lifts it (benchmarks/slides.md, "Accuracy at 100k²"). Half of
+    the epochs: at 100k² the feature net told nests apart by the third of ten."""
     if flags.patch_gain != "auto":
         return flags.patch_gain, "given"
     if _baseline(flags):
         return "off", _baseline(flags)
-    if flags.levels == 2:
-        return "off", "two levels: on 100k² slides the gain switched every patch off before the first signal"
+    if facts.slides and flags.levels == 2:
+        return "late", f"{_looked(facts)}; two levels: trained from the start, the gain switched every patch " \
+                       "off before the first signal (100k² slides); from half-way it lifts the patches that " \
+                       "show the class"
     if facts.slides:
         return "on", f"{_looked(facts)}; one region showing the class can outweigh the look-alikes"
     return "off", f"{_looked(facts)}; each object weighs alike"

@@ -126,7 +126,7 @@ def extension_specs(cfg: TrainConfig) -> dict[str, dict[str, Any] | None]:
         "prior": {"name": "rarity", "weight": float(cfg.rarity_prior),
                   **({"cap": float(cap)} if (cap := rarity_cap(cfg)) > 0 else {})}  # absent: as it always was
         if cfg.rarity_prior > 0 and cfg.method != "uniform" else None,
-        "gain": {"name": "learned"} if cfg.patch_gain == "on" else None,
+        "gain": {"name": "learned"} if cfg.patch_gain in ("on", "late") else None,  # late: train._optimizer
         # present only when on, so that the spec of a model without it is what it always was
         # (its features, and the attention's view: ats_cli.extensions.position)
         **({"position": {"frequencies": 4, "attention": True}} if cfg.position_features == "on" else {}),

@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader
 
 from ats_cli.augment import Augmentation
 from ats_cli.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from ats_cli.config import TrainConfig, gather_facts, load_facts, save_settled, settle, view_scale
+from ats_cli.config import GAIN_LATE_START, TrainConfig, gather_facts, load_facts, save_settled, settle, view_scale
 from ats_cli.core.source import to_device
 from ats_cli.data.dataset import load_dataset
 from ats_cli.data.inputs import Batch, ImageDataset, collate, readable, single_thread_worker, view_cache_for
@@ -140,16 +140,23 @@ def _conv_layout(device: torch.device) -> torch.memory_format:
 def _optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     """One parameter group at ``--lr``, then (``--feature-lr`` other than 1) the feature
     network's at that fraction of it; with ``--feature-lr 0`` the feature network is frozen
-    (:func:`freeze_features`) and left out. Each group's ``lr_scale`` multiplies the schedule."""
+    (:func:`freeze_features`) and left out. Each group's ``lr_scale`` multiplies the schedule;
+    ``--patch-gain late`` puts the gain in a group of its own that starts (``from_epoch``,
+    :func:`_set_lr`) at ``GAIN_LATE_START`` of the epochs."""
     features = getattr(model, "feature_net", None)
     if cfg.feature_lr != 1 and features is None:
         raise ValueError(f"--feature-lr {cfg.feature_lr}: method {cfg.method!r} has no feature network")
     if cfg.feature_lr == 0:
         freeze_features(model)
     own = {id(p) for p in features.parameters()} if features is not None and cfg.feature_lr != 1 else set()
+    gain = getattr(model, "gain", None)
+    late = [p for p in gain.parameters() if p.requires_grad] if gain is not None and cfg.patch_gain == "late" else []
+    own |= {id(p) for p in late}
     groups = [{"params": [p for p in model.parameters() if id(p) not in own and p.requires_grad], "lr_scale": 1.0}]
-    if own and cfg.feature_lr > 0:  # a frozen part (--feature-train) holds no optimizer state either
+    if features is not None and cfg.feature_lr not in (0, 1):  # a frozen part (--feature-train) holds no state
         groups.append({"params": [p for p in features.parameters() if p.requires_grad], "lr_scale": cfg.feature_lr})
+    if late:
+        groups.append({"params": late, "lr_scale": 1.0, "from_epoch": GAIN_LATE_START * cfg.epochs})
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
     cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
@@ -168,6 +175,15 @@ def train_mode(model: torch.nn.Module) -> None:
     for m in model.modules():
         if getattr(m, "frozen", False):
             m.eval()
+
+
+def _set_lr(opt: torch.optim.Optimizer, cfg: TrainConfig, progress: float) -> None:
+    """Each group's learning rate at ``progress`` epochs: the schedule times its ``lr_scale``,
+    0 before its ``from_epoch`` (a part that trains only from there on: ``--patch-gain late``).
+    A function of the position alone, so a resumed run sets what the uninterrupted one did."""
+    for group in opt.param_groups:
+        on = progress >= group.get("from_epoch", 0.0)
+        group["lr"] = _lr_at(cfg, progress) * group.get("lr_scale", 1.0) if on else 0.0
 
 
 def _lr_at(cfg: TrainConfig, progress: float) -> float:
@@ -355,8 +371,7 @@ def train_one_epoch(cfg: TrainConfig, ctx: Dist, device: torch.device, net: torc
     try:
         for batch in readable(loader):
             batch: Batch
-            for group in opt.param_groups:
-                group["lr"] = _lr_at(cfg, pos.epoch + pos.done / len(train_set)) * group.get("lr_scale", 1.0)
+            _set_lr(opt, cfg, pos.epoch + pos.done / len(train_set))
             sampling_gen.manual_seed(_seed(cfg.seed, pos.epoch, pos.done, ctx.rank))
             # ats_cli.augment: the same per-image colours for the low-res view and its patches
             # (none, the settled value for images without a tissue mask: nothing is drawn)

@@ -203,7 +203,7 @@ def test_a_two_level_model_end_to_end_on_virtual_slides(tmp_path):
 def test_the_nested_attention_benchmark_reads_a_run(slides, run):
     """benchmarks/nested_attention.py, whose figures benchmarks/slides.md quotes, reads a
     two-level run's checkpoint: each share within [0, 1] (the fine mass NaN when no nest's
-    region was drawn), the gain off (two levels' auto)."""
+    region was drawn), a gain positive."""
     import subprocess
     import sys
     from pathlib import Path
@@ -216,4 +216,30 @@ def test_the_nested_attention_benchmark_reads_a_run(slides, run):
     coarse, top, fine, nest_logit, normal_logit, nest_gain, normal_gain = row[1:]
     assert 0 <= float(coarse) <= 1 and top.endswith("%") and (fine == "nan" or 0 <= float(fine) <= 1)
     assert np.isfinite(float(nest_logit)) and np.isfinite(float(normal_logit))
-    assert float(nest_gain) == float(normal_gain) == 1.0
+    assert float(nest_gain) > 0 and float(normal_gain) > 0
+
+
+def _gain_moved(path) -> bool:
+    """Whether a checkpoint's patch gain differs from a new one's (weight 0, gain 1)."""
+    from ats_cli.checkpoint import load_checkpoint
+    from ats_cli.extensions.gain_learned import LearnedGain
+
+    weights, fresh = load_checkpoint(path)["model"], LearnedGain(8).state_dict()
+    return any(not torch.equal(weights[f"gain.{k}"], v) for k, v in fresh.items())
+
+
+def test_two_levels_train_the_patch_gain_from_half_way(slides, tmp_path):
+    """--patch-gain auto with two levels on slides is late: the gain is in the model from the
+    start, at 1, and trains only from half of the epochs on (ats_cli.config._patch_gain says
+    why). Control: --patch-gain on trains it in the first epoch."""
+    late = tmp_path / "late"
+    flags = list(FLAGS)
+    flags[flags.index("--epochs") + 1] = "2"
+    result = runner.invoke(app, ["train", str(slides), "--out", str(late), *flags])
+    assert result.exit_code == 0, result.output
+    assert "patch_gain late" in result.output
+    assert not _gain_moved(late / "epochs" / "epoch_001.pt") and _gain_moved(late / "epochs" / "epoch_002.pt")
+    on = tmp_path / "on"
+    result = runner.invoke(app, ["train", str(slides), "--out", str(on), *FLAGS, "--patch-gain", "on"])
+    assert result.exit_code == 0, result.output
+    assert _gain_moved(on / "epochs" / "epoch_001.pt")

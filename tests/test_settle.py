@@ -132,7 +132,7 @@ def test_two_levels_start_the_coarse_attention_on_the_unusual_regions():
     keys = [r.key for r in reasons]
     assert keys.index("rarity_cap") == keys.index("rarity_prior") + 1 and "region_temperature" in keys
     assert "two levels" in _why(reasons)["rarity_prior"] and "two levels" in _why(reasons)["rarity_cap"]
-    assert c.patch_gain == "off" and "two levels" in _why(reasons)["patch_gain"]
+    assert c.patch_gain == "late" and "two levels" in _why(reasons)["patch_gain"]
     # one level on the same slides: as it always was (prior 2, no cap, no region temperature decided)
     one, reasons = settle(TrainConfig(), SLIDES)
     assert (one.config.rarity_prior, one.config.rarity_cap, one.config.patch_gain) == (AUTO_RARITY_PRIOR, 0.0, "on")
