@@ -15,7 +15,9 @@
 # patch budget; the largest view that fits in 2 GB of RAM on the CPU) with the two-level
 # model's prior (10 capped at 4.5) and no gain, without which it stays at chance. Both train at the
 # same time, each boxed so that the call returns within BUDGET_S (a run cut short keeps its
-# best.pt and per-epoch figures). Results in $OUT/gpu_nested (default ./out): summary.md,
+# best.pt and per-epoch figures). `two` trains its gain from half of EPOCHS on (--patch-gain
+# late, the two-level auto): give EPOCHS that fit the budget, as a run cut before half never
+# trains it. Results in $OUT/gpu_nested (default ./out): summary.md,
 # each run's metrics.jsonl, training and prediction logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
