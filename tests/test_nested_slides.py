@@ -243,3 +243,30 @@ def test_two_levels_train_the_patch_gain_from_half_way(slides, tmp_path):
     result = runner.invoke(app, ["train", str(slides), "--out", str(on), *FLAGS, "--patch-gain", "on"])
     assert result.exit_code == 0, result.output
     assert _gain_moved(on / "epochs" / "epoch_001.pt")
+
+
+def test_a_late_gain_run_resumes_exactly_across_half_way(slides, tmp_path):
+    """The late gain's learning rate is a function of the position (train._set_lr): a run
+    interrupted in epoch 1, before the gain trains, and resumed ends with the weights of the
+    uninterrupted run, the gain's among them (and the gain did train)."""
+    from ats_cli.checkpoint import load_checkpoint
+    from ats_cli.config import resolve_config
+    from ats_cli.train import TrainingInterrupted, train
+
+    def cfg(out):
+        return resolve_config(None, data=str(slides), out=str(out), epochs=2, batch_size=2, scale=0.125,
+                              patch_size=32, n_patches=3, levels=2, regions=3, region_size=256, feature_width=8,
+                              attention_width=4, workers=0, patch_gain="late")
+
+    def interrupt(phase, step, total, info):
+        if info["epoch"] == 1 and step == 1:
+            raise KeyboardInterrupt
+
+    quiet = {"log": lambda s: None}
+    train(cfg(tmp_path / "whole"), **quiet)
+    with pytest.raises(TrainingInterrupted):
+        train(cfg(tmp_path / "cut"), progress=interrupt, **quiet)
+    train(cfg(tmp_path / "cut"), resume=True, **quiet)
+    whole, cut = (load_checkpoint(tmp_path / r / "last.pt")["model"] for r in ("whole", "cut"))
+    assert all(torch.equal(whole[k], cut[k]) for k in whole)
+    assert _gain_moved(tmp_path / "whole" / "last.pt")
