@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +36,9 @@ import torch
 
 def nest_boxes(row: dict) -> list[tuple[int, int, int, int]]:
     """(top, left, height, width) of each nest in a CSV row (level-0 pixels)."""
-    return [tuple(int(v) for v in b[1:5]) for b in json.loads(row["boxes"] or "[]")]
+    from ats_cli.render.records import parse_boxes
+
+    return [box[1:] for box in parse_boxes(row["boxes"])]
 
 
 def measure(ckpt: str, data: Path, tumour: list[dict], normal: list[dict], seed: int) -> dict[str, float]:
@@ -109,14 +111,22 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     torch.set_num_threads(1)
-    rows = list(csv.DictReader(open(args.data / f"{args.split}.csv", newline="")))
+    try:
+        rows = list(csv.DictReader(open(args.data / f"{args.split}.csv", newline="")))
+    except OSError as e:
+        sys.exit(f"error: {e}")
     tumour = [r for r in rows if nest_boxes(r)][: args.slides]
     normal = [r for r in rows if not nest_boxes(r)][: args.slides]
     print("| checkpoint | coarse mass on nests | nest in top k | fine mass on nest | logit on nests | "
           "logit on normal | gain on nests | gain on normal |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    from ats_cli.checkpoint import CheckpointError
+
     for ck in args.checkpoints:
-        m = measure(ck, args.data, tumour, normal, args.seed)
+        try:
+            m = measure(ck, args.data, tumour, normal, args.seed)
+        except CheckpointError as e:  # names the file: one line, not a traceback
+            sys.exit(f"error: {e}")
         print(f"| {ck} | {m['coarse']:.3f} | {m['top']:.0%} | {m['fine']:.2f} | {m['nest_l']:+.2f} | "
               f"{m['norm_l']:+.2f} | {m['nest_g']:.3f} | {m['norm_g']:.3f} |", flush=True)
 
