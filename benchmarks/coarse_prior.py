@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # nested_attention, beside this file
+from nested_attention import nest_boxes, nest_regions  # noqa: E402
 
 DRAWS = 200
 
@@ -49,7 +52,7 @@ def rarity_cells(data: Path, split: str, slides: int, region: int, coarse_px: in
         save_checkpoint(path, spec=spec, classes=["normal", "tumor"], model=create_model(spec))
         predictor = load_predictor(str(path), "cpu")
     model, opener = predictor.model.eval(), predictor.opener()
-    rows = [r for r in csv.DictReader(open(data / f"{split}.csv")) if json.loads(r["boxes"] or "[]")][:slides]
+    rows = [r for r in csv.DictReader(open(data / f"{split}.csv")) if nest_boxes(r)][:slides]
     for row in rows:
         o = opener(str(data / row["path"]), channels=3, scale=model.scale, patch_size=model.patch_size)
         H, W = o.source.size
@@ -61,8 +64,7 @@ def rarity_cells(data: Path, split: str, slides: int, region: int, coarse_px: in
             keep = model.sampling_support(low, att_shape, mask)
         cells = cell_regions(att_shape, tuple(low.shape[-2:]), getattr(model.coarse_net, "margin", 0), (H, W),
                              region, "cpu")
-        nests = sorted({int((b[1] + b[3] // 2) // region) * grid[1] + int((b[2] + b[4] // 2) // region)
-                        for b in json.loads(row["boxes"])})
+        nests = nest_regions(nest_boxes(row), region, grid[1])
         yield r.flatten(1), cells, None if keep is None else keep.flatten(1), grid[0] * grid[1], nests
 
 

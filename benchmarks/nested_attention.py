@@ -41,6 +41,12 @@ def nest_boxes(row: dict) -> list[tuple[int, int, int, int]]:
     return [box[1:] for box in parse_boxes(row["boxes"])]
 
 
+def nest_regions(boxes: list[tuple[int, int, int, int]], region: int, cols: int) -> list[int]:
+    """Indices, row-major on a grid of ``cols`` columns of ``region``-pixel regions, of the
+    regions holding a nest's centre."""
+    return sorted({(t + h // 2) // region * cols + (x + w // 2) // region for t, x, h, w in boxes})
+
+
 def measure(ckpt: str, data: Path, tumour: list[dict], normal: list[dict], seed: int) -> dict[str, float]:
     from ats_cli.core.model import pixels_to_float
     from ats_cli.core.nested import region_grid
@@ -80,7 +86,7 @@ def measure(ckpt: str, data: Path, tumour: list[dict], normal: list[dict], seed:
             H, W = o.source.size
             a = model.coarse_attention(o.low[None], (H, W), None if o.support is None else o.support[None])[0]
             cols = region_grid((H, W), R)[1]
-            nests = sorted({(t + h // 2) // R * cols + (x + w // 2) // R for t, x, h, w in boxes})
+            nests = nest_regions(boxes, R, cols)
             r["coarse"].append(float(a[nests].sum()))
             r["top"].append(float(bool(set(a.topk(model.regions).indices.tolist()) & set(nests))))
             out = forward(o)
