@@ -637,7 +637,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
             + (f", {ctx.world_size} processes" if ctx.enabled else ""))
     if ctx.is_main:
         atomic_write_text(run / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
-    best_acc = max((selection_score(h) for h in history), default=(-1.0, -math.inf))
+    best_acc = max((selection_score(h) for h in history), default=(-1.0, 0))
     # Every parameter takes part in every forward pass (the attention net through the
     # sampled probabilities and the entropy, even when its zero-initialised last layer
     # makes the gradient zero), so DDP needs no find_unused_parameters (tested).
@@ -726,18 +726,21 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
     return history
 
 
-def selection_score(record: dict[str, Any]) -> tuple[float, float]:
+def selection_score(record: dict[str, Any]) -> tuple[float, int]:
     """What chooses ``best.pt`` among the epochs: the validation accuracy when the dataset has
-    a ``val.csv``, else the test accuracy; among epochs of equal accuracy, the lower loss on
-    the same split. Why another split: an epoch chosen for its test accuracy makes that
-    accuracy an optimistic estimate (the maximum of noisy figures); chosen on another split,
-    the test figure of the chosen epoch stays an honest one. Why the loss: on a small split
-    accuracy moves in coarse steps (one of 40 slides is 2.5 points), so ties are common, and
-    the first of them is the least trained epoch: a two-level run on 100k² slides was at
-    90.0% on its 40 test slides in five of its first seven epochs, its test loss falling
-    from 0.53 to 0.35 (benchmarks/slides.md, "Accuracy at 100k²")."""
+    a ``val.csv``, else the test accuracy; among epochs of equal accuracy, the later one. Why
+    another split: an epoch chosen for its test accuracy makes that accuracy an optimistic
+    estimate (the maximum of noisy figures); chosen on another split, the test figure of the
+    chosen epoch stays an honest one. Why the later: on a small split accuracy moves in
+    coarse steps (one of 40 slides is 2.5 points), so ties are common, and a later epoch has
+    had more training at a lower learning rate. Not the loss: on a small split it is set by
+    the few examples a model gets wrong, and a model that grows surer (the late patch gain)
+    raises it on those while it gets more of the others right. A two-level run on 100k²
+    slides tied at 90.0% on its 40 test slides from epoch 7 to 20; its lowest test loss was
+    before the gain trained (epoch 10), and epoch 20 beat epoch 10 by 2.75 points on each of
+    two fresh sets of 400 slides (benchmarks/slides.md, "Accuracy at 100k²")."""
     split = "val" if "val_acc" in record else "test"
-    return record[f"{split}_acc"], -record.get(f"{split}_loss", math.inf)
+    return record[f"{split}_acc"], record["epoch"]
 
 
 def _plot_curves(history: list[dict[str, Any]], path: Path) -> None:

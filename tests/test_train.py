@@ -503,15 +503,17 @@ def test_workers_auto_feeds_a_gpu_from_every_cpu_and_none_for_prepared_images_on
         resolve_config(None, workers=-2)
 
 
-def test_best_pt_breaks_a_tie_in_accuracy_by_the_lower_loss():
-    """selection_score: accuracy first, then the loss on the same split; the validation split
-    when there is one, whatever the test split says."""
+def test_best_pt_breaks_a_tie_in_accuracy_by_the_later_epoch():
+    """selection_score: accuracy first, then the later epoch, whatever the loss says; the
+    validation split when there is one, whatever the test split says."""
     from ats_cli.train import selection_score
 
-    history = [{"epoch": 1, "test_acc": 0.9, "test_loss": 0.53}, {"epoch": 2, "test_acc": 0.875, "test_loss": 0.30},
-               {"epoch": 3, "test_acc": 0.9, "test_loss": 0.35}, {"epoch": 4, "test_acc": 0.9, "test_loss": 0.36}]
+    history = [{"epoch": 1, "test_acc": 0.9, "test_loss": 0.33}, {"epoch": 2, "test_acc": 0.875, "test_loss": 0.30},
+               {"epoch": 3, "test_acc": 0.9, "test_loss": 0.53}, {"epoch": 4, "test_acc": 0.85, "test_loss": 0.20}]
     assert max(history, key=selection_score)["epoch"] == 3
-    with_val = [dict(h, val_acc=0.8, val_loss=1.0 - h["epoch"] / 10) for h in history]
+    history[2]["test_acc"] = 0.875  # control: a higher accuracy wins over a later epoch
+    assert max(history, key=selection_score)["epoch"] == 1
+    with_val = [dict(h, val_acc=0.8, val_loss=h["epoch"] / 10) for h in history]
     with_val[0]["val_acc"] = 0.85
     assert max(with_val, key=selection_score)["epoch"] == 1
     with_val[0]["val_acc"] = 0.8
