@@ -15,6 +15,12 @@ before models recorded it; predict then reads slides that record their mpp at th
 
 ``eval_regions``: a two-level model's regions drawn at prediction (0 = as in training).
 
+``eval_coarse_px``: a two-level model's coarse-view pixels per region side at prediction (0 =
+as in training), recorded as the spec's ``eval_coarse_scale``: a finer coarse view than
+training's, where the coarse attention is mostly the prior's and a small object is under
+one coarse pixel (:attr:`ats_cli.core.nested_model.NestedATSModel.scale` says why; the
+figures are in benchmarks/slides.md).
+
 ``pooling``: what the model pools, for a checkpoint whose classifier reads one patch as well
 as the pooled features (that of ``ats pretrain``, trained on single patches, reads either
 way); ``none_class="off"`` drops its "no class here" logit; ``count_floor`` the floor of a
@@ -75,7 +81,7 @@ def parse_share(text: str) -> float:
 
 def export_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, mpp: float | None = None,
                       eval_n_patches: int | None = None, eval_regions: int | None = None,
-                      pooling: str | None = None, none_class: str | None = None,
+                      eval_coarse_px: int | None = None, pooling: str | None = None, none_class: str | None = None,
                       count_floor: float | None = None, none_prior: float | None = None,
                       trained_none_share: float | None = None) -> dict[str, Any]:
     """Write ``dst``, the model of ``src`` with the given evaluation options (module
@@ -87,6 +93,8 @@ def export_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str], 
     from ats_cli.pretrain.internals import NONE_BIAS_KEY, NONE_PREFIX
 
     _check_values(mpp, eval_n_patches, eval_regions, count_floor)
+    if eval_coarse_px is not None and eval_coarse_px < 0:
+        raise ExportError(f"--eval-coarse-px must be >= 0, got {eval_coarse_px}")
     try:
         ckpt = load_checkpoint(src)
     except CheckpointError as e:
@@ -122,6 +130,14 @@ def export_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str], 
             raise ExportError(f"{src}: --eval-regions is for a two-level model (--levels 2); this one has one level")
         changes["eval_regions"] = int(eval_regions)
         ckpt["spec"]["eval_regions"] = int(eval_regions)
+    if eval_coarse_px is not None:
+        if ckpt["spec"].get("levels", 1) != 2:
+            raise ExportError(f"{src}: --eval-coarse-px is for a two-level model (--levels 2); this one has one level")
+        from ats_cli.core.nested_model import coarse_scale_for
+
+        changes["eval_coarse_px"] = int(eval_coarse_px)
+        ckpt["spec"]["eval_coarse_scale"] = (coarse_scale_for(ckpt["spec"]["region_size"], eval_coarse_px)
+                                             if eval_coarse_px else 0.0)
     try:
         pooling_spec = _pooling_spec(ckpt["spec"].get("pooling"), pooling, none_class, count_floor)
     except ValueError as e:

@@ -22,7 +22,8 @@ extension slots as plain specs (``"pooling": {"name": "counts", "none_class": tr
 :mod:`ats_cli.extensions`) and ``input``, how training read its inputs. A two-level
 ``ats`` model (:class:`~ats_cli.core.nested_model.NestedATSModel`) adds ``levels`` (2),
 ``regions``, ``region_size``, ``coarse_scale`` and ``region_temperature``
-(:func:`ats_cli.config.levels_spec`); a one-level spec has none of them.
+(:func:`ats_cli.config.levels_spec`), and ``eval_coarse_scale`` where ``ats export`` set one;
+a one-level spec has none of them.
 """
 
 from __future__ import annotations
@@ -183,6 +184,7 @@ def _ats(spec: dict[str, Any]) -> nn.Module:
         coarse = nets.create(spec["attention_net"], kind="attention", **spec["attention_kwargs"])
         return NestedATSModel(coarse, attention, _features(spec), spec["n_classes"], regions=spec["regions"],
                               eval_regions=spec.get("eval_regions", 0), region_size=spec["region_size"],
+                              eval_coarse_scale=spec.get("eval_coarse_scale", 0.0),
                               coarse_scale=spec["coarse_scale"], region_temperature=spec.get("region_temperature", 1.0),
                               **_sampling_settings(spec))
     return _sampling_model(spec, attention)

@@ -128,9 +128,34 @@ def test_export_sets_the_regions_prediction_draws(run, slides, tmp_path):
                                  "--scale", "0.125", "--patch-size", "32", "--n-patches", "2", "--feature-width", "8",
                                  "--attention-width", "4", "--workers", "0"])
     assert result.exit_code == 0, result.output
-    result = runner.invoke(app, ["export", str(one / "best.pt"), str(tmp_path / "x.pt"), "--eval-regions", "4"])
-    assert result.exit_code == 1 and "is for a two-level model" in result.output
-    assert not (tmp_path / "x.pt").exists()
+    for flag in ("--eval-regions", "--eval-coarse-px"):
+        result = runner.invoke(app, ["export", str(one / "best.pt"), str(tmp_path / "x.pt"), flag, "4"])
+        assert result.exit_code == 1 and "is for a two-level model" in result.output
+        assert not (tmp_path / "x.pt").exists()
+
+
+def test_export_sets_a_finer_coarse_view_for_prediction(run, slides, tmp_path):
+    """``ats export --eval-coarse-px 8`` on a model trained at 4 pixels per 256-pixel region:
+    prediction reads the 1024 slides' coarse view at 32x32, training's at 16x16 (control: the
+    model exported without it reads 16x16), and predict runs on it end to end."""
+    from ats_cli.predict import load_predictor
+
+    slide = str(slides / "test" / "0001.tif")
+    for px, side in ((8, 32), (None, 16)):
+        out = tmp_path / f"c{px}.pt"
+        result = runner.invoke(app, ["export", str(run / "best.pt"), str(out),
+                                     *(["--eval-coarse-px", str(px)] if px else [])])
+        assert result.exit_code == 0, result.output
+        pred = load_predictor(out, "cpu")
+        model = pred.model.eval()
+        opened = pred.opener()(slide, channels=3, scale=model.scale, patch_size=model.patch_size)
+        assert tuple(opened.low.shape[-2:]) == (side, side)
+        assert model.train().scale == pytest.approx(4 / 256)  # training's view is as trained
+    csv_out = tmp_path / "preds.csv"
+    result = runner.invoke(app, ["predict", str(slides / "test.csv"), "--model", str(tmp_path / "c8.pt"),
+                                 "--out", str(csv_out)])
+    assert result.exit_code == 0, result.output
+    assert len(csv_out.read_text().splitlines()) == 1 + SMALL.n_test
 
 
 @pytest.mark.parametrize("flags, message", [

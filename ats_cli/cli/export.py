@@ -32,6 +32,9 @@ def export(
                                        help="Patches prediction draws by default \\[default: as in SRC]."),
     eval_regions: int = typer.Option(None, "--eval-regions", min=0, show_default=False,
                                      help="Two levels: regions prediction draws \\[default: as in SRC]."),
+    eval_coarse_px: int = typer.Option(None, "--eval-coarse-px", min=0, show_default=False,
+                                       help="Two levels: coarse-view pixels per region side at prediction, e.g. "
+                                       "twice training's --coarse-px \\[default: as in SRC; 0: as trained]."),
     pooling: str = typer.Option(None, "--pooling", show_default=False,
                                 help="What the model pools: features | votes | counts \\[default: as in SRC]."),
     count_floor: float = typer.Option(None, "--count-floor", min=0.0, max=1.0, show_default=False,
@@ -69,7 +72,7 @@ def export(
         raise typer.Exit(2)
     try:
         done = export_checkpoint(src, dst, mpp=mpp, eval_n_patches=eval_n_patches, eval_regions=eval_regions,
-                                 pooling=pooling,
+                                 eval_coarse_px=eval_coarse_px, pooling=pooling,
                                  none_class=none_class, count_floor=count_floor, none_prior=none_prior,
                                  trained_none_share=trained_none_share)
     except ExportError as e:

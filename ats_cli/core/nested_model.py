@@ -169,7 +169,8 @@ class NestedATSModel(ATSModel):
 
     def __init__(self, coarse_net: nn.Module, attention_net: nn.Module, feature_net: nn.Module, n_classes: int, *,
                  regions: int, region_size: int, coarse_scale: float, scale: float, eval_regions: int = 0,
-                 region_temperature: float = 1.0, **kwargs: Any):
+                 eval_coarse_scale: float = 0.0, region_temperature: float = 1.0, **kwargs: Any):
+        self.eval_coarse_scale = float(eval_coarse_scale)  # 0 = coarse_scale; before super() sets scale
         super().__init__(attention_net, feature_net, n_classes, scale=coarse_scale, **kwargs)
         if isinstance(self.pooling, CountPooling):
             raise NestedConfigError("--pooling counts needs one attention grid; use features or votes with --levels 2")
@@ -186,6 +187,24 @@ class NestedATSModel(ATSModel):
         if self.region_size % self.patch_size[0] or self.region_size % self.patch_size[1]:
             raise NestedConfigError(f"--region-size {region_size} is not a multiple of the patch side "
                                     f"{self.patch_size[0]}: the patches of a region would not tile it")
+
+    @property
+    def scale(self) -> float:
+        """The scale of the coarse view a reader makes for this model now: ``coarse_scale``
+        in training, ``eval_coarse_scale`` (0 = the same; ``ats export --eval-coarse-px``) in
+        evaluation. Why a finer view at prediction can pay: where the coarse attention is
+        mostly the prior's, a fixed function of the pixels, a nest under one coarse pixel
+        gains contrast at twice the pixels, and the trained fine attention, features and
+        gain are unchanged; the estimate stays unbiased for whatever attention the view
+        gives (:mod:`ats_cli.core.nested`). The forward pass maps cells to regions from the
+        view's own shape, so any scale works; the cost is the coarse view's pixels."""
+        if not self.training and self.eval_coarse_scale:
+            return self.eval_coarse_scale
+        return self.coarse_scale
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        self.coarse_scale = float(value)
 
     def regions_for(self, grid: tuple[int, int]) -> int:
         """The regions drawn now on a grid of ``grid`` cells: ``regions`` in training,
