@@ -18,6 +18,7 @@ RELEASED = [
     # model, sample CSV, classes, minimum correct on the samples (the card's figure minus a margin)
     ("megapixel-mnist-ats.pt", "sample_data/megapixel-mnist/test.csv", [str(d) for d in range(10)], 6),  # card: 8/8
     ("synthetic-slides-ats.pt", "sample_data/synthetic-slides/test.csv", ["normal", "tumor"], 3),  # card: 4/4
+    ("synthetic-slides-100k-ats.pt", "sample_data/virtual-slides/test.csv", ["normal", "tumor"], 3),  # 4/4
 ]
 
 
