@@ -107,3 +107,16 @@ def test_the_preview_draws_the_collection(tmp_path):
                                    tmp_path / "p.png", geojson_name="p.geojson", image_name="p.tif")
     with Image.open(tmp_path / "p.png") as im:
         assert im.size == (width, height) and width > 500
+
+
+def test_the_figure_subtitle_wraps_before_it_runs_past_the_edges():
+    """A long file or model name (a 100k² virtual slide, a released model) split the
+    subtitle over two lines, each within the figure's width; a short one stays one line."""
+    from ats_cli.render.figure import _one_or_two_lines
+
+    short = ["0001.tif 2048x2048", "best.pt", "20 patches, seed 0", "attention entropy 2.1 nats (uniform 9.7)"]
+    assert "\n" not in _one_or_two_lines(short, 8.8)
+    long = ["0000.vslide.json 100000x100000", "synthetic-slides-100k-ats.pt",
+            "16 regions x 8 patches, seed 0, threshold estimator", "attention entropy 2.48 nats (uniform 9.75)"]
+    lines = _one_or_two_lines(long, 8.8).split("\n")
+    assert len(lines) == 2 and all(len(line) <= 8.8 * 72 / (0.6 * 7.5) for line in lines)

@@ -183,10 +183,23 @@ def draw_attention(figure: AttentionFigure, out: str | Path, *, dpi: int = 110) 
              fontweight="bold", ha="center", va="top")
     details = [f"{f.image_name} {W}x{H}", f.model_name, f.sampling,
                f"attention entropy {f.entropy:.2f} nats (uniform {math.log(att.size):.2f})"]
-    fig.text(0.5, 1 - 0.45 / fig_h, "  ·  ".join(d for d in details if d), ha="center", va="top", fontsize=7.5,
+    subtitle = _one_or_two_lines([d for d in details if d], fig.get_figwidth())
+    fig.text(0.5, 1 - (0.38 if "\n" in subtitle else 0.45) / fig_h, subtitle, ha="center", va="top", fontsize=7.5,
              color="0.3")
     size = save(fig, out)
     return FigureResult(size, tuple(sites), tuple(shown))
+
+
+def _one_or_two_lines(parts: list[str], fig_w: float, fontsize: float = 7.5) -> str:
+    """``parts`` joined by dots on one line, or split over two where one line would run past
+    the figure's edges (a long file or model name): a character of a sans-serif font is
+    about 0.6 of its size wide, so a line of ``fig_w`` inches holds ``fig_w * 72 / (0.6 *
+    fontsize)`` of them."""
+    line = "  ·  ".join(parts)
+    if len(line) <= fig_w * 72 / (0.6 * fontsize) or len(parts) < 2:
+        return line
+    half = max(1, len(parts) // 2)
+    return "  ·  ".join(parts[:half]) + "\n" + "  ·  ".join(parts[half:])
 
 
 def _heat(ax, att: np.ndarray, norm, extent, patch_size: tuple[int, int]) -> int:
