@@ -92,9 +92,7 @@ def export_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str], 
     from ats_cli.models import create_model
     from ats_cli.pretrain.internals import NONE_BIAS_KEY, NONE_PREFIX
 
-    _check_values(mpp, eval_n_patches, eval_regions, count_floor)
-    if eval_coarse_px is not None and eval_coarse_px < 0:
-        raise ExportError(f"--eval-coarse-px must be >= 0, got {eval_coarse_px}")
+    _check_values(mpp, eval_n_patches, eval_regions, eval_coarse_px, count_floor)
     try:
         ckpt = load_checkpoint(src)
     except CheckpointError as e:
@@ -125,14 +123,13 @@ def export_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str], 
     if eval_n_patches is not None:
         changes["eval_n_patches"] = int(eval_n_patches)
         ckpt["spec"]["eval_n_patches"] = int(eval_n_patches)
+    for flag, value in (("--eval-regions", eval_regions), ("--eval-coarse-px", eval_coarse_px)):
+        if value is not None and ckpt["spec"].get("levels", 1) != 2:
+            raise ExportError(f"{src}: {flag} is for a two-level model (--levels 2); this one has one level")
     if eval_regions is not None:
-        if ckpt["spec"].get("levels", 1) != 2:
-            raise ExportError(f"{src}: --eval-regions is for a two-level model (--levels 2); this one has one level")
         changes["eval_regions"] = int(eval_regions)
         ckpt["spec"]["eval_regions"] = int(eval_regions)
     if eval_coarse_px is not None:
-        if ckpt["spec"].get("levels", 1) != 2:
-            raise ExportError(f"{src}: --eval-coarse-px is for a two-level model (--levels 2); this one has one level")
         from ats_cli.core.nested_model import coarse_scale_for
 
         changes["eval_coarse_px"] = int(eval_coarse_px)
@@ -183,10 +180,11 @@ def _pooling_spec(current: dict[str, Any] | None, name: str | None, none_class: 
 
 
 def _check_values(mpp: float | None, eval_n_patches: int | None, eval_regions: int | None,
-                  count_floor: float | None) -> None:
+                  eval_coarse_px: int | None, count_floor: float | None) -> None:
     if mpp is not None and not mpp > 0:
         raise ExportError(f"--mpp must be > 0, got {mpp}")
-    for flag, count in (("--eval-n-patches", eval_n_patches), ("--eval-regions", eval_regions)):
+    for flag, count in (("--eval-n-patches", eval_n_patches), ("--eval-regions", eval_regions),
+                        ("--eval-coarse-px", eval_coarse_px)):
         if count is not None and count < 0:
             raise ExportError(f"{flag} must be >= 0, got {count}")
     if count_floor is not None and not 0 <= count_floor <= 1:
