@@ -168,6 +168,12 @@ class TrainConfig:
     # coarse view (391²) outgrows the region views and the step grows with the slide
     coarse_px: int = _key(4, "With --levels 2: coarse-view pixels per region side (the coarse attention's "
                           "resolution; the coarse view of an H-pixel slide is H / region-size x this)", METHOD_PANEL)
+    # auto: a coarse view twice as fine, tried on the held-out split after the last epoch and
+    # kept only where it scores better (ats_cli.train.choose_coarse_view says why)
+    eval_coarse_px: int = _key(-1, "With --levels 2: coarse-view pixels per region side at evaluation and "
+                               "prediction (the model records it); 0 = as in training; -1 = auto: twice "
+                               "--coarse-px where the held-out split scores better with it after the last epoch, "
+                               "else as in training (docs/slides.md)", METHOD_PANEL, means="auto")
     region_temperature: float = _key(-1.0, "With --levels 2: a region's score is t x the log-mean-exp of its "
                                      "coarse cells' scores / t: 1 = the log-mean-exp, towards 0 its largest cell "
                                      "(docs/slides.md); -1 = auto: 0.1", METHOD_PANEL, means="auto")
@@ -290,6 +296,8 @@ class TrainConfig:
             problems.append(f"eval_regions must be >= 0, or -1 for auto (got {self.eval_regions})")
         if self.coarse_px < 1:
             problems.append(f"coarse_px must be >= 1 (got {self.coarse_px})")
+        if self.eval_coarse_px < -1:
+            problems.append(f"eval_coarse_px must be >= 0, or -1 for auto (got {self.eval_coarse_px})")
         if not self.region_temperature > 0 and self.region_temperature != -1:
             problems.append(f"region_temperature must be > 0, or -1 for auto (got {self.region_temperature})")
         if self.region_size < 0 or self.region_um < 0:
@@ -446,6 +454,7 @@ def settle(flags: TrainConfig, facts: DataFacts) -> tuple[Settled, list[Reason]]
     decide("eval_n_patches", *_at_evaluation(flags.eval_n_patches, out["n_patches"], "n_patches"))
     if flags.levels == 2:
         decide("eval_regions", *_at_evaluation(flags.eval_regions, flags.regions, "regions"))
+        decide("eval_coarse_px", *_eval_coarse_px(flags))
     decide("min_brightness", *_min_brightness(flags, facts))
     decide("augment", *_augment(flags, facts))
     decide("rarity_prior", *_rarity_prior(flags, facts))
@@ -659,6 +668,15 @@ def _rarity_cap(flags: TrainConfig, prior: float) -> tuple[float, str]:
     return 0.0, "none: one level"
 
 
+def _eval_coarse_px(flags: TrainConfig) -> tuple[int, str]:
+    """--eval-coarse-px: given, or auto (-1, left for the end of training to settle: it
+    needs the trained model; ats_cli.train.choose_coarse_view)."""
+    if flags.eval_coarse_px != -1:
+        return flags.eval_coarse_px, "given" + (" (as in training)" if flags.eval_coarse_px == 0 else "")
+    return -1, (f"auto: after the last epoch best.pt is evaluated with a coarse view of {2 * flags.coarse_px} px a "
+                "region (twice --coarse-px) and keeps it where the held-out split scores better so")
+
+
 def _region_temperature(flags: TrainConfig) -> tuple[float, str]:
     """--region-temperature auto: TWO_LEVEL_REGION_TEMPERATURE, a region scored near its
     largest coarse cell (ats_cli.core.nested.region_scores)."""
@@ -751,10 +769,11 @@ def levels_spec(cfg: TrainConfig, mpp: float | None) -> dict[str, Any]:
     for one level, whose spec stays as it was: ``levels`` 2, ``regions`` (k), ``region_size``
     (full-resolution pixels: ``--region-size``, or ``--region-um`` at ``mpp`` rounded to a
     multiple of the patch side), ``coarse_scale`` (the coarse view's, ``--coarse-px``
-    pixels per region side; ``scale`` stays the region views') and ``region_temperature``
+    pixels per region side; ``scale`` stays the region views'), ``region_temperature``
     (``eval_regions`` and ``region_temperature`` at auto as :func:`settle` settles them, which
-    needs no data). Raises ValueError in one line for a region that cannot be cut into
-    patches or microns without a pixel size."""
+    needs no data) and ``eval_coarse_scale`` (a given ``--eval-coarse-px``, else 0: as
+    trained, until the end of training settles the auto one). Raises ValueError in one line
+    for a region that cannot be cut into patches or microns without a pixel size."""
     if cfg.levels == 1:
         return {}
     from ats_cli.core.nested_model import coarse_scale_for
@@ -770,7 +789,8 @@ def levels_spec(cfg: TrainConfig, mpp: float | None) -> dict[str, Any]:
                          "of a region would not tile it")
     return {"levels": 2, "regions": cfg.regions,
             "eval_regions": _at_evaluation(cfg.eval_regions, cfg.regions, "regions")[0], "region_size": region,
-            "coarse_scale": coarse_scale_for(region, cfg.coarse_px), "region_temperature": _region_temperature(cfg)[0]}
+            "coarse_scale": coarse_scale_for(region, cfg.coarse_px), "region_temperature": _region_temperature(cfg)[0],
+            "eval_coarse_scale": coarse_scale_for(region, cfg.eval_coarse_px) if cfg.eval_coarse_px > 0 else 0.0}
 
 
 def rarity_cap(cfg: TrainConfig) -> float:
@@ -784,6 +804,13 @@ def view_scale(cfg: TrainConfig, mpp: float | None) -> float:
     model's coarse view (:func:`levels_spec`), else ``--scale``. Training and the settling
     probe read views at it, so the views the probe makes are those training finds cached."""
     return levels_spec(cfg, mpp).get("coarse_scale", cfg.scale)
+
+
+def eval_view_scale(cfg: TrainConfig, mpp: float | None) -> float:
+    """The scale of the low-res view a model of ``cfg`` reads in evaluation: a two-level
+    model's given ``--eval-coarse-px`` (:func:`levels_spec`), else :func:`view_scale`.
+    Training's held-out evaluation reads at it, as ats predict does."""
+    return levels_spec(cfg, mpp).get("eval_coarse_scale") or view_scale(cfg, mpp)
 
 
 def gather_facts(flags: TrainConfig, data: Dataset, *, view_cache: Any = None) -> DataFacts:

@@ -22,7 +22,7 @@ extension slots as plain specs (``"pooling": {"name": "counts", "none_class": tr
 :mod:`ats_cli.extensions`) and ``input``, how training read its inputs. A two-level
 ``ats`` model (:class:`~ats_cli.core.nested_model.NestedATSModel`) adds ``levels`` (2),
 ``regions``, ``region_size``, ``coarse_scale`` and ``region_temperature``
-(:func:`ats_cli.config.levels_spec`), and ``eval_coarse_scale`` where ``ats export`` set one;
+(:func:`ats_cli.config.levels_spec`), and ``eval_coarse_scale`` where training or ``ats export`` set one;
 a one-level spec has none of them.
 """
 

@@ -29,7 +29,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,16 @@ from torch.utils.data import DataLoader
 
 from ats_cli.augment import Augmentation
 from ats_cli.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from ats_cli.config import GAIN_LATE_START, TrainConfig, gather_facts, load_facts, save_settled, settle, view_scale
+from ats_cli.config import (
+    GAIN_LATE_START,
+    TrainConfig,
+    eval_view_scale,
+    gather_facts,
+    load_facts,
+    save_settled,
+    settle,
+    view_scale,
+)
 from ats_cli.core.source import to_device
 from ats_cli.data.dataset import load_dataset
 from ats_cli.data.inputs import Batch, ImageDataset, collate, readable, single_thread_worker, view_cache_for
@@ -586,15 +595,15 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
     # least the auto count even when --workers 0 keeps the loader in this process
     # (benchmarks/gpu.md, "On a GPU")
     prepare_workers = max(cfg.workers, loader_workers(-1, device))
+    # evaluation reads the view the model reads in evaluation: a two-level model's given
+    # --eval-coarse-px may make it finer than training's (its own prepared entries, then)
+    eval_reading = {**reading, "scale": eval_view_scale(cfg, settled.mpp)}
+    same_view = eval_reading["scale"] == reading["scale"]
     prepared = prepare_for_run(cfg.prepare, data, reading, workers=prepare_workers, log=log,
-                               splits=("train", *held_out))
+                               splits=("train", *held_out) if same_view else ("train",))
     train_set = ImageDataset(data["train"], prepared=prepared, **reading)
-    loaders = {}
-    for split in held_out:
-        split_set = ImageDataset(data[split], prepared=prepared, **reading)
-        # whole batches, dealt round-robin to the ranks (evaluate() explains why whole ones)
-        batches = shard_batches(range(len(split_set)), 0, cfg.batch_size, Dist())[ctx.rank::ctx.world_size]
-        loaders[split] = _loader(split_set, batches, cfg, device)
+    loaders = _held_out_loaders(cfg, ctx, device, data, held_out, eval_reading,
+                                prepared if same_view else None, workers=prepare_workers, log=log)
 
     # ---- model, optimizer, state (the same initial weights on every rank: same seed)
     torch.manual_seed(cfg.seed)
@@ -723,7 +732,82 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
         if stop.stopped:
             raise TrainingInterrupted(f"interrupted at the end of epoch {epoch + 1}; state saved to {run / 'last.pt'}; "
                                       "continue with --resume")
+    if cfg.levels == 2 and cfg.eval_coarse_px == -1 and history:
+        choose_coarse_view(cfg, ctx, device, model, run, data, held_out[0], {**reading, "prepare": prepare_workers},
+                           history, log=log)
     return history
+
+
+def _held_out_loaders(cfg: TrainConfig, ctx: Dist, device: torch.device, data: Any, splits: Sequence[str],
+                      reading: dict[str, Any], prepared: Any, *, workers: int,
+                      log: Callable[[str], None]) -> dict[str, DataLoader]:
+    """A loader for each held-out split in ``splits``, reading as ``reading`` says; from the
+    ``prepared`` store, else from one prepared now at that reading's scale where preparing
+    applies. Each rank gets whole batches, dealt round-robin (evaluate() explains why whole
+    ones)."""
+    if prepared is None:
+        from ats_cli.data.prepared import prepare_for_run
+
+        prepared = prepare_for_run(cfg.prepare, data, reading, workers=workers, log=log, splits=tuple(splits))
+    loaders = {}
+    for split in splits:
+        split_set = ImageDataset(data[split], prepared=prepared, **reading)
+        batches = shard_batches(range(len(split_set)), 0, cfg.batch_size, Dist())[ctx.rank::ctx.world_size]
+        loaders[split] = _loader(split_set, batches, cfg, device)
+    return loaders
+
+
+def choose_coarse_view(cfg: TrainConfig, ctx: Dist, device: torch.device, model: torch.nn.Module, run: Path,
+                       data: Any, split: str, reading: dict[str, Any], history: list[dict[str, Any]], *,
+                       log: Callable[[str], None]) -> None:
+    """``--eval-coarse-px`` auto, after the last epoch: evaluate ``best.pt`` on the held-out
+    ``split`` (the one that chose it) with a coarse view twice as fine as training's, and
+    record that view in best.pt (spec ``eval_coarse_scale``, read by ats predict and
+    visualize) only where its accuracy is higher than the epoch's own at training's view;
+    on a tie, training's view, which costs a quarter of the pixels. best.pt keeps what was
+    tried (``coarse_view``), so a resumed run does not try again.
+
+    Why: the coarse attention of a two-level model on slides is mostly its prior's, a fixed
+    function of the pixels, and the deciding object (a tumour nest) may be about one coarse
+    pixel, where it looks no more unusual than its look-alikes; at twice the pixels it
+    gains contrast, while the fine attention, features and gain, which read the region
+    views, are unchanged, and the estimate stays unbiased for any coarse attention
+    (:mod:`ats_cli.core.nested`). Trained at 12 px a region on 100k² slides, 24 px at
+    prediction took 1,076 of 1,200 fresh slides to 1,197 (benchmarks/slides.md, "Accuracy
+    at 100k²"). Why tried, not assumed: a coarse net that learned its ranking at one scale
+    need not keep it at another, so a held-out check decides, at the cost of one pass over
+    the split at four times the coarse pixels. Training itself never reads the finer view."""
+    best_path = run / "best.pt"
+    ckpt = from_main(lambda: load_checkpoint(best_path) if best_path.is_file() else None, ctx)
+    if ckpt is None or "coarse_view" in ckpt:
+        return
+    from ats_cli.core.nested_model import coarse_scale_for
+
+    finer_px = 2 * cfg.coarse_px
+    finer = coarse_scale_for(ckpt["spec"]["region_size"], finer_px)
+    trained = next(h for h in history if h["epoch"] == ckpt["epoch"])
+    log(f"trying a coarse view of {finer_px} px a region at evaluation (best.pt, epoch {ckpt['epoch']}, "
+        f"on the {split} split)")
+    workers = reading.pop("prepare")
+    loader = _held_out_loaders(cfg, ctx, device, data, (split,), {**reading, "scale": finer}, None,
+                               workers=workers, log=log)[split]
+    model.load_state_dict(ckpt["model"])
+    model.eval_coarse_scale = finer
+    try:
+        score = evaluate(model, loader, device, ctx=ctx)
+    finally:
+        model.eval_coarse_scale = 0.0
+    kept = score["acc"] > trained[f"{split}_acc"]
+    tried = {"px": finer_px, "trained_px": cfg.coarse_px, "split": split, "acc": score["acc"], "loss": score["loss"],
+             "trained_acc": trained[f"{split}_acc"], "trained_loss": trained[f"{split}_loss"], "kept": kept}
+    if ctx.is_main:  # the model holds best.pt's weights: written back with the choice, atomically
+        spec = {**ckpt["spec"], "eval_coarse_scale": finer if kept else 0.0}
+        state = {k: v for k, v in ckpt.items() if k not in ("format", "version", "spec", "classes", "model")}
+        save_checkpoint(best_path, spec=spec, classes=ckpt["classes"], model=model, **{**state, "coarse_view": tried})
+    px = finer_px if kept else cfg.coarse_px
+    log(f"best.pt reads a coarse view of {px} px a region at prediction: {split} accuracy {score['acc']:.3f} at "
+        f"{finer_px} px against {trained[f'{split}_acc']:.3f} at {cfg.coarse_px} px as trained"
+        + ("" if kept else " (not better: as trained)"))
 
 
 def selection_score(record: dict[str, Any]) -> tuple[float, int]:

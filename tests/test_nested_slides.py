@@ -42,12 +42,77 @@ def run(slides, tmp_path_factory):
 def test_only_the_coarse_views_are_made_for_a_two_level_run(run):
     """Settling probes the images at the view a two-level model reads, the coarse one (4
     pixels per 256-pixel region of the 1024 slides: 16x16), not at the region views' scale
-    (1/8: 128x128), which would cost a 100k slide a 3,125² view per probed slide for nothing."""
-    entries = sorted((run / "cache" / "views").glob("*.npz"))
-    assert entries
-    for entry in entries:
+    (1/8: 128x128), which would cost a 100k slide a 3,125² view per probed slide for nothing;
+    the only others are the test split's at twice the coarse pixels (32x32), which
+    --eval-coarse-px auto tries after the last epoch."""
+    shapes = []
+    for entry in sorted((run / "cache" / "views").glob("*.npz")):
         with np.load(entry, allow_pickle=False) as z:
-            assert z["low"].shape == (16, 16, 3), entry
+            shapes.append(z["low"].shape)
+    assert sorted(set(shapes)) == [(16, 16, 3), (32, 32, 3)]
+    assert shapes.count((32, 32, 3)) == SMALL.n_test
+
+
+def _trained_with(monkeypatch, slides, out, gain, *flags):
+    """Train FLAGS (+ ``flags``) with evaluate() reporting, for a coarse view finer than
+    training's, the accuracy it last measured at training's plus ``gain`` (the rest as
+    measured); returns the coarse scales evaluate() was asked at, in order, and the output."""
+    import ats_cli.train as train_mod
+
+    real, asked, last = train_mod.evaluate, [], {}
+
+    def evaluate(model, loader, device, **kw):
+        asked.append(model.eval_coarse_scale or model.coarse_scale)
+        score = real(model, loader, device, **kw)
+        if not last or not model.eval_coarse_scale:  # the epochs' own
+            last.update(score)
+            return score
+        return {**score, "acc": last["acc"] + gain}
+
+    monkeypatch.setattr(train_mod, "evaluate", evaluate)
+    result = runner.invoke(app, ["train", str(slides), "--out", str(out), *FLAGS, *flags])
+    assert result.exit_code == 0, result.output
+    return asked, result.output
+
+
+@pytest.mark.parametrize("better", [True, False])
+def test_auto_keeps_a_finer_coarse_view_only_where_the_held_out_split_scores_better(slides, tmp_path, monkeypatch,
+                                                                                   better):
+    """--eval-coarse-px auto: after the last epoch best.pt is evaluated on the test split at
+    8 px a region (twice the 4 trained) and keeps that view only where its accuracy is
+    higher (then ats predict reads 32x32); not where it is the same (the negative control:
+    16x16 at prediction). What was tried is recorded in best.pt either way."""
+    from ats_cli.checkpoint import load_checkpoint
+    from ats_cli.predict import load_predictor
+
+    run = tmp_path / "run"
+    asked, output = _trained_with(monkeypatch, slides, run, 0.5 if better else 0.0)
+    assert asked == [pytest.approx(4 / 256), pytest.approx(8 / 256)]  # the epoch, then the finer view once
+    ckpt = load_checkpoint(run / "best.pt")
+    assert ckpt["coarse_view"]["px"] == 8 and ckpt["coarse_view"]["kept"] is better
+    assert ckpt["spec"]["eval_coarse_scale"] == (pytest.approx(8 / 256) if better else 0.0)
+    assert f"best.pt reads a coarse view of {8 if better else 4} px a region at prediction" in output
+    model = load_predictor(run / "best.pt", "cpu").model
+    assert model.eval().scale == pytest.approx((8 if better else 4) / 256) and model.train().scale == 4 / 256
+    # a resumed finished run does not try again
+    asked.clear()
+    result = runner.invoke(app, ["train", "--resume", str(run)])
+    assert result.exit_code == 0 and asked == [], result.output
+
+
+def test_a_given_eval_coarse_px_is_what_evaluation_reads_in_training(slides, tmp_path, monkeypatch):
+    """--eval-coarse-px 8 given: every held-out evaluation in training reads 8 px a region
+    (the test split's views 32x32), the model records it, and nothing is tried at the end;
+    0 (as trained): 4 px, nothing tried."""
+    from ats_cli.checkpoint import load_checkpoint
+
+    for given, scale in (("8", 8 / 256), ("0", 4 / 256)):
+        run = tmp_path / f"run{given}"
+        asked, _ = _trained_with(monkeypatch, slides, run, None, "--eval-coarse-px", given)
+        assert asked == [pytest.approx(scale)]
+        ckpt = load_checkpoint(run / "best.pt")
+        assert "coarse_view" not in ckpt
+        assert ckpt["spec"]["eval_coarse_scale"] == (pytest.approx(scale) if given != "0" else 0.0)
 
 def test_region_views_come_from_the_pyramid_level_that_matches(slides):
     """A 256-pixel region viewed at 64x64 is read from the 4x-smaller level (256x256 for the
