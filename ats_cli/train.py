@@ -53,6 +53,7 @@ from ats_cli.config import (
 )
 from ats_cli.core.source import to_device
 from ats_cli.data.dataset import load_dataset
+from ats_cli.data.images import ImageReadError
 from ats_cli.data.inputs import Batch, ImageDataset, collate, readable, single_thread_worker, view_cache_for
 from ats_cli.inference import predict_probs
 from ats_cli.io import atomic_path, atomic_write_text
@@ -795,11 +796,15 @@ def choose_coarse_view(cfg: TrainConfig, ctx: Dist, device: torch.device, model:
     model.eval_coarse_scale = finer
     try:
         score = evaluate(model, loader, device, ctx=ctx)
+    except (ImageReadError, torch.OutOfMemoryError) as e:  # a view over the pixel budget, or the device's memory
+        score = {"acc": math.nan, "loss": math.nan, "problem": str(e).splitlines()[0]}
+        log(f"could not read the finer view: {score['problem']}")
     finally:
         model.eval_coarse_scale = 0.0
-    kept = score["acc"] > trained[f"{split}_acc"]
+    kept = score["acc"] > trained[f"{split}_acc"]  # never where it could not be read (NaN)
     tried = {"px": finer_px, "trained_px": cfg.coarse_px, "split": split, "acc": score["acc"], "loss": score["loss"],
-             "trained_acc": trained[f"{split}_acc"], "trained_loss": trained[f"{split}_loss"], "kept": kept}
+             "trained_acc": trained[f"{split}_acc"], "trained_loss": trained[f"{split}_loss"], "kept": kept,
+             **({"problem": score["problem"]} if "problem" in score else {})}
     if ctx.is_main:  # the model holds best.pt's weights: written back with the choice, atomically
         spec = {**ckpt["spec"], "eval_coarse_scale": finer if kept else 0.0}
         state = {k: v for k, v in ckpt.items() if k not in ("format", "version", "spec", "classes", "model")}
@@ -807,7 +812,7 @@ def choose_coarse_view(cfg: TrainConfig, ctx: Dist, device: torch.device, model:
     px = finer_px if kept else cfg.coarse_px
     log(f"best.pt reads a coarse view of {px} px a region at prediction: {split} accuracy {score['acc']:.3f} at "
         f"{finer_px} px against {trained[f'{split}_acc']:.3f} at {cfg.coarse_px} px as trained"
-        + ("" if kept else " (not better: as trained)"))
+        + ("" if kept else " (unread: as trained)" if "problem" in score else " (not better: as trained)"))
 
 
 def selection_score(record: dict[str, Any]) -> tuple[float, int]:

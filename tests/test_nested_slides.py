@@ -58,6 +58,7 @@ def _trained_with(monkeypatch, slides, out, gain, *flags):
     training's, the accuracy it last measured at training's plus ``gain`` (the rest as
     measured); returns the coarse scales evaluate() was asked at, in order, and the output."""
     import ats_cli.train as train_mod
+    from ats_cli.data.images import ImageReadError
 
     real, asked, last = train_mod.evaluate, [], {}
 
@@ -67,12 +68,26 @@ def _trained_with(monkeypatch, slides, out, gain, *flags):
         if not last or not model.eval_coarse_scale:  # the epochs' own
             last.update(score)
             return score
+        if gain is None:  # the finer view over the pixel budget
+            raise ImageReadError("0001.tif", "too large")
         return {**score, "acc": last["acc"] + gain}
 
     monkeypatch.setattr(train_mod, "evaluate", evaluate)
     result = runner.invoke(app, ["train", str(slides), "--out", str(out), *FLAGS, *flags])
     assert result.exit_code == 0, result.output
     return asked, result.output
+
+
+def test_auto_keeps_training_s_coarse_view_where_the_finer_one_cannot_be_read(slides, tmp_path, monkeypatch):
+    """A finer view over the pixel budget (or the device's memory) ends the check, not the
+    run: best.pt reads training's view, the problem recorded and said."""
+    from ats_cli.checkpoint import load_checkpoint
+
+    _, output = _trained_with(monkeypatch, slides, tmp_path / "run", None)
+    ckpt = load_checkpoint(tmp_path / "run" / "best.pt")
+    assert ckpt["coarse_view"]["kept"] is False and "too large" in ckpt["coarse_view"]["problem"]
+    assert ckpt["spec"]["eval_coarse_scale"] == 0.0
+    assert "could not read the finer view: 0001.tif: too large" in output and "(unread: as trained)" in output
 
 
 @pytest.mark.parametrize("better", [True, False])
