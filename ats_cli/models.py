@@ -21,9 +21,9 @@ extension slots as plain specs (``"pooling": {"name": "counts", "none_class": tr
 "floor": 0.02}``; ``support``, ``prior`` and ``gain`` likewise or null:
 :mod:`ats_cli.extensions`) and ``input``, how training read its inputs. A two-level
 ``ats`` model (:class:`~ats_cli.core.nested_model.NestedATSModel`) adds ``levels`` (2),
-``regions``, ``region_size``, ``coarse_scale`` and ``region_temperature``
-(:func:`ats_cli.config.levels_spec`), and ``eval_coarse_scale`` where training or ``ats export`` set one;
-a one-level spec has none of them.
+``regions``, ``region_size``, ``coarse_scale``, ``region_temperature`` and
+``eval_coarse_scale`` (:func:`ats_cli.config.levels_spec`; training or ``ats export`` may
+set the last); a one-level spec has none of them.
 """
 
 from __future__ import annotations

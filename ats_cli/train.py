@@ -734,8 +734,8 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
             raise TrainingInterrupted(f"interrupted at the end of epoch {epoch + 1}; state saved to {run / 'last.pt'}; "
                                       "continue with --resume")
     if cfg.levels == 2 and cfg.eval_coarse_px == -1 and history:
-        choose_coarse_view(cfg, ctx, device, model, run, data, held_out[0], {**reading, "prepare": prepare_workers},
-                           history, log=log)
+        choose_coarse_view(cfg, ctx, device, model, run, data, held_out[0], reading, history,
+                           workers=prepare_workers, log=log)
     return history
 
 
@@ -760,7 +760,7 @@ def _held_out_loaders(cfg: TrainConfig, ctx: Dist, device: torch.device, data: A
 
 def choose_coarse_view(cfg: TrainConfig, ctx: Dist, device: torch.device, model: torch.nn.Module, run: Path,
                        data: Any, split: str, reading: dict[str, Any], history: list[dict[str, Any]], *,
-                       log: Callable[[str], None]) -> None:
+                       workers: int, log: Callable[[str], None]) -> None:
     """``--eval-coarse-px`` auto, after the last epoch: evaluate ``best.pt`` on the held-out
     ``split`` (the one that chose it) with a coarse view twice as fine as training's, and
     record that view in best.pt (spec ``eval_coarse_scale``, read by ats predict and
@@ -789,7 +789,6 @@ def choose_coarse_view(cfg: TrainConfig, ctx: Dist, device: torch.device, model:
     trained = next(h for h in history if h["epoch"] == ckpt["epoch"])
     log(f"trying a coarse view of {finer_px} px a region at evaluation (best.pt, epoch {ckpt['epoch']}, "
         f"on the {split} split)")
-    workers = reading.pop("prepare")
     loader = _held_out_loaders(cfg, ctx, device, data, (split,), {**reading, "scale": finer}, None,
                                workers=workers, log=log)[split]
     model.load_state_dict(ckpt["model"])

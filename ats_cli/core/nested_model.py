@@ -192,11 +192,11 @@ class NestedATSModel(ATSModel):
     def scale(self) -> float:
         """The scale of the coarse view a reader makes for this model now: ``coarse_scale``
         in training, ``eval_coarse_scale`` (0 = the same; ``--eval-coarse-px`` of ats train or
-        ats export) in evaluation. Why a finer view at prediction can pay: where the coarse attention is
-        mostly the prior's, a fixed function of the pixels, a nest under one coarse pixel
-        gains contrast at twice the pixels, and the trained fine attention, features and
-        gain are unchanged; the estimate stays unbiased for whatever attention the view
-        gives (:mod:`ats_cli.core.nested`). The forward pass maps cells to regions from the
+        ats export) in evaluation. Why a finer view at prediction can pay: where the coarse
+        attention is mostly the prior's, a fixed function of the pixels, a nest under one
+        coarse pixel gains contrast at twice the pixels, and the trained fine attention,
+        features and gain are unchanged; the estimate stays unbiased for whatever attention
+        the view gives (:mod:`ats_cli.core.nested`). The forward pass maps cells to regions from the
         view's own shape, so any scale works; the cost is the coarse view's pixels."""
         if not self.training and self.eval_coarse_scale:
             return self.eval_coarse_scale
