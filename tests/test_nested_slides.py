@@ -235,6 +235,9 @@ def test_export_sets_a_finer_coarse_view_for_prediction(run, slides, tmp_path):
     result = runner.invoke(app, ["predict", str(slides / "test.csv"), "--model", str(tmp_path / "c8.pt"),
                                  "--out", str(csv_out)])
     assert result.exit_code == 0, result.output
+    assert "two levels: 6 regions of 256 px, coarse view 8 px a region" in result.output
+    result = runner.invoke(app, ["predict", str(slides / "test.csv"), "--model", str(tmp_path / "cNone.pt")])
+    assert result.exit_code == 0 and "coarse view 4 px a region" in result.output, result.output
     assert len(csv_out.read_text().splitlines()) == 1 + SMALL.n_test
 
 

@@ -31,6 +31,17 @@ def estimator_note(model: object) -> str:
     return f"estimator {name if name == active else f'{name} ({active})'}, "
 
 
+def levels_note(model: object) -> str:
+    """'; two levels: 16 regions of 768 px, coarse view 24 px a region' for a two-level
+    model in evaluation (what it draws, and the coarse view whose pixels set its cost: a
+    view finer than training's, which --eval-coarse-px may have chosen, shows here), else ''."""
+    size = getattr(model, "region_size", None)
+    if size is None:
+        return ""
+    regions = model.eval_regions or model.regions
+    return f"; two levels: {regions} regions of {size} px, coarse view {round(model.scale * size)} px a region"
+
+
 def run_with_progress(predictor: Predictor, items: Sequence[InputItem], console: Console, **options
                       ) -> list[PredictionRow]:
     """:meth:`Predictor.predict` with a progress bar on ``console`` (none for one input)."""

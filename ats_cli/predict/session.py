@@ -110,13 +110,14 @@ def print_header(console: Console, predictor: Predictor, items: Sequence[InputIt
     """The line before the predictions: model, inputs and the sampling settings in force
     (without --n-patches: the model's evaluation count, ATSModel.patches_now in the eval
     mode a loaded predictor is in; '-' for a model that does not sample)."""
-    from ats_cli.predict.report import estimator_note
+    from ats_cli.predict.report import estimator_note, levels_note
 
     n_ok_inputs = sum(item.error is None for item in items)
     n_patches = req.n_patches or getattr(predictor.model, "patches_now", "-")
     console.print(f"model {predictor.path} ({len(predictor.classes)} classes, {predictor.device}{procs}); "
                   f"{n_ok_inputs} image(s); n_patches {n_patches}, "
                   f"{estimator_note(predictor.model)}samples {req.samples}, seed {req.seed}"
+                  + levels_note(predictor.model)
                   + ("" if predictor.threshold is None else f"; multi-label, threshold {predictor.threshold:g}"))
 
 
