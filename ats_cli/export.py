@@ -133,8 +133,8 @@ def export_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str], 
         from ats_cli.core.nested_model import coarse_scale_for
 
         changes["eval_coarse_px"] = int(eval_coarse_px)
-        ckpt["spec"]["eval_coarse_scale"] = (coarse_scale_for(ckpt["spec"]["region_size"], eval_coarse_px)
-                                             if eval_coarse_px else 0.0)
+        # 0 px gives scale 0: as trained (NestedATSModel.scale)
+        ckpt["spec"]["eval_coarse_scale"] = coarse_scale_for(ckpt["spec"]["region_size"], eval_coarse_px)
     try:
         pooling_spec = _pooling_spec(ckpt["spec"].get("pooling"), pooling, none_class, count_floor)
     except ValueError as e:
