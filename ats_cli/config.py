@@ -129,8 +129,10 @@ class TrainConfig:
                                     "off": "every patch weighed by its attention alone, the thesis"})
     # the pooling extension: what the estimator averages (ats_cli.extensions.pooling*); none_class
     # and count_floor are its options (ats_cli.models.extension_specs)
-    pooling: str = _key("features", "What attention sampling averages over the patches: {choices}; "
-                        "docs/training.md", METHOD_PANEL, choices=extension_choices("pooling"))
+    pooling: str = _key("auto", "What attention sampling averages over the patches: {choices}; "
+                        "docs/training.md", METHOD_PANEL,
+                        choices={"auto": "the dataset.json hint pooling, highest for --task max; else features",
+                                 **extension_choices("pooling")})
     none_class: str = _key("off", "A per-patch logit for no class here, with --pooling votes or counts: {choices}",
                            METHOD_PANEL, choices={"off": "every patch spreads a whole vote over the classes",
                                                   "on": "a patch read as none votes little"})
@@ -252,9 +254,9 @@ class TrainConfig:
             problems.append(f"feature_lr {self.feature_lr}: method cnn has no feature network (it trains one ResNet)")
         if not 0 <= self.count_floor <= 1:
             problems.append(f"count_floor must be in [0, 1] (got {self.count_floor})")
-        if self.none_class == "on" and self.pooling == "features":
+        if self.none_class == "on" and self.pooling not in ("votes", "counts"):
             problems.append("none_class on needs pooling votes or counts (pooled features have no per-patch vote)")
-        if self.pooling != "features" and self.method in ("cnn", "deepmil"):
+        if self.pooling not in ("features", "auto") and self.method in ("cnn", "deepmil"):
             problems.append(f"pooling {self.pooling}: method {self.method} does not pool by attention sampling")
         if self.position_features == "on" and self.method in ("cnn", "deepmil"):
             problems.append(f"position_features on: method {self.method} does not pool sampled patches")
@@ -406,6 +408,8 @@ class DataFacts:
     n_sizes: int = 0  # how many distinct ones there are; 0: not read
     pixels: int = 0  # the largest training image's pixels, H x W as its header says; 0: not read
     position_hint: str = ""  # dataset.json hints.position_features ("on"/"off"); "": none
+    pooling_hint: str = ""  # dataset.json hints.pooling, a registered pooling's name; "": none
+    multilabel: bool = False  # the labels hold several classes per image
 
     @property
     def slides(self) -> bool:
@@ -464,6 +468,7 @@ def settle(flags: TrainConfig, facts: DataFacts) -> tuple[Settled, list[Reason]]
     decide("patch_gain", *_patch_gain(flags, facts))
     decide("feature_train", *_feature_train(flags, facts))
     decide("position_features", *_position_features(flags, facts))
+    decide("pooling", *_pooling(flags, facts))
     return Settled(replace(flags, **out).validate(), mpp), reasons
 
 
@@ -764,6 +769,25 @@ def _position_features(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
     return "off", "no dataset.json hint: what a patch shows, not where"
 
 
+def _pooling(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
+    """--pooling auto: the dataset's hint, which only its maker can know (a label that is
+    the highest class present, as IPS's largest digit, is a rule the readout of ``highest``
+    applies: :mod:`ats_cli.extensions.pooling_highest`), else features, the thesis's.
+    ``highest`` reads one label per image, so a multi-label dataset refuses it."""
+    if flags.pooling != "auto":
+        value, why = flags.pooling, "given"
+    elif _baseline(flags):
+        return "features", _baseline(flags)
+    elif facts.pooling_hint:
+        value, why = facts.pooling_hint, "dataset.json hint (the label is a rule over the classes present)"
+    else:
+        return "features", "no dataset.json hint: the pooled features, then the classifier (the thesis)"
+    if value == "highest" and facts.multilabel:
+        raise ConfigError(f"pooling highest ({why}) reads one label per image, and the labels hold several; "
+                          "use --pooling features")
+    return value, why
+
+
 def levels_spec(cfg: TrainConfig, mpp: float | None) -> dict[str, Any]:
     """A two-level model's keys (:class:`~ats_cli.core.nested_model.NestedATSModel`), none
     for one level, whose spec stays as it was: ``levels`` 2, ``regions`` (k), ``region_size``
@@ -832,12 +856,15 @@ def gather_facts(flags: TrainConfig, data: Dataset, *, view_cache: Any = None) -
     missing = [str(r.path) for r, m in zip(records, recorded, strict=True) if m is None]
     agree = bool(known) and not missing and known[-1] <= known[0] * (1 + MPP_TOLERANCE)
     position = data.hints.get("position_features")  # "on"/"off"; anything else is no hint
+    pooling = data.hints.get("pooling")  # a pooling's name; anything else is no hint
     facts = DataFacts(hints=usable_hints(data.hints), channels=int(data.hints.get("channels", 1)),
                       files=len(records), mpps=tuple(known), mpps_agree=agree, no_mpp=missing[0] if missing else "",
                       pretrained=pretrained_source(flags.feature_net, flags.feature_weights),
                       sizes=tuple(shapes[:3]), n_sizes=len(shapes),
                       pixels=max((s[0] * s[1] for _, s in headers if s), default=0),
-                      position_hint=position if position in ("on", "off") else "")
+                      position_hint=position if position in ("on", "off") else "",
+                      pooling_hint=pooling if pooling in extension_choices("pooling") else "",
+                      multilabel=bool(data.multilabel))
     if not looks_at_images(flags):
         return facts
     settled = settle(flags, facts)[0]

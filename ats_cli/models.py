@@ -116,7 +116,8 @@ def extension_specs(cfg: TrainConfig) -> dict[str, dict[str, Any] | None]:
     whose attention is uniform by definition); ``--patch-gain`` the ``learned`` gain. A
     value still at auto (-1, settled by training) or at 0 selects nothing, except the cap,
     whose auto follows from the prior and the levels alone (:func:`ats_cli.config.settle`)."""
-    pooling: dict[str, Any] = {"name": cfg.pooling}
+    # auto still unsettled (a spec made without ats train's settle): what settle gives without a hint
+    pooling: dict[str, Any] = {"name": "features" if cfg.pooling == "auto" else cfg.pooling}
     if cfg.pooling in ("votes", "counts"):
         pooling["none_class"] = cfg.none_class == "on"
     if cfg.pooling == "counts":

@@ -99,7 +99,7 @@ def test_validate_allows_exactly_the_values_the_help_lists():
                             "position_features"}
     # the lists the library itself works from
     assert (allowed["estimator"], allowed["reader"], allowed["augment"]) == (ESTIMATORS, READERS, ("auto", *MODES))
-    assert allowed["pooling"] == tuple(available_extensions("pooling"))
+    assert allowed["pooling"] == ("auto", *available_extensions("pooling"))  # auto: the dataset's hint
     assert set(allowed["method"]) == set(available_methods())
     text = _help_lines("train")
     for key, values in allowed.items():
@@ -199,12 +199,13 @@ def test_an_extension_file_adds_its_flag_value(tmp_path):
         "from ats_cli.cli import app\n"
         "from ats_cli.config import TrainConfig, allowed_values\n"
         "assert 'torch' not in sys.modules\n"
-        "assert allowed_values()['pooling'] == ('features', 'votes', 'counts', 'mean'), allowed_values()['pooling']\n"
+        "assert allowed_values()['pooling'] == ('auto', 'features', 'votes', 'counts', 'highest', 'mean'), "
+        "allowed_values()['pooling']\n"
         "TrainConfig(data='d', out='o', pooling='mean').validate()\n"
         "out = CliRunner().invoke(app, ['train', '--help'], env={'COLUMNS': '1000'}, terminal_width=1000).output\n"
         "assert 'mean (a test pooling)' in out, out\n"
         "from ats_cli.extensions import available_extensions, create_extension\n"
-        "assert available_extensions('pooling') == ['features', 'votes', 'counts', 'mean']\n"
+        "assert available_extensions('pooling') == ['features', 'votes', 'counts', 'highest', 'mean']\n"
         "made = create_extension('pooling', {'name': 'mean'}, features=4, n_classes=2)\n"
         "assert type(made).__name__ == 'MeanPooling'\n"
     )

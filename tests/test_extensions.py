@@ -19,6 +19,7 @@ from ats_cli.extensions import (
 )
 from ats_cli.extensions.gain_learned import LearnedGain
 from ats_cli.extensions.pooling_counts import CountPooling, local_mass
+from ats_cli.extensions.pooling_highest import HighestPooling
 from ats_cli.extensions.pooling_votes import VotePooling
 from ats_cli.extensions.prior_rarity import RarityPrior
 from ats_cli.extensions.support_bright import BrightSupport
@@ -50,6 +51,39 @@ def test_the_check_rejects_a_biased_estimator(monkeypatch):
     monkeypatch.setattr(model_module, "expectation",
                         lambda feats, probs, **_: (probs[..., None] * feats).sum(1) / probs.sum(1, keepdim=True))
     assert z_of_estimate(tiny_model("sequential"), **QUICK) > REJECTED
+
+
+# ---------------------------------------------------------------- pooling "highest"
+class _SeenHighest(HighestPooling):
+    """``highest``, keeping the presence logits its readout read (``classifier(E_a[f])``),
+    which tests/montecarlo.py checks: they are linear in the estimate; the logits are not."""
+
+    presence: torch.Tensor | None = None
+
+    def readout(self, pooled, classifier):
+        self.presence = classifier(pooled)
+        return super().readout(pooled, classifier)
+
+
+def _sharp(pooling):
+    """A classifier 4x as sharp as at random: presence logits that vary across draws by
+    several units, where the readout bends them most."""
+    m = tiny_model("sequential", pooling=pooling)
+    with torch.no_grad():
+        m.classifier.weight.mul_(4.0)
+    return m
+
+
+def test_the_highest_class_present_is_unbiased():
+    """Its pooled values are the features, so what its readout reads, the presence logits,
+    is estimated without bias in value and gradient."""
+    assert z_of_estimate(_sharp(_SeenHighest(D, CLASSES))) < Z_MAX
+
+
+def test_the_check_rejects_the_highest_readout_averaged_as_if_linear():
+    """The readout is nonlinear: the mean of its logits over draws is not their value at the
+    expectation, which the same check, reading the logits, sees."""
+    assert z_of_estimate(_sharp(HighestPooling(D, CLASSES)), **QUICK) > REJECTED
 
 
 # ---------------------------------------------------------------- pooling "votes"
@@ -195,7 +229,7 @@ def test_the_check_rejects_a_gain_normalised_over_the_draws():
 # ---------------------------------------------------------------- specs and registries
 def test_each_kind_has_its_registry_and_builds_from_a_plain_spec():
     assert {k: available_extensions(k) for k in KINDS} == {
-        "pooling": ["features", "votes", "counts"], "support": ["bright"], "prior": ["rarity"], "gain": ["learned"]}
+        "pooling": ["features", "votes", "counts", "highest"], "support": ["bright"], "prior": ["rarity"], "gain": ["learned"]}
     counts = create_extension("pooling", {"name": "counts", "none_class": True, "floor": 0.02}, features=D,
                               n_classes=CLASSES)
     assert isinstance(counts, CountPooling) and counts.floor == 0.02 and counts.none.out_features == 1
@@ -215,7 +249,7 @@ def test_a_model_takes_specs_in_its_slots_and_none_is_the_thesis():
 
 @pytest.mark.parametrize("kind, spec, dims, message", [
     ("pooling", {"name": "mean"}, {"features": D, "n_classes": 3}, "unknown pooling 'mean'; available: features, "
-                                                                   "votes, counts"),
+                                                                   "votes, counts, highest"),
     ("pooling", {"name": "counts", "flor": 0.1}, {"features": D, "n_classes": 3}, "pooling 'counts': .*'flor'"),
     ("pooling", {"name": "counts", "floor": 1.5}, {"features": D, "n_classes": 3}, "floor must be in"),
     ("support", {"name": "bright"}, {}, "support 'bright': .*threshold"),

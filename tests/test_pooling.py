@@ -126,3 +126,38 @@ def test_the_flags_become_the_extension_specs_the_model_is_built_from():
     assert (slides["pooling"], slides["support"], slides["prior"], slides["gain"]) == (
         {"name": "features"}, None, {"name": "rarity", "weight": 2.0}, {"name": "learned"})
     assert _spec(rarity_prior=2.0, method="uniform")["prior"] is None  # U-N's attention is uniform by definition
+
+
+def test_highest_reads_the_highest_class_present_whatever_the_mass_on_each():
+    """Presence logits of a 2 and a 7 (class 2 under more attention, so more strongly
+    present) read 7 with ``highest``; the same logits read as the thesis's classifier's read
+    2 (negative control). The readout is ``log q_k + sum_{j > k} log(1 - q_j)``, and its
+    probabilities sum to ``1 - prod (1 - q)``."""
+    from ats_cli.extensions.pooling_highest import highest_logits
+
+    z = torch.full((1, 10), -6.0)
+    z[0, 2], z[0, 7] = 9.0, 4.0
+    assert int(highest_logits(z).argmax()) == 7 and int(z.argmax()) == 2
+    z = torch.randn(5, 4, dtype=torch.float64)
+    q = z.sigmoid()
+    expected = torch.stack([q[:, k] * (1 - q[:, k + 1:]).prod(-1) for k in range(4)], -1)
+    assert torch.allclose(highest_logits(z).exp().double(), expected, atol=1e-6)
+    assert torch.allclose(expected.sum(-1), 1 - (1 - q).prod(-1))
+    # nothing above class 3 present: class 3's logit is its presence alone
+    assert torch.allclose(highest_logits(z)[:, 3].double(), torch.nn.functional.logsigmoid(z[:, 3]), atol=1e-6)
+
+
+def test_highest_is_a_pooling_of_features_with_its_own_readout():
+    """The flags make its spec, a model made from it pools as ``features`` does and reads
+    the classifier's logits through :func:`highest_logits`."""
+    from ats_cli.extensions.pooling_highest import HighestPooling, highest_logits
+
+    assert extension_specs(TrainConfig(pooling="highest"))["pooling"] == {"name": "highest"}
+    m = create_model(_spec(pooling="highest"))
+    assert isinstance(m.pooling, HighestPooling)
+    feats = torch.randn(2, 5, 8)
+    assert torch.equal(m.pooling.values(feats, m.classifier), feats)
+    pooled = feats.mean(1)
+    assert torch.allclose(m.pooling.readout(pooled, m.classifier), highest_logits(m.classifier(pooled)))
+    # auto, unsettled (a spec made without ats train): the thesis's pooling
+    assert extension_specs(TrainConfig())["pooling"] == {"name": "features"}

@@ -32,7 +32,7 @@ from ats_cli.config import (
 from ats_cli.data.dataset import load_dataset, write_dataset
 
 SETTLED = ("n_patches", "patch_size", "scale", "batch_size", "eval_n_patches", "min_brightness", "augment",
-           "rarity_prior", "rarity_cap", "patch_gain", "feature_train", "position_features")
+           "rarity_prior", "rarity_cap", "patch_gain", "feature_train", "position_features", "pooling")
 MNIST = DataFacts(hints={"n_patches": 10, "patch_size": 50, "scale": 0.12}, channels=1, files=40, probed=16, dark=0.9)
 SLIDES = DataFacts(hints={"n_patches": 12, "patch_size": 64, "scale": 1 / 32}, channels=3, files=12,
                    mpps=(0.5,) * 12, mpps_agree=True, probed=12, masked=12)
@@ -58,7 +58,8 @@ def test_settle_is_pure_and_leaves_no_auto_value(monkeypatch):
     config = first[0].config
     assert config.eval_n_patches >= 0 and config.min_brightness >= 0 and config.rarity_prior >= 0
     assert config.rarity_cap >= 0
-    assert "auto" not in (config.augment, config.patch_gain, config.feature_train, config.position_features)
+    assert "auto" not in (config.augment, config.patch_gain, config.feature_train, config.position_features,
+                          config.pooling)
     assert config.n_patches and config.patch_size and config.scale
     assert [r.key for r in first[1]] == ["mpp", *SETTLED]  # one reason per value, the microns first
 
@@ -285,3 +286,19 @@ def test_the_facts_and_reasons_are_saved_with_the_run(tmp_path):
     with pytest.raises(ConfigError, match="not a settled.json"):
         load_facts(tmp_path)
 
+
+
+def test_pooling_auto_follows_the_datasets_hint():
+    """The max task's label is the highest digit present: its dataset.json names the pooling
+    ``highest`` and auto obeys; no hint (negative control) or a baseline: the thesis's
+    features; a given value wins; a multi-label dataset refuses ``highest`` in one line."""
+    largest = replace(MNIST, pooling_hint="highest")
+    settled, reasons = settle(TrainConfig(), largest)
+    assert settled.config.pooling == "highest"
+    assert _why(reasons)["pooling"].startswith("pooling highest: dataset.json hint")
+    assert settle(TrainConfig(), MNIST)[0].config.pooling == "features"
+    assert settle(TrainConfig(method="uniform"), largest)[0].config.pooling == "features"
+    assert settle(TrainConfig(pooling="votes"), largest)[0].config.pooling == "votes"
+    with pytest.raises(ConfigError, match="pooling highest \\(given\\) reads one label per image"):
+        settle(TrainConfig(pooling="highest"), replace(MNIST, multilabel=True))
+    assert settle(TrainConfig(), replace(MNIST, multilabel=True))[0].config.pooling == "features"

@@ -36,7 +36,8 @@ def export(
                                        help="Two levels: coarse-view pixels per region side at prediction, e.g. "
                                        "twice training's --coarse-px \\[default: as in SRC; 0: as trained]."),
     pooling: str = typer.Option(None, "--pooling", show_default=False,
-                                help="What the model pools: features | votes | counts \\[default: as in SRC]."),
+                                help="What the model pools: features | highest | votes | counts "
+                                "\\[default: as in SRC]."),
     count_floor: float = typer.Option(None, "--count-floor", min=0.0, max=1.0, show_default=False,
                                       help="The floor of a counts pooling \\[default: as in SRC]."),
     none_class: str = typer.Option(None, "--none-class", show_default=False,
@@ -64,8 +65,9 @@ def export(
     if encoder:
         _export_encoder(src, dst, console, err)
         return
-    if pooling is not None and pooling not in allowed_values()["pooling"]:
-        err.print(f"[red]error:[/] --pooling must be one of {', '.join(allowed_values()['pooling'])} (got {pooling!r})")
+    poolings = [p for p in allowed_values()["pooling"] if p != "auto"]  # a trained model's pooling is known
+    if pooling is not None and pooling not in poolings:
+        err.print(f"[red]error:[/] --pooling must be one of {', '.join(poolings)} (got {pooling!r})")
         raise typer.Exit(2)
     if none_class not in (None, "off"):
         err.print(f"[red]error:[/] --none-class takes only off (got {none_class!r})")

@@ -224,7 +224,9 @@ def make_config(preset: str = "paper", **overrides: Any) -> MegapixelMNISTConfig
 
 def recommended_hints(config: MegapixelMNISTConfig) -> dict[str, Any]:
     """Training hints for ``dataset.json``: the paper's low-res scale 0.12 and 10 patches of
-    50x50; for the top task, the patches' positions (its label is where a digit is)."""
+    50x50; for the top task, the patches' positions (its label is where a digit is); for the
+    max task, the pooling ``highest`` (its label is the highest class present:
+    :mod:`ats_cli.extensions.pooling_highest`)."""
     return {
         "channels": 1,
         "image_size": [config.height, config.width],
@@ -232,6 +234,7 @@ def recommended_hints(config: MegapixelMNISTConfig) -> dict[str, Any]:
         "patch_size": [50, 50],
         "n_patches": 10,
         **({"position_features": "on"} if config.task == "top" else {}),
+        **({"pooling": "highest"} if config.task == "max" else {}),
     }
 
 
