@@ -229,7 +229,8 @@ def test_the_check_rejects_a_gain_normalised_over_the_draws():
 # ---------------------------------------------------------------- specs and registries
 def test_each_kind_has_its_registry_and_builds_from_a_plain_spec():
     assert {k: available_extensions(k) for k in KINDS} == {
-        "pooling": ["features", "votes", "counts", "highest"], "support": ["bright"], "prior": ["rarity"], "gain": ["learned"]}
+        "pooling": ["features", "votes", "counts", "highest"], "support": ["bright"], "prior": ["rarity"],
+        "gain": ["learned"]}
     counts = create_extension("pooling", {"name": "counts", "none_class": True, "floor": 0.02}, features=D,
                               n_classes=CLASSES)
     assert isinstance(counts, CountPooling) and counts.floor == 0.02 and counts.none.out_features == 1
