@@ -64,6 +64,14 @@ OPT_PANEL = "Optimisation"
 RUN_PANEL = "Running"
 
 
+# The poolings with a per-patch vote (so a none logit: --none-class) and those that count
+# objects (so a floor, and one attention grid): ats_cli.extensions.pooling_votes, pooling_counts
+# and their subclasses. Named here, not read from the classes, so that flags and their checks
+# stay free of torch.
+VOTING_POOLINGS = ("votes", "counts", "highest-counts")
+COUNTING_POOLINGS = ("counts", "highest-counts")
+
+
 def _key(default: Any, help: str, panel: str | None = None, *, choices: dict[str, str] | None = None,
          means: str | None = None) -> Any:
     """A TrainConfig field that also describes itself, so that ``ats train``'s flags, their
@@ -131,13 +139,16 @@ class TrainConfig:
     # and count_floor are its options (ats_cli.models.extension_specs)
     pooling: str = _key("auto", "What attention sampling averages over the patches: {choices}; "
                         "docs/training.md", METHOD_PANEL,
-                        choices={"auto": "the dataset.json hint pooling, highest for --task max; else features",
+                        choices={"auto": "the dataset.json hint pooling, highest-counts for --task max; else features",
                                  **extension_choices("pooling")})
-    none_class: str = _key("off", "A per-patch logit for no class here, with --pooling votes or counts: {choices}",
-                           METHOD_PANEL, choices={"off": "every patch spreads a whole vote over the classes",
+    none_class: str = _key("auto", "A per-patch logit for no class here, with --pooling votes, counts or "
+                           "highest-counts: {choices}",
+                           METHOD_PANEL, choices={"auto": "the dataset.json hint none_class; else off",
+                                                  "off": "every patch spreads a whole vote over the classes",
                                                   "on": "a patch read as none votes little"})
-    count_floor: float = _key(0.0, "With --pooling counts: an object with less than this share of the attention "
-                              "counts in proportion to it, not once (0 = every object once, 1 = votes)", METHOD_PANEL)
+    count_floor: float = _key(-1.0, "With --pooling counts or highest-counts: an object with less than this share of "
+                              "the attention counts in proportion to it, not once (0 = every object once, 1 = votes; "
+                              "-1 = auto: the dataset.json hint count_floor, else 0)", METHOD_PANEL)
     # on: each patch's position in the image goes into its feature (ats_cli.extensions.position)
     position_features: str = _key("auto", "Each patch's position in the image in its feature and the attention's "
                                   "input: {choices}; "
@@ -252,10 +263,11 @@ class TrainConfig:
         problems += [f"{k} must be >= 0" for k in non_negative if getattr(self, k) < 0]
         if self.feature_lr != 1 and self.method == "cnn":
             problems.append(f"feature_lr {self.feature_lr}: method cnn has no feature network (it trains one ResNet)")
-        if not 0 <= self.count_floor <= 1:
-            problems.append(f"count_floor must be in [0, 1] (got {self.count_floor})")
-        if self.none_class == "on" and self.pooling not in ("votes", "counts"):
-            problems.append("none_class on needs pooling votes or counts (pooled features have no per-patch vote)")
+        if not 0 <= self.count_floor <= 1 and self.count_floor != -1:
+            problems.append(f"count_floor must be in [0, 1], or -1 for auto (got {self.count_floor})")
+        if self.none_class == "on" and self.pooling not in (*VOTING_POOLINGS, "auto"):  # auto: settled below
+            problems.append(f"none_class on needs pooling {', '.join(VOTING_POOLINGS)} (pooling {self.pooling} has "
+                            "no per-patch vote)")
         if self.pooling not in ("features", "auto") and self.method in ("cnn", "deepmil"):
             problems.append(f"pooling {self.pooling}: method {self.method} does not pool by attention sampling")
         if self.position_features == "on" and self.method in ("cnn", "deepmil"):
@@ -306,8 +318,9 @@ class TrainConfig:
             problems.append("region_size and region_um must be >= 0")
         elif bool(self.region_size) == bool(self.region_um):
             problems.append("levels 2 needs region_size (pixels) or region_um (microns), one of them")
-        if self.pooling == "counts":
-            problems.append("pooling counts needs one attention grid; use features or votes with levels 2")
+        if self.pooling in COUNTING_POOLINGS:
+            problems.append(f"pooling {self.pooling} needs one attention grid; use features, highest or votes with "
+                            "levels 2")
         return problems
 
     @property
@@ -409,6 +422,8 @@ class DataFacts:
     pixels: int = 0  # the largest training image's pixels, H x W as its header says; 0: not read
     position_hint: str = ""  # dataset.json hints.position_features ("on"/"off"); "": none
     pooling_hint: str = ""  # dataset.json hints.pooling, a registered pooling's name; "": none
+    none_class_hint: str = ""  # dataset.json hints.none_class ("on"/"off"); "": none
+    count_floor_hint: float = -1.0  # dataset.json hints.count_floor in [0, 1]; -1: none
     multilabel: bool = False  # the labels hold several classes per image
 
     @property
@@ -469,6 +484,8 @@ def settle(flags: TrainConfig, facts: DataFacts) -> tuple[Settled, list[Reason]]
     decide("feature_train", *_feature_train(flags, facts))
     decide("position_features", *_position_features(flags, facts))
     decide("pooling", *_pooling(flags, facts))
+    decide("none_class", *_none_class(flags, facts, out["pooling"]))
+    decide("count_floor", *_count_floor(flags, facts, out["pooling"]))
     return Settled(replace(flags, **out).validate(), mpp), reasons
 
 
@@ -771,9 +788,9 @@ def _position_features(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
 
 def _pooling(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
     """--pooling auto: the dataset's hint, which only its maker can know (a label that is
-    the highest class present, as IPS's largest digit, is a rule the readout of ``highest``
-    applies: :mod:`ats_cli.extensions.pooling_highest`), else features, the thesis's.
-    ``highest`` reads one label per image, so a multi-label dataset refuses it."""
+    the highest class present, as IPS's largest digit, is a rule the readouts of ``highest``
+    and ``highest-counts`` apply: :mod:`ats_cli.extensions.pooling_highest`), else features,
+    the thesis's. Those two read one label per image, so a multi-label dataset refuses them."""
     if flags.pooling != "auto":
         value, why = flags.pooling, "given"
     elif _baseline(flags):
@@ -782,10 +799,35 @@ def _pooling(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
         value, why = facts.pooling_hint, "dataset.json hint (the label is a rule over the classes present)"
     else:
         return "features", "no dataset.json hint: the pooled features, then the classifier (the thesis)"
-    if value == "highest" and facts.multilabel:
-        raise ConfigError(f"pooling highest ({why}) reads one label per image, and the labels hold several; "
+    if value in ("highest", "highest-counts") and facts.multilabel:
+        raise ConfigError(f"pooling {value} ({why}) reads one label per image, and the labels hold several; "
                           "use --pooling features")
     return value, why
+
+
+def _none_class(flags: TrainConfig, facts: DataFacts, pooling: str) -> tuple[str, str]:
+    """--none-class auto: the dataset's hint where the pooling has a per-patch vote (a
+    generator knows its images hold objects of no class: Megapixel MNIST's noise), else off."""
+    if flags.none_class != "auto":
+        return flags.none_class, "given"
+    if pooling not in VOTING_POOLINGS:
+        return "off", f"pooling {pooling} has no per-patch vote"
+    if facts.none_class_hint:
+        return facts.none_class_hint, "dataset.json hint (objects of no class among those that count)"
+    return "off", "no dataset.json hint: every patch votes for the classes"
+
+
+def _count_floor(flags: TrainConfig, facts: DataFacts, pooling: str) -> tuple[float, str]:
+    """--count-floor auto: the dataset's hint where the pooling counts objects, else 0.
+    Why a dataset says: the share of the attention one object that matters should hold
+    (about one over the number of such objects, less a margin) is a fact of its images."""
+    if flags.count_floor != -1:
+        return flags.count_floor, "given"
+    if pooling not in COUNTING_POOLINGS:
+        return 0.0, f"pooling {pooling} counts no objects"
+    if facts.count_floor_hint >= 0:
+        return facts.count_floor_hint, "dataset.json hint (the share of the attention one object should hold)"
+    return 0.0, "no dataset.json hint: every object counts once"
 
 
 def levels_spec(cfg: TrainConfig, mpp: float | None) -> dict[str, Any]:
@@ -857,6 +899,7 @@ def gather_facts(flags: TrainConfig, data: Dataset, *, view_cache: Any = None) -
     agree = bool(known) and not missing and known[-1] <= known[0] * (1 + MPP_TOLERANCE)
     position = data.hints.get("position_features")  # "on"/"off"; anything else is no hint
     pooling = data.hints.get("pooling")  # a pooling's name; anything else is no hint
+    none_class, floor = data.hints.get("none_class"), data.hints.get("count_floor")
     facts = DataFacts(hints=usable_hints(data.hints), channels=int(data.hints.get("channels", 1)),
                       files=len(records), mpps=tuple(known), mpps_agree=agree, no_mpp=missing[0] if missing else "",
                       pretrained=pretrained_source(flags.feature_net, flags.feature_weights),
@@ -864,6 +907,9 @@ def gather_facts(flags: TrainConfig, data: Dataset, *, view_cache: Any = None) -
                       pixels=max((s[0] * s[1] for _, s in headers if s), default=0),
                       position_hint=position if position in ("on", "off") else "",
                       pooling_hint=pooling if pooling in extension_choices("pooling") else "",
+                      none_class_hint=none_class if none_class in ("on", "off") else "",
+                      count_floor_hint=float(floor) if isinstance(floor, int | float) and not isinstance(floor, bool)
+                      and 0 <= floor <= 1 else -1.0,
                       multilabel=bool(data.multilabel))
     if not looks_at_images(flags):
         return facts

@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from ats_cli import nets
 from ats_cli.baselines import CNNClassifier, DeepMIL, UniformAttention
-from ats_cli.config import ConfigError, TrainConfig, levels_spec, rarity_cap
+from ats_cli.config import COUNTING_POOLINGS, VOTING_POOLINGS, ConfigError, TrainConfig, levels_spec, rarity_cap
 from ats_cli.core.model import ATSModel
 from ats_cli.nets.encoders import feature_spec
 from ats_cli.registry import Registry, UnknownNameError
@@ -118,10 +118,10 @@ def extension_specs(cfg: TrainConfig) -> dict[str, dict[str, Any] | None]:
     whose auto follows from the prior and the levels alone (:func:`ats_cli.config.settle`)."""
     # auto still unsettled (a spec made without ats train's settle): what settle gives without a hint
     pooling: dict[str, Any] = {"name": "features" if cfg.pooling == "auto" else cfg.pooling}
-    if cfg.pooling in ("votes", "counts"):
-        pooling["none_class"] = cfg.none_class == "on"
-    if cfg.pooling == "counts":
-        pooling["floor"] = float(cfg.count_floor)
+    if cfg.pooling in VOTING_POOLINGS:
+        pooling["none_class"] = cfg.none_class == "on"  # auto still unsettled: off, as settle without a hint
+    if cfg.pooling in COUNTING_POOLINGS:
+        pooling["floor"] = max(float(cfg.count_floor), 0.0)  # auto (-1) still unsettled: 0, likewise
     return {
         "pooling": pooling,
         "support": {"name": "bright", "threshold": float(cfg.min_brightness)} if cfg.min_brightness > 0 else None,

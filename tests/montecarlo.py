@@ -74,10 +74,10 @@ def exact_attention(m: ATSModel, img: torch.Tensor) -> torch.Tensor:
 def _linear(m: ATSModel, logits: torch.Tensor) -> torch.Tensor:
     """A function of the logits linear in the pooled estimate, so that its mean over draws
     must equal its value at the exact expectation: the logits for pooled features (the
-    classifier is linear; for ``highest``, the presence logits its readout read), their
+    classifier is linear; for ``highest`` and ``highest-counts``, what their readout read), their
     exp for the poolings read out as a log (votes, counts)."""
-    if getattr(m.pooling, "presence", None) is not None:  # tests/test_extensions.py _SeenHighest
-        return m.pooling.presence
+    if getattr(m.pooling, "read", None) is not None:  # tests/test_extensions.py _Seen: what the readout read
+        return m.pooling.read
     return logits if isinstance(m.pooling, FeaturePooling) else logits.exp()
 
 

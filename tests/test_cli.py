@@ -144,7 +144,8 @@ def test_train_writes_a_run_with_the_flags_and_the_defaults(run, mnist):
     del defaults["rarity_cap"]  # follows the prior: none here
     del defaults["patch_gain"]
     del defaults["eval_n_patches"]
-    del defaults["feature_train"], defaults["position_features"], defaults["pooling"]
+    del defaults["feature_train"], defaults["position_features"], defaults["pooling"], defaults["none_class"]
+    del defaults["count_floor"]
     assert {k: saved[k] for k in given} == given
     assert {k: saved[k] for k in defaults} == defaults
     assert saved["min_brightness"] == AUTO_MIN_BRIGHTNESS  # Megapixel MNIST: a black background
@@ -155,6 +156,7 @@ def test_train_writes_a_run_with_the_flags_and_the_defaults(run, mnist):
     assert saved["feature_train"] == "all"  # auto: a net of ours from random weights trains
     assert saved["position_features"] == "off"  # auto: no dataset.json hint (the majority task)
     assert saved["pooling"] == "features"  # auto: no dataset.json hint (the majority task)
+    assert saved["none_class"] == "off" and saved["count_floor"] == 0.0  # features: no vote, no count
     assert saved["data"] == str(mnist[0]) and saved["out"] == str(out)
 
 

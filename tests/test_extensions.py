@@ -19,7 +19,7 @@ from ats_cli.extensions import (
 )
 from ats_cli.extensions.gain_learned import LearnedGain
 from ats_cli.extensions.pooling_counts import CountPooling, local_mass
-from ats_cli.extensions.pooling_highest import HighestPooling
+from ats_cli.extensions.pooling_highest import HighestCountPooling, HighestPooling
 from ats_cli.extensions.pooling_votes import VotePooling
 from ats_cli.extensions.prior_rarity import RarityPrior
 from ats_cli.extensions.support_bright import BrightSupport
@@ -53,22 +53,25 @@ def test_the_check_rejects_a_biased_estimator(monkeypatch):
     assert z_of_estimate(tiny_model("sequential"), **QUICK) > REJECTED
 
 
-# ---------------------------------------------------------------- pooling "highest"
-class _SeenHighest(HighestPooling):
-    """``highest``, keeping the presence logits its readout read (``classifier(E_a[f])``),
-    which tests/montecarlo.py checks: they are linear in the estimate; the logits are not."""
+# ---------------------------------------------------------------- poolings "highest", "highest-counts"
+def _seen(pooling):
+    """The pooling, keeping what its readout read, which tests/montecarlo.py then checks:
+    the presence logits ``classifier(E_a[f])`` (``highest``) or the counts ``E_a[c]``
+    (``highest-counts``), linear in the estimate where the logits are not."""
+    readout = pooling.readout
 
-    presence: torch.Tensor | None = None
+    def reading(pooled, classifier):
+        pooling.read = classifier(pooled) if isinstance(pooling, HighestPooling) else pooled
+        return readout(pooled, classifier)
 
-    def readout(self, pooled, classifier):
-        self.presence = classifier(pooled)
-        return super().readout(pooled, classifier)
+    pooling.readout = reading
+    return pooling
 
 
-def _sharp(pooling):
-    """A classifier 4x as sharp as at random: presence logits that vary across draws by
-    several units, where the readout bends them most."""
-    m = tiny_model("sequential", pooling=pooling)
+def _sharp(pooling, **kw):
+    """A classifier 4x as sharp as at random: presence logits (and votes) that vary across
+    draws by several units, where the readout bends them most."""
+    m = tiny_model("sequential", pooling=pooling, **kw)
     with torch.no_grad():
         m.classifier.weight.mul_(4.0)
     return m
@@ -77,13 +80,28 @@ def _sharp(pooling):
 def test_the_highest_class_present_is_unbiased():
     """Its pooled values are the features, so what its readout reads, the presence logits,
     is estimated without bias in value and gradient."""
-    assert z_of_estimate(_sharp(_SeenHighest(D, CLASSES))) < Z_MAX
+    assert z_of_estimate(_sharp(_seen(HighestPooling(D, CLASSES)))) < Z_MAX
 
 
 def test_the_check_rejects_the_highest_readout_averaged_as_if_linear():
     """The readout is nonlinear: the mean of its logits over draws is not their value at the
     expectation, which the same check, reading the logits, sees."""
     assert z_of_estimate(_sharp(HighestPooling(D, CLASSES)), **QUICK) > REJECTED
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.3])
+def test_the_highest_class_counted_is_unbiased(floor):
+    """Its pooled values are counts (with a none logit; a floor of 0.3 is reached by some
+    cells): what its Poisson readout reads is estimated without bias, as counts' are."""
+    pooling = _with_none_head(HighestCountPooling(D, CLASSES, none_class=True, floor=floor))
+    assert z_of_estimate(_sharp(_seen(pooling), patch=16)) < Z_MAX
+
+
+def test_the_check_rejects_the_highest_count_readout_averaged_as_if_linear():
+    """exp of its logits, P(label = k), is not linear in the counts, and the check sees it
+    (with no floor, where the counts vary most across draws)."""
+    pooling = _with_none_head(HighestCountPooling(D, CLASSES, none_class=True, floor=0.0))
+    assert z_of_estimate(_sharp(pooling, patch=16), **QUICK) > REJECTED
 
 
 # ---------------------------------------------------------------- pooling "votes"
@@ -229,8 +247,8 @@ def test_the_check_rejects_a_gain_normalised_over_the_draws():
 # ---------------------------------------------------------------- specs and registries
 def test_each_kind_has_its_registry_and_builds_from_a_plain_spec():
     assert {k: available_extensions(k) for k in KINDS} == {
-        "pooling": ["features", "votes", "counts", "highest"], "support": ["bright"], "prior": ["rarity"],
-        "gain": ["learned"]}
+        "pooling": ["features", "votes", "counts", "highest", "highest-counts"], "support": ["bright"],
+        "prior": ["rarity"], "gain": ["learned"]}
     counts = create_extension("pooling", {"name": "counts", "none_class": True, "floor": 0.02}, features=D,
                               n_classes=CLASSES)
     assert isinstance(counts, CountPooling) and counts.floor == 0.02 and counts.none.out_features == 1
@@ -250,7 +268,7 @@ def test_a_model_takes_specs_in_its_slots_and_none_is_the_thesis():
 
 @pytest.mark.parametrize("kind, spec, dims, message", [
     ("pooling", {"name": "mean"}, {"features": D, "n_classes": 3}, "unknown pooling 'mean'; available: features, "
-                                                                   "votes, counts, highest"),
+                                                                   "votes, counts, highest, highest-counts"),
     ("pooling", {"name": "counts", "flor": 0.1}, {"features": D, "n_classes": 3}, "pooling 'counts': .*'flor'"),
     ("pooling", {"name": "counts", "floor": 1.5}, {"features": D, "n_classes": 3}, "floor must be in"),
     ("support", {"name": "bright"}, {}, "support 'bright': .*threshold"),

@@ -95,8 +95,8 @@ def test_a_rarity_cap_is_in_the_spec_only_when_given_and_at_most_1_is_refused():
 
 
 def test_a_none_logit_is_refused_where_patches_do_not_vote():
-    with pytest.raises(ConfigError, match="none_class on needs pooling votes or counts"):
-        resolve_config(None, none_class="on")
+    with pytest.raises(ConfigError, match="none_class on needs pooling votes, counts, highest-counts"):
+        resolve_config(None, none_class="on", pooling="features")
     with pytest.raises(ExtensionError, match="pooling 'features': .*none_class"):
         create_model({**_spec(), "pooling": {"name": "features", "none_class": True}})
     m = create_model(_spec(pooling="votes", none_class="on"))
@@ -147,6 +147,21 @@ def test_highest_reads_the_highest_class_present_whatever_the_mass_on_each():
     assert torch.allclose(highest_logits(z)[:, 3].double(), torch.nn.functional.logsigmoid(z[:, 3]), atol=1e-6)
 
 
+def test_highest_counts_reads_presence_as_a_poisson_count():
+    """Counts of one 7 and three 2s read 7, where their log (counts' own readout) reads 2
+    (negative control); ``P(label = k) = (1 - e^-c_k) prod_{j > k} e^-c_j``, a count of 0
+    floored to a finite logit."""
+    from ats_cli.extensions.pooling_highest import highest_count_logits
+
+    c = torch.zeros(1, 10)
+    c[0, 2], c[0, 7] = 3.0, 1.0
+    assert int(highest_count_logits(c).argmax()) == 7 and int(c.clamp_min(1e-30).log().argmax()) == 2
+    c = torch.rand(5, 4, dtype=torch.float64) * 3
+    expected = torch.stack([(1 - (-c[:, k]).exp()) * (-c[:, k + 1:].sum(-1)).exp() for k in range(4)], -1)
+    assert torch.allclose(highest_count_logits(c).exp().double(), expected, rtol=1e-5)
+    assert torch.isfinite(highest_count_logits(torch.zeros(2, 4))).all()
+
+
 def test_highest_is_a_pooling_of_features_with_its_own_readout():
     """The flags make its spec, a model made from it pools as ``features`` does and reads
     the classifier's logits through :func:`highest_logits`."""
@@ -161,3 +176,8 @@ def test_highest_is_a_pooling_of_features_with_its_own_readout():
     assert torch.allclose(m.pooling.readout(pooled, m.classifier), highest_logits(m.classifier(pooled)))
     # auto, unsettled (a spec made without ats train): the thesis's pooling
     assert extension_specs(TrainConfig())["pooling"] == {"name": "features"}
+    # highest-counts takes counts' options
+    spec = extension_specs(TrainConfig(pooling="highest-counts", none_class="on", count_floor=0.02))["pooling"]
+    assert spec == {"name": "highest-counts", "none_class": True, "floor": 0.02}
+    m = create_model(_spec(pooling="highest-counts", none_class="on", count_floor=0.02))
+    assert m.pooling.none is not None and m.pooling.floor == 0.02

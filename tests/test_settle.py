@@ -32,7 +32,8 @@ from ats_cli.config import (
 from ats_cli.data.dataset import load_dataset, write_dataset
 
 SETTLED = ("n_patches", "patch_size", "scale", "batch_size", "eval_n_patches", "min_brightness", "augment",
-           "rarity_prior", "rarity_cap", "patch_gain", "feature_train", "position_features", "pooling")
+           "rarity_prior", "rarity_cap", "patch_gain", "feature_train", "position_features", "pooling", "none_class",
+           "count_floor")
 MNIST = DataFacts(hints={"n_patches": 10, "patch_size": 50, "scale": 0.12}, channels=1, files=40, probed=16, dark=0.9)
 SLIDES = DataFacts(hints={"n_patches": 12, "patch_size": 64, "scale": 1 / 32}, channels=3, files=12,
                    mpps=(0.5,) * 12, mpps_agree=True, probed=12, masked=12)
@@ -59,7 +60,8 @@ def test_settle_is_pure_and_leaves_no_auto_value(monkeypatch):
     assert config.eval_n_patches >= 0 and config.min_brightness >= 0 and config.rarity_prior >= 0
     assert config.rarity_cap >= 0
     assert "auto" not in (config.augment, config.patch_gain, config.feature_train, config.position_features,
-                          config.pooling)
+                          config.pooling, config.none_class)
+    assert config.count_floor >= 0
     assert config.n_patches and config.patch_size and config.scale
     assert [r.key for r in first[1]] == ["mpp", *SETTLED]  # one reason per value, the microns first
 
@@ -290,15 +292,25 @@ def test_the_facts_and_reasons_are_saved_with_the_run(tmp_path):
 
 def test_pooling_auto_follows_the_datasets_hint():
     """The max task's label is the highest digit present: its dataset.json names the pooling
-    ``highest`` and auto obeys; no hint (negative control) or a baseline: the thesis's
-    features; a given value wins; a multi-label dataset refuses ``highest`` in one line."""
-    largest = replace(MNIST, pooling_hint="highest")
+    ``highest-counts``, a none logit and a floor, and auto obeys; no hint (negative control)
+    or a baseline: the thesis's features, no none logit, no floor; a given value wins; a
+    multi-label dataset refuses ``highest`` in one line; a none logit without votes too."""
+    largest = replace(MNIST, pooling_hint="highest-counts", none_class_hint="on", count_floor_hint=0.15)
     settled, reasons = settle(TrainConfig(), largest)
-    assert settled.config.pooling == "highest"
-    assert _why(reasons)["pooling"].startswith("pooling highest: dataset.json hint")
-    assert settle(TrainConfig(), MNIST)[0].config.pooling == "features"
-    assert settle(TrainConfig(method="uniform"), largest)[0].config.pooling == "features"
-    assert settle(TrainConfig(pooling="votes"), largest)[0].config.pooling == "votes"
+    assert (settled.config.pooling, settled.config.none_class, settled.config.count_floor) == \
+        ("highest-counts", "on", 0.15)
+    assert _why(reasons)["pooling"].startswith("pooling highest-counts: dataset.json hint")
+    assert _why(reasons)["count_floor"].startswith("count_floor 0.15: dataset.json hint")
+    plain = settle(TrainConfig(), MNIST)[0].config
+    assert (plain.pooling, plain.none_class, plain.count_floor) == ("features", "off", 0.0)
+    baseline = settle(TrainConfig(method="uniform"), largest)[0].config
+    assert (baseline.pooling, baseline.none_class, baseline.count_floor) == ("features", "off", 0.0)
+    votes = settle(TrainConfig(pooling="votes"), largest)[0].config  # a vote has a none logit, no floor
+    assert (votes.pooling, votes.none_class, votes.count_floor) == ("votes", "on", 0.0)
+    given = settle(TrainConfig(none_class="off", count_floor=0.3), largest)[0].config
+    assert (given.none_class, given.count_floor) == ("off", 0.3)
     with pytest.raises(ConfigError, match="pooling highest \\(given\\) reads one label per image"):
         settle(TrainConfig(pooling="highest"), replace(MNIST, multilabel=True))
     assert settle(TrainConfig(), replace(MNIST, multilabel=True))[0].config.pooling == "features"
+    with pytest.raises(ConfigError, match="none_class on needs pooling votes"):
+        settle(TrainConfig(none_class="on"), MNIST)  # auto settles features, which has no vote

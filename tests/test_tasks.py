@@ -73,8 +73,10 @@ def test_the_four_tasks_render_the_same_images_and_record_their_task(four):
         facts = gather_facts(TrainConfig(), load_dataset(root))
         assert settle(TrainConfig(), facts)[0].config.position_features == ("on" if task == "top" else "off")
         # the max task's label is the highest digit present: its hint names the pooling that reads that
-        assert meta["hints"].get("pooling") == ("highest" if task == "max" else None)
-        assert settle(TrainConfig(), facts)[0].config.pooling == ("highest" if task == "max" else "features")
+        assert meta["hints"].get("pooling") == ("highest-counts" if task == "max" else None)
+        settled = settle(TrainConfig(), facts)[0].config
+        assert (settled.pooling, settled.none_class, settled.count_floor) == \
+            (("highest-counts", "on", 0.15) if task == "max" else ("features", "off", 0.0))
 
 
 def test_each_label_follows_its_rule_on_the_recorded_digits(four):

@@ -1,28 +1,39 @@
-"""``highest``: the label is the highest class present; the classes are ranked in the order
-the dataset lists them.
+"""``highest`` and ``highest-counts``: the label is the highest class present; the classes are
+ranked in the order the dataset lists them.
 
 Where the label of an image is the most severe finding it holds (a slide's grade is its worst
 region's grade, a slide is tumour if any region is) or the largest digit of Megapixel MNIST
 (IPS's task max), the label is a rule over what is present, not what is most common. The
 classifier on pooled features must then learn that rule as one linear map of an average,
 which holds only with weights that grow as the classes rise; what it learns from a few
-thousand images fits their layouts, not the rule (benchmarks/accuracy.md, IPS's tasks).
+thousand images fits their layouts, not the rule. Both poolings read, from the estimate,
+whether each class is present, ``q_k``, and apply the rule: the label is k when k is
+present and no class above it is,
 
-So the classifier reads, from the pooled features, whether each class is present,
-``q_k = sigmoid(z_k)`` with ``z = W E_a[f] + b``, and the readout applies the rule to it: the
-label is k when k is present and no class above it is,
+    P(label = k) = q_k * prod_{j > k} (1 - q_j).
 
-    P(label = k) = q_k * prod_{j > k} (1 - q_j),
-    logits_k = log sigmoid(z_k) + sum_{j > k} log sigmoid(-z_j).
-
-The softmax of these logits (cross-entropy, prediction) divides by ``sum_k P(label = k) = 1 -
+The softmax of their logits (cross-entropy, prediction) divides by ``sum_k P(label = k) = 1 -
 prod_j (1 - q_j)``: the probability given that some class is present, which every image
 holds. An image labelled k trains class k's presence up and the presence of every class
 above k down, and says nothing of the classes below it, which is what its label tells.
 
-Unbiased: the pooled values are the features, as for ``features`` (:mod:`.pooling`); the
-readout is a deterministic function of their estimate, the model's nonlinearity, as the
-classifier and its softmax are.
+``highest``: the thesis's pooled features; the classifier's logits read as presence,
+``q_k = sigmoid(z_k)``, ``z = W E_a[f] + b``, so ``logits_k = log sigmoid(z_k) + sum_{j > k}
+log sigmoid(-z_j)``. A class is present by how much of the attention it holds, so a class
+shown once, under a fifth of the mass, must pass the same threshold as one shown thrice.
+
+``highest-counts``: the counts of :mod:`.pooling_counts` (each object once, whatever its
+attention mass), ``c_k`` the estimated number of class-k objects, and presence as for a
+Poisson count of mean ``c_k``: ``q_k = 1 - exp(-c_k)``, ``1 - q_j = exp(-c_j)``, so
+``logits_k = log(1 - exp(-c_k)) - sum_{j > k} c_j``. An object shown once counts as much as
+each of three; its options are counts' (``none_class``: noise read as none counts for no
+class; ``floor``). One attention grid, as counts.
+
+Unbiased: the pooled values are the features (``highest``) or the counts
+(``highest-counts``), each estimated without bias in value and gradient as its own module
+shows; the readout is a deterministic function of that estimate, the model's nonlinearity,
+as the classifier and its softmax are (tests/test_extensions.py checks what each readout
+reads, and that the readout's own logits fail that check).
 """
 
 from __future__ import annotations
@@ -32,18 +43,30 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ats_cli.extensions.pooling import FeaturePooling
+from ats_cli.extensions.pooling_counts import CountPooling
 from ats_cli.registry import register_extension
 
-__all__ = ["HighestPooling", "highest_logits"]
+__all__ = ["HighestPooling", "HighestCountPooling", "highest_logits", "highest_count_logits"]
+
+
+def _above(x: torch.Tensor) -> torch.Tensor:
+    """``sum_{j > k} x_j`` for every k [..., K]: the reversed cumulative sum less the term itself."""
+    return x.flip(-1).cumsum(-1).flip(-1) - x
 
 
 def highest_logits(presence: torch.Tensor) -> torch.Tensor:
     """``log P(label = k)`` [..., K] from presence logits ``presence`` [..., K] (class k
     ranked above every class before it): ``log sigmoid(z_k) + sum_{j > k} log sigmoid(-z_j)``."""
-    absent = F.logsigmoid(-presence.float())
-    # sum over j > k: the reversed cumulative sum, shifted by one (the last class has none above)
-    above = absent.flip(-1).cumsum(-1).flip(-1) - absent
-    return F.logsigmoid(presence.float()) + above
+    z = presence.float()
+    return F.logsigmoid(z) + _above(F.logsigmoid(-z))
+
+
+def highest_count_logits(counts: torch.Tensor) -> torch.Tensor:
+    """``log P(label = k)`` [..., K] from expected counts ``counts`` [..., K] >= 0, each a
+    Poisson mean: ``log(1 - exp(-c_k)) - sum_{j > k} c_j``. A count is floored at 1e-6 (a
+    class no patch voted for has a finite logit, about log 1e-6)."""
+    c = counts.float().clamp(min=1e-6)
+    return torch.log(-torch.expm1(-c)) - _above(c)
 
 
 @register_extension("pooling", "highest", note="the label is the highest class present: a grade, task max")
@@ -53,3 +76,12 @@ class HighestPooling(FeaturePooling):
 
     def readout(self, pooled: torch.Tensor, classifier: nn.Linear) -> torch.Tensor:
         return highest_logits(classifier(pooled))
+
+
+@register_extension("pooling", "highest-counts", note="highest, each object once: presence from counts")
+class HighestCountPooling(CountPooling):
+    """Counts, as :class:`~ats_cli.extensions.pooling_counts.CountPooling`; the label read
+    as the highest class present (:func:`highest_count_logits`)."""
+
+    def readout(self, pooled: torch.Tensor, classifier: nn.Linear) -> torch.Tensor:
+        return highest_count_logits(pooled)
