@@ -36,8 +36,8 @@ def export(
                                        help="Two levels: coarse-view pixels per region side at prediction, e.g. "
                                        "twice training's --coarse-px \\[default: as in SRC; 0: as trained]."),
     pooling: str = typer.Option(None, "--pooling", show_default=False,
-                                help="What the model pools: features | highest | votes | counts "
-                                "\\[default: as in SRC]."),
+                                help="What the model pools: features | highest | votes | counts | "
+                                "highest-counts \\[default: as in SRC]."),
     count_floor: float = typer.Option(None, "--count-floor", min=0.0, max=1.0, show_default=False,
                                       help="The floor of a counts pooling \\[default: as in SRC]."),
     none_class: str = typer.Option(None, "--none-class", show_default=False,
