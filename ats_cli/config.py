@@ -70,6 +70,7 @@ RUN_PANEL = "Running"
 # stay free of torch.
 VOTING_POOLINGS = ("votes", "counts", "highest-counts")
 COUNTING_POOLINGS = ("counts", "highest-counts")
+HIGHEST_POOLINGS = ("highest", "highest-counts")  # one label per image: ats_cli.extensions.pooling_highest
 
 
 def _key(default: Any, help: str, panel: str | None = None, *, choices: dict[str, str] | None = None,
@@ -753,9 +754,14 @@ def usable_hints(hints: Mapping[str, Any]) -> dict[str, float]:
     for key in DATA_DEFAULTS:
         hint = hints.get(key)
         hint = hint[0] if isinstance(hint, list) and hint else hint
-        if isinstance(hint, int | float) and not isinstance(hint, bool) and hint > 0:
+        if _is_number(hint) and hint > 0:
             usable[key] = hint
     return usable
+
+
+def _is_number(value: Any) -> bool:
+    """A JSON number (not a bool, which Python counts as an int)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _feature_train(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
@@ -799,7 +805,7 @@ def _pooling(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
         value, why = facts.pooling_hint, "dataset.json hint (the label is a rule over the classes present)"
     else:
         return "features", "no dataset.json hint: the pooled features, then the classifier (the thesis)"
-    if value in ("highest", "highest-counts") and facts.multilabel:
+    if value in HIGHEST_POOLINGS and facts.multilabel:
         raise ConfigError(f"pooling {value} ({why}) reads one label per image, and the labels hold several; "
                           "use --pooling features")
     return value, why
@@ -908,8 +914,7 @@ def gather_facts(flags: TrainConfig, data: Dataset, *, view_cache: Any = None) -
                       position_hint=position if position in ("on", "off") else "",
                       pooling_hint=pooling if pooling in extension_choices("pooling") else "",
                       none_class_hint=none_class if none_class in ("on", "off") else "",
-                      count_floor_hint=float(floor) if isinstance(floor, int | float) and not isinstance(floor, bool)
-                      and 0 <= floor <= 1 else -1.0,
+                      count_floor_hint=float(floor) if _is_number(floor) and 0 <= floor <= 1 else -1.0,
                       multilabel=bool(data.multilabel))
     if not looks_at_images(flags):
         return facts

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ats_cli.config import VOTING_POOLINGS
 from ats_cli.pretrain import PretrainError
 from ats_cli.pretrain.attention import attention_report, attention_shape, attention_targets, train_attention
 from ats_cli.pretrain.examples import read_all
@@ -64,7 +65,7 @@ class PretrainOptions:
 
     def check(self) -> None:
         """Refuse impossible combinations in one line, before anything is read."""
-        if self.none_class == "on" and self.pooling == "features":
+        if self.none_class == "on" and self.pooling not in VOTING_POOLINGS:
             raise PretrainError("--none-class on needs --pooling votes or counts")
         if not self.lr > 0:
             raise PretrainError(f"--lr must be > 0 (got {self.lr})")
