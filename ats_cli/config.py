@@ -426,6 +426,7 @@ class DataFacts:
     none_class_hint: str = ""  # dataset.json hints.none_class ("on"/"off"); "": none
     count_floor_hint: float = -1.0  # dataset.json hints.count_floor in [0, 1]; -1: none
     multilabel: bool = False  # the labels hold several classes per image
+    ignored_hints: tuple[str, ...] = ()  # one line per dataset.json hint read as no hint (read_hints)
 
     @property
     def slides(self) -> bool:
@@ -759,6 +760,42 @@ def usable_hints(hints: Mapping[str, Any]) -> dict[str, float]:
     return usable
 
 
+# the hints ats train reads (read_hints), and those a dataset.json may carry for people to read
+HINT_KEYS = (*DATA_DEFAULTS, "channels", "position_features", "pooling", "none_class", "count_floor")
+INFORMATIVE_HINTS = ("image_size", "mpp")
+
+
+def read_hints(hints: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """:class:`DataFacts`' hint fields from dataset.json's ``hints``, and one line for each
+    hint read as no hint: a key ats train does not know (a misspelt ``poolng`` would else
+    leave the run at the default without a word) or a value it cannot use."""
+    usable = usable_hints(hints)
+    position, pooling = hints.get("position_features"), hints.get("pooling")
+    none_class, floor = hints.get("none_class"), hints.get("count_floor")
+    out = {"hints": usable,
+           "position_hint": position if position in ("on", "off") else "",
+           "pooling_hint": pooling if pooling in extension_choices("pooling") else "",
+           "none_class_hint": none_class if none_class in ("on", "off") else "",
+           "count_floor_hint": float(floor) if _is_number(floor) and 0 <= floor <= 1 else -1.0}
+    wants = {**{key: "a positive number" for key in DATA_DEFAULTS if key not in usable},
+             **({} if out["position_hint"] else {"position_features": '"on" or "off"'}),
+             **({} if out["pooling_hint"] else {"pooling": "one of " + ", ".join(extension_choices("pooling"))}),
+             **({} if out["none_class_hint"] else {"none_class": '"on" or "off"'}),
+             **({} if out["count_floor_hint"] >= 0 else {"count_floor": "a number in [0, 1]"})}
+    channels = hints.get("channels", 1)
+    if _is_number(channels) and channels == int(channels) and channels >= 1:
+        out["channels"] = int(channels)
+    else:
+        wants["channels"] = "a whole number >= 1"
+    ignored = []
+    for key, value in hints.items():
+        if key not in (*HINT_KEYS, *INFORMATIVE_HINTS):
+            ignored.append(f"dataset.json hint {key!r} ignored: not one ats train reads ({', '.join(HINT_KEYS)})")
+        elif key in wants:
+            ignored.append(f"dataset.json hint {key} {json.dumps(value)} ignored: not {wants[key]}")
+    return out, tuple(ignored)
+
+
 def _is_number(value: Any) -> bool:
     """A JSON number (not a bool, which Python counts as an int)."""
     return isinstance(value, int | float) and not isinstance(value, bool)
@@ -903,18 +940,12 @@ def gather_facts(flags: TrainConfig, data: Dataset, *, view_cache: Any = None) -
     known = sorted(m for m in recorded if m is not None)
     missing = [str(r.path) for r, m in zip(records, recorded, strict=True) if m is None]
     agree = bool(known) and not missing and known[-1] <= known[0] * (1 + MPP_TOLERANCE)
-    position = data.hints.get("position_features")  # "on"/"off"; anything else is no hint
-    pooling = data.hints.get("pooling")  # a pooling's name; anything else is no hint
-    none_class, floor = data.hints.get("none_class"), data.hints.get("count_floor")
-    facts = DataFacts(hints=usable_hints(data.hints), channels=int(data.hints.get("channels", 1)),
+    hinted, ignored = read_hints(data.hints)
+    facts = DataFacts(**hinted, ignored_hints=ignored,
                       files=len(records), mpps=tuple(known), mpps_agree=agree, no_mpp=missing[0] if missing else "",
                       pretrained=pretrained_source(flags.feature_net, flags.feature_weights),
                       sizes=tuple(shapes[:3]), n_sizes=len(shapes),
                       pixels=max((s[0] * s[1] for _, s in headers if s), default=0),
-                      position_hint=position if position in ("on", "off") else "",
-                      pooling_hint=pooling if pooling in extension_choices("pooling") else "",
-                      none_class_hint=none_class if none_class in ("on", "off") else "",
-                      count_floor_hint=float(floor) if _is_number(floor) and 0 <= floor <= 1 else -1.0,
                       multilabel=bool(data.multilabel))
     if not looks_at_images(flags):
         return facts
@@ -952,7 +983,8 @@ def load_facts(run: str | Path) -> DataFacts | None:
         return None
     try:
         facts = json.loads(path.read_text())["facts"]
-        return DataFacts(**{**facts, "mpps": tuple(facts["mpps"]), "sizes": tuple(facts.get("sizes", ()))})
+        return DataFacts(**{**facts, "mpps": tuple(facts["mpps"]), "sizes": tuple(facts.get("sizes", ())),
+                            "ignored_hints": tuple(facts.get("ignored_hints", ()))})
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{path}: not a settled.json written by ats train ({e})") from None
 

@@ -584,6 +584,8 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
         log(f"settled from the data ({run / 'settled.json'}):")
         for reason in reasons:
             log(f"  {reason}")
+        for line in facts.ignored_hints:
+            log(f"warning: {line}")
         if ctx.is_main:
             save_settled(run, settled, reasons, facts)
     reading = {"channels": facts.channels, "scale": view_scale(cfg, settled.mpp),  # a two-level model's: coarse

@@ -26,6 +26,7 @@ from ats_cli.config import (
     TrainConfig,
     gather_facts,
     load_facts,
+    read_hints,
     save_settled,
     settle,
 )
@@ -314,3 +315,33 @@ def test_pooling_auto_follows_the_datasets_hint():
     assert settle(TrainConfig(), replace(MNIST, multilabel=True))[0].config.pooling == "features"
     with pytest.raises(ConfigError, match="none_class on needs pooling votes"):
         settle(TrainConfig(none_class="on"), MNIST)  # auto settles features, which has no vote
+
+
+def test_a_hint_ats_cannot_use_is_named_not_dropped_in_silence(tmp_path):
+    """A misspelt key or a value of the wrong kind is read as no hint, as before, and each
+    gives one line that ats train prints as a warning; the hints make-dataset writes give
+    none (negative control), and the facts say which hints were used."""
+    written = {"channels": 1, "image_size": [1500, 1500], "scale": 0.12, "patch_size": [50, 50], "n_patches": 10,
+               "pooling": "highest-counts", "none_class": "on", "count_floor": 0.15, "position_features": "on"}
+    used, ignored = read_hints(written)
+    assert ignored == ()
+    assert (used["pooling_hint"], used["count_floor_hint"], used["position_hint"]) == ("highest-counts", 0.15, "on")
+    used, ignored = read_hints({"poolng": "highest", "pooling": "bogus", "count_floor": "x", "scale": -1,
+                                "none_class": True, "channels": "rgb", "n_patches": 10})
+    assert (used["pooling_hint"], used["count_floor_hint"], used["none_class_hint"]) == ("", -1.0, "")
+    assert used["hints"] == {"n_patches": 10} and "channels" not in used
+    assert len(ignored) == 6 and not any(line.startswith("dataset.json hint n_patches") for line in ignored)
+    assert ignored[0].startswith("dataset.json hint 'poolng' ignored: not one ats train reads (n_patches, ")
+    assert 'dataset.json hint pooling "bogus" ignored: not one of features, votes, counts' in ignored[1]
+    assert 'count_floor "x" ignored: not a number in [0, 1]' in ignored[2]
+    assert "hint scale -1 ignored: not a positive number" in ignored[3]
+    assert 'hint none_class true ignored: not "on" or "off"' in ignored[4]
+    assert 'hint channels "rgb" ignored: not a whole number >= 1' in ignored[5]
+    # gathered from a dataset.json, and kept in the facts a resumed run reads back
+    data = _pngs(tmp_path / "d", background=0)
+    data.hints["poolng"] = "highest"
+    facts = gather_facts(TrainConfig(), data)
+    assert facts.ignored_hints == (ignored[0],)
+    (tmp_path / "run").mkdir()
+    save_settled(tmp_path / "run", *settle(TrainConfig(), facts), facts)
+    assert load_facts(tmp_path / "run") == facts
