@@ -68,9 +68,10 @@ RUN_PANEL = "Running"
 # objects (so a floor, and one attention grid): ats_cli.extensions.pooling_votes, pooling_counts
 # and their subclasses. Named here, not read from the classes, so that flags and their checks
 # stay free of torch.
-VOTING_POOLINGS = ("votes", "counts", "highest-counts")
-COUNTING_POOLINGS = ("counts", "highest-counts")
-HIGHEST_POOLINGS = ("highest", "highest-counts")  # one label per image: ats_cli.extensions.pooling_highest
+VOTING_POOLINGS = ("votes", "counts", "highest-counts", "topmost-counts")
+COUNTING_POOLINGS = ("counts", "highest-counts", "topmost-counts")
+# a rule for one label per image: ats_cli.extensions.pooling_highest, pooling_topmost
+RULE_POOLINGS = ("highest", "highest-counts", "topmost-counts")
 
 
 def _key(default: Any, help: str, panel: str | None = None, *, choices: dict[str, str] | None = None,
@@ -142,14 +143,15 @@ class TrainConfig:
                         "docs/training.md", METHOD_PANEL,
                         choices={"auto": "the dataset.json hint pooling, highest-counts for --task max; else features",
                                  **extension_choices("pooling")})
-    none_class: str = _key("auto", "A per-patch logit for no class here, with --pooling votes, counts or "
-                           "highest-counts: {choices}",
+    none_class: str = _key("auto", "A per-patch logit for no class here, with --pooling votes, counts, "
+                           "highest-counts or topmost-counts: {choices}",
                            METHOD_PANEL, choices={"auto": "the dataset.json hint none_class; else off",
                                                   "off": "every patch spreads a whole vote over the classes",
                                                   "on": "a patch read as none votes little"})
-    count_floor: float = _key(-1.0, "With --pooling counts or highest-counts: an object with less than this share of "
-                              "the attention counts in proportion to it, not once (0 = every object once, 1 = votes; "
-                              "-1 = auto: the dataset.json hint count_floor, else 0)", METHOD_PANEL)
+    count_floor: float = _key(-1.0, "With --pooling counts, highest-counts or topmost-counts: an object with less "
+                              "than this share of the attention counts in proportion to it, not once (0 = every "
+                              "object once, 1 = votes; -1 = auto: the dataset.json hint count_floor, else 0)",
+                              METHOD_PANEL)
     # on: each patch's position in the image goes into its feature (ats_cli.extensions.position)
     position_features: str = _key("auto", "Each patch's position in the image in its feature and the attention's "
                                   "input: {choices}; "
@@ -832,17 +834,19 @@ def _position_features(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
 def _pooling(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
     """--pooling auto: the dataset's hint, which only its maker can know (a label that is
     the highest class present, as IPS's largest digit, is a rule the readouts of ``highest``
-    and ``highest-counts`` apply: :mod:`ats_cli.extensions.pooling_highest`), else features,
-    the thesis's. Those two read one label per image, so a multi-label dataset refuses them."""
+    and ``highest-counts`` apply: :mod:`ats_cli.extensions.pooling_highest`; the class of the
+    top-most object, as IPS's top-most digit, one ``topmost-counts`` applies:
+    :mod:`ats_cli.extensions.pooling_topmost`), else features, the thesis's. Those rules read
+    one label per image, so a multi-label dataset refuses them (:data:`RULE_POOLINGS`)."""
     if flags.pooling != "auto":
         value, why = flags.pooling, "given"
     elif _baseline(flags):
         return "features", _baseline(flags)
     elif facts.pooling_hint:
-        value, why = facts.pooling_hint, "dataset.json hint (the label is a rule over the classes present)"
+        value, why = facts.pooling_hint, "dataset.json hint (the label is a rule over the objects present)"
     else:
         return "features", "no dataset.json hint: the pooled features, then the classifier (the thesis)"
-    if value in HIGHEST_POOLINGS and facts.multilabel:
+    if value in RULE_POOLINGS and facts.multilabel:
         raise ConfigError(f"pooling {value} ({why}) reads one label per image, and the labels hold several; "
                           "use --pooling features")
     return value, why

@@ -74,8 +74,8 @@ def exact_attention(m: ATSModel, img: torch.Tensor) -> torch.Tensor:
 def _linear(m: ATSModel, logits: torch.Tensor) -> torch.Tensor:
     """A function of the logits linear in the pooled estimate, so that its mean over draws
     must equal its value at the exact expectation: the logits for pooled features (the
-    classifier is linear; for ``highest`` and ``highest-counts``, what their readout read), their
-    exp for the poolings read out as a log (votes, counts)."""
+    classifier is linear; for ``highest``, ``highest-counts`` and ``topmost-counts``, what their
+    readout read), their exp for the poolings read out as a log (votes, counts)."""
     if getattr(m.pooling, "read", None) is not None:  # tests/test_extensions.py _Seen: what the readout read
         return m.pooling.read
     return logits if isinstance(m.pooling, FeaturePooling) else logits.exp()
@@ -131,7 +131,7 @@ def z_of_estimate(m: ATSModel, groups: int = 40, per_group: int = 400) -> float:
     means, values = [], []
     for _ in range(groups):
         out = m(low, source, generator=gen)
-        estimate = (_linear(m, out.logits) * c).sum(1).mean()
+        estimate = (_linear(m, out.logits) * c).flatten(1).sum(1).mean()  # [N, ..., classes]: per draw
         values.append(float(estimate.detach()))
         means.append(_grads(estimate, params))
     g = torch.stack(means)

@@ -20,6 +20,7 @@ from ats_cli.extensions import (
 from ats_cli.extensions.gain_learned import LearnedGain
 from ats_cli.extensions.pooling_counts import CountPooling, local_mass
 from ats_cli.extensions.pooling_highest import HighestCountPooling, HighestPooling
+from ats_cli.extensions.pooling_topmost import TopmostCountPooling
 from ats_cli.extensions.pooling_votes import VotePooling
 from ats_cli.extensions.prior_rarity import RarityPrior
 from ats_cli.extensions.support_bright import BrightSupport
@@ -53,15 +54,17 @@ def test_the_check_rejects_a_biased_estimator(monkeypatch):
     assert z_of_estimate(tiny_model("sequential"), **QUICK) > REJECTED
 
 
-# ---------------------------------------------------------------- poolings "highest", "highest-counts"
+# ------------------------------------------------------- poolings "highest", "highest-counts", "topmost-counts"
 def _seen(pooling):
     """The pooling, keeping what its readout read, which tests/montecarlo.py then checks:
     the presence logits ``classifier(E_a[f])`` (``highest``) or the counts ``E_a[c]``
-    (``highest-counts``), linear in the estimate where the logits are not."""
+    (``highest-counts``; ``topmost-counts``: per attention row, [B, rows, classes]), linear
+    in the estimate where the logits are not."""
     readout = pooling.readout
 
     def reading(pooled, classifier):
-        pooling.read = classifier(pooled) if isinstance(pooling, HighestPooling) else pooled
+        pooling.read = (classifier(pooled) if isinstance(pooling, HighestPooling)
+                        else pooled.view(pooled.shape[0], -1, classifier.out_features))
         return readout(pooled, classifier)
 
     pooling.readout = reading
@@ -101,6 +104,22 @@ def test_the_check_rejects_the_highest_count_readout_averaged_as_if_linear():
     """exp of its logits, P(label = k), is not linear in the counts, and the check sees it
     (with no floor, where the counts vary most across draws)."""
     pooling = _with_none_head(HighestCountPooling(D, CLASSES, none_class=True, floor=0.0))
+    assert z_of_estimate(_sharp(pooling, patch=16), **QUICK) > REJECTED
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.3])
+def test_the_topmost_class_counted_is_unbiased(floor):
+    """Its pooled values are counts placed in their cell's attention row: what its readout
+    reads, the counts per row, is estimated without bias in value and gradient."""
+    pooling = _with_none_head(TopmostCountPooling(D, CLASSES, none_class=True, floor=floor))
+    m = _sharp(_seen(pooling), patch=16)
+    assert m.attention_net(low_res_view(image(), SCALE)).shape[-2] > 2  # rows to keep apart
+    assert z_of_estimate(m) < Z_MAX
+
+
+def test_the_check_rejects_the_topmost_count_readout_averaged_as_if_linear():
+    """exp of its logits is not linear in the counts per row, and the check sees it."""
+    pooling = _with_none_head(TopmostCountPooling(D, CLASSES, none_class=True, floor=0.0))
     assert z_of_estimate(_sharp(pooling, patch=16), **QUICK) > REJECTED
 
 
@@ -247,7 +266,8 @@ def test_the_check_rejects_a_gain_normalised_over_the_draws():
 # ---------------------------------------------------------------- specs and registries
 def test_each_kind_has_its_registry_and_builds_from_a_plain_spec():
     assert {k: available_extensions(k) for k in KINDS} == {
-        "pooling": ["features", "votes", "counts", "highest", "highest-counts"], "support": ["bright"],
+        "pooling": ["features", "votes", "counts", "highest", "highest-counts", "topmost-counts"],
+        "support": ["bright"],
         "prior": ["rarity"], "gain": ["learned"]}
     counts = create_extension("pooling", {"name": "counts", "none_class": True, "floor": 0.02}, features=D,
                               n_classes=CLASSES)
@@ -268,7 +288,8 @@ def test_a_model_takes_specs_in_its_slots_and_none_is_the_thesis():
 
 @pytest.mark.parametrize("kind, spec, dims, message", [
     ("pooling", {"name": "mean"}, {"features": D, "n_classes": 3}, "unknown pooling 'mean'; available: features, "
-                                                                   "votes, counts, highest, highest-counts"),
+                                                                   "votes, counts, highest, highest-counts, "
+                                                                   "topmost-counts"),
     ("pooling", {"name": "counts", "flor": 0.1}, {"features": D, "n_classes": 3}, "pooling 'counts': .*'flor'"),
     ("pooling", {"name": "counts", "floor": 1.5}, {"features": D, "n_classes": 3}, "floor must be in"),
     ("support", {"name": "bright"}, {}, "support 'bright': .*threshold"),

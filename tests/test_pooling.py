@@ -162,6 +162,54 @@ def test_highest_counts_reads_presence_as_a_poisson_count():
     assert torch.isfinite(highest_count_logits(torch.zeros(2, 4))).all()
 
 
+def test_topmost_counts_reads_the_class_of_the_top_most_object():
+    """A 7 in row 2 above three 2s in row 5 reads 7, where the same counts summed over the
+    rows (``highest-counts``' reading) read 2 and their log (counts') reads 2: negative
+    controls; a 2 above the 7 reads 2. ``P(label = k) = sum_r (1 - e^-c_rk) e^-(counts in the
+    rows above r)``, a count of 0 floored to a finite logit."""
+    from ats_cli.extensions.pooling_highest import highest_count_logits
+    from ats_cli.extensions.pooling_topmost import topmost_count_logits
+
+    c = torch.zeros(1, 8, 10)
+    c[0, 2, 7], c[0, 5, 2] = 1.0, 3.0
+    assert int(topmost_count_logits(c).argmax()) == 7
+    assert int(c.sum(1).log().argmax()) == 2
+    c[0, 2, 7], c[0, 5, 2], c[0, 6, 7] = 0.0, 3.0, 1.0  # the 7 now below the 2s
+    assert int(topmost_count_logits(c).argmax()) == 2 and int(highest_count_logits(c.sum(1)).argmax()) == 7
+    c = torch.rand(3, 6, 4, dtype=torch.float64) * 2
+    above = c.sum(-1).cumsum(-1) - c.sum(-1)
+    expected = ((1 - (-c).exp()) * (-above[..., None]).exp()).sum(1)
+    assert torch.allclose(topmost_count_logits(c).exp().double(), expected, rtol=1e-5)
+    assert torch.isfinite(topmost_count_logits(torch.zeros(2, 5, 4))).all()
+
+
+def test_topmost_counts_places_each_count_in_its_row():
+    """A model made from its flags pools counts' values, each in the slot of its cell's
+    attention row: summed over the rows they are counts' values, and nothing lies in
+    another row."""
+    from ats_cli.extensions.pooling import Where
+    from ats_cli.extensions.pooling_counts import CountPooling
+    from ats_cli.extensions.pooling_topmost import TopmostCountPooling
+
+    spec = extension_specs(TrainConfig(pooling="topmost-counts", none_class="on", count_floor=0.15))["pooling"]
+    assert spec == {"name": "topmost-counts", "none_class": True, "floor": 0.15}
+    m = create_model(_spec(pooling="topmost-counts", none_class="on", count_floor=0.15))
+    assert isinstance(m.pooling, TopmostCountPooling)
+    h, w, n = 6, 5, 7
+    probs = torch.rand(2, h * w).softmax(-1)
+    idx = torch.randint(0, h * w, (2, n))
+    where = Where(probs, (h, w), idx, torch.tensor([[600, 500]] * 2), (50, 50))
+    feats = torch.randn(2, n, m.classifier.in_features)
+    placed = m.pooling.values(feats, m.classifier, where).view(2, n, h, -1)
+    counts = CountPooling.values(m.pooling, feats, m.classifier, where)
+    assert torch.allclose(placed.sum(2), counts)
+    rows = idx // w
+    for b in range(2):
+        for i in range(n):
+            others = [r for r in range(h) if r != int(rows[b, i])]
+            assert placed[b, i, others].abs().sum() == 0
+
+
 def test_highest_is_a_pooling_of_features_with_its_own_readout():
     """The flags make its spec, a model made from it pools as ``features`` does and reads
     the classifier's logits through :func:`highest_logits`."""

@@ -37,7 +37,7 @@ def export(
                                        "twice training's --coarse-px \\[default: as in SRC; 0: as trained]."),
     pooling: str = typer.Option(None, "--pooling", show_default=False,
                                 help="What the model pools: features | highest | votes | counts | "
-                                "highest-counts \\[default: as in SRC]."),
+                                "highest-counts | topmost-counts \\[default: as in SRC]."),
     count_floor: float = typer.Option(None, "--count-floor", min=0.0, max=1.0, show_default=False,
                                       help="The floor of a counts pooling \\[default: as in SRC]."),
     none_class: str = typer.Option(None, "--none-class", show_default=False,

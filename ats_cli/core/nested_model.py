@@ -173,8 +173,8 @@ class NestedATSModel(ATSModel):
         self.eval_coarse_scale = float(eval_coarse_scale)  # 0 = coarse_scale; before super() sets scale
         super().__init__(attention_net, feature_net, n_classes, scale=coarse_scale, **kwargs)
         if isinstance(self.pooling, CountPooling):
-            raise NestedConfigError("--pooling counts (and highest-counts) needs one attention grid; use features, "
-                                    "highest or votes with --levels 2")
+            raise NestedConfigError("--pooling counts (and highest-counts, topmost-counts) needs one attention "
+                                    "grid; use features, highest or votes with --levels 2")
         self.coarse_net = coarse_net
         self.regions = int(regions)
         self.eval_regions = int(eval_regions)  # 0 = regions

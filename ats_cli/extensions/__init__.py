@@ -5,7 +5,7 @@ it plugs into one of four slots, each with a registry of its own (in :mod:`ats_c
 
 * ``pooling`` -- what the estimator averages and how the logits are read from the estimate
   (:mod:`.pooling`: ``features``, the thesis's; :mod:`.pooling_votes`; :mod:`.pooling_counts`;
-  :mod:`.pooling_highest`);
+  :mod:`.pooling_highest`; :mod:`.pooling_topmost`);
 * ``support`` -- which low-res cells may be sampled at all (:mod:`.support`; :mod:`.support_bright`);
 * ``prior`` -- a fixed log-prior added to the attention scores (:mod:`.prior`; :mod:`.prior_rarity`);
 * ``gain`` -- a per-patch factor on the unit-norm feature (:mod:`.gain`; :mod:`.gain_learned`).
