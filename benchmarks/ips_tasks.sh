@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # IPS's four Megapixel MNIST tasks (majority, max, top, multilabel) on the same images,
-# each trained with the defaults (top: --position-features from its dataset.json hint; runs
-# before that hint, benchmarks/accuracy.md, gave the flag: the same model).
+# each trained with the defaults (max and top: the pooling, its options and the patches their
+# dataset.json hints name; benchmarks/accuracy.md says which commit each row ran).
 # Prints each run's per-epoch test figures (test_acc; multilabel: exact match and macro-F1).
 #
 #   bash benchmarks/ips_tasks.sh OUT [EPOCHS] [make-dataset flags...]   (TASKS="top multilabel": only those)

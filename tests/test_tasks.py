@@ -68,15 +68,14 @@ def test_the_four_tasks_render_the_same_images_and_record_their_task(four):
         meta = json.loads((root / "dataset.json").read_text())
         assert meta["task"] == task and meta["generator"]["params"]["task"] == task
         assert load_dataset(root).multilabel == (task == "multilabel")
-        # the top task's label depends on where: its hint turns --position-features auto on
-        assert meta["hints"].get("position_features") == ("on" if task == "top" else None)
-        facts = gather_facts(TrainConfig(), load_dataset(root))
-        assert settle(TrainConfig(), facts)[0].config.position_features == ("on" if task == "top" else "off")
-        # the max task's label is the highest digit present: its hint names the pooling that reads that
-        assert meta["hints"].get("pooling") == ("highest-counts" if task == "max" else None)
-        settled = settle(TrainConfig(), facts)[0].config
-        assert (settled.pooling, settled.none_class, settled.count_floor) == \
-            (("highest-counts", "on", 0.15) if task == "max" else ("features", "off", 0.0))
+        # max and top: a rule over the digits present, which the hinted pooling applies, with
+        # more patches; the others (negative control): the thesis's model at the paper's 10
+        rule = {"max": ("highest-counts", "on", 0.15, 20), "top": ("topmost-counts", "on", 0.15, 20)}
+        settled = settle(TrainConfig(), gather_facts(TrainConfig(), load_dataset(root)))[0].config
+        assert (settled.pooling, settled.none_class, settled.count_floor, settled.n_patches) == \
+            rule.get(task, ("features", "off", 0.0, 10))
+        assert meta["hints"].get("pooling") == rule.get(task, (None,))[0]
+        assert settled.position_features == "off" and settled.eval_n_patches == 2 * settled.n_patches
 
 
 def test_each_label_follows_its_rule_on_the_recorded_digits(four):
