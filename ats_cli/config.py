@@ -141,8 +141,8 @@ class TrainConfig:
     # and count_floor are its options (ats_cli.models.extension_specs)
     pooling: str = _key("auto", "What attention sampling averages over the patches: {choices}; "
                         "docs/training.md", METHOD_PANEL,
-                        choices={"auto": "the dataset.json hint pooling (highest-counts for --task max, "
-                                         "topmost-counts for --task top); else features",
+                        choices={"auto": "the dataset.json hint pooling: highest-counts for --task max, "
+                                         "topmost-counts for --task top; else features",
                                  **extension_choices("pooling")})
     none_class: str = _key("auto", "A per-patch logit for no class here, with --pooling votes, counts, "
                            "highest-counts or topmost-counts: {choices}",
