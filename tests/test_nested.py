@@ -20,9 +20,8 @@ from ats_cli.core.patches import extract_patches
 from ats_cli.core.sampling import ESTIMATORS, attention_distribution, estimator_threshold, estimator_weights, sample
 from ats_cli.core.source import low_res_view, positions_to_offsets
 from ats_cli.nets import create
-from tests.montecarlo import TinyFeatures
+from tests.montecarlo import Z_MAX, TinyFeatures, max_z
 
-Z_MAX = 5.0
 K, M, V, k, n = 6, 8, 3, 3, 3  # regions, cells per region, value size; regions drawn, patches per region
 
 
@@ -81,19 +80,8 @@ def _z(estimator="auto", replace=False, variant="nested", groups=50, per_group=4
     for name, samples, truth in zip(("value", "coarse", "fine", "features"),
                                     [torch.stack(values)[:, None]] + [torch.stack(g) for g in grads],
                                     [exact.detach().flatten()] + [g.flatten() for g in exact_grads], strict=True):
-        z[name] = _max_z(samples.mean(0), samples.std(0) / groups ** 0.5, truth)
+        z[name] = max_z(samples.mean(0), samples.std(0) / groups ** 0.5, truth)
     return z
-
-
-def _max_z(mean: torch.Tensor, se: torch.Tensor, truth: torch.Tensor) -> float:
-    """The largest |mean - truth| / se. A component whose estimate does not vary beyond
-    float rounding (a bias gradient, constant in every draw; a score bias, which a softmax
-    ignores) is compared with the truth to rounding instead: off it, infinitely biased."""
-    scale = 1.0 + truth.abs()
-    diff = (mean - truth).abs()
-    varies = se > 1e-6 * scale
-    return float(torch.where(varies, diff / se.clamp_min(1e-12), torch.where(diff > 1e-5 * scale, torch.inf, 0.0))
-                 .max())
 
 
 @pytest.mark.parametrize("estimator", ESTIMATORS)
@@ -188,7 +176,7 @@ def _model_z(m: NestedATSModel, groups: int = 30, per_group: int = 300, mask: to
                                 for g, p in zip(got, params, strict=True)]))
     g = torch.stack(grads)
     se = g.std(0) / groups ** 0.5
-    z = _max_z(g.mean(0), se, exact)
+    z = max_z(g.mean(0), se, exact)
     v = torch.tensor(vals)
     return max(z, float((v.mean() - exact_value.detach()).abs() / (v.std() / groups ** 0.5)))
 
