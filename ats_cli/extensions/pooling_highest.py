@@ -46,7 +46,7 @@ from ats_cli.extensions.pooling import FeaturePooling
 from ats_cli.extensions.pooling_counts import CountPooling
 from ats_cli.registry import register_extension
 
-__all__ = ["HighestPooling", "HighestCountPooling", "highest_logits", "highest_count_logits"]
+__all__ = ["HighestPooling", "HighestCountPooling", "highest_logits", "highest_count_logits", "poisson_presence"]
 
 
 def _above(x: torch.Tensor) -> torch.Tensor:
@@ -61,12 +61,19 @@ def highest_logits(presence: torch.Tensor) -> torch.Tensor:
     return F.logsigmoid(z) + _above(F.logsigmoid(-z))
 
 
+def poisson_presence(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(c, log q)``: expected counts floored at 1e-6 (a class no patch voted for keeps a
+    finite logit, about log 1e-6), and the log of their presence as Poisson means, ``log q =
+    log(1 - exp(-c))``; ``log(1 - q) = -c``. The counts readouts' shared reading."""
+    c = counts.float().clamp(min=1e-6)
+    return c, torch.log(-torch.expm1(-c))
+
+
 def highest_count_logits(counts: torch.Tensor) -> torch.Tensor:
     """``log P(label = k)`` [..., K] from expected counts ``counts`` [..., K] >= 0, each a
-    Poisson mean: ``log(1 - exp(-c_k)) - sum_{j > k} c_j``. A count is floored at 1e-6 (a
-    class no patch voted for has a finite logit, about log 1e-6)."""
-    c = counts.float().clamp(min=1e-6)
-    return torch.log(-torch.expm1(-c)) - _above(c)
+    Poisson mean (:func:`poisson_presence`): ``log(1 - exp(-c_k)) - sum_{j > k} c_j``."""
+    c, present = poisson_presence(counts)
+    return present - _above(c)
 
 
 @register_extension("pooling", "highest", note="the label is the highest class present: a grade, task max")

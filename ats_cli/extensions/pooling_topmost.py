@@ -39,6 +39,7 @@ import torch.nn as nn
 
 from ats_cli.extensions.pooling import Where
 from ats_cli.extensions.pooling_counts import CountPooling
+from ats_cli.extensions.pooling_highest import poisson_presence
 from ats_cli.registry import register_extension
 
 __all__ = ["TopmostCountPooling", "topmost_count_logits"]
@@ -46,12 +47,12 @@ __all__ = ["TopmostCountPooling", "topmost_count_logits"]
 
 def topmost_count_logits(counts: torch.Tensor) -> torch.Tensor:
     """``log P(label = k)`` [..., K] from expected counts ``counts`` [..., R, K] >= 0 per row
-    (top first), each a Poisson mean: ``logsumexp_r [log(1 - exp(-c_{r,k})) - sum_{s < r}
-    C_s]``. A count is floored at 1e-6, as :func:`.pooling_highest.highest_count_logits`'s."""
-    c = counts.float().clamp(min=1e-6)
+    (top first), each a Poisson mean (:func:`.pooling_highest.poisson_presence`):
+    ``logsumexp_r [log(1 - exp(-c_{r,k})) - sum_{s < r} C_s]``."""
+    c, present = poisson_presence(counts)
     rows = c.sum(-1)  # [..., R]
     above = rows.cumsum(-1) - rows  # what lies in the rows above each
-    return (torch.log(-torch.expm1(-c)) - above[..., None]).logsumexp(-2)
+    return (present - above[..., None]).logsumexp(-2)
 
 
 @register_extension("pooling", "topmost-counts", note="the class of the top-most object: task top")
