@@ -55,7 +55,8 @@ def pretrain(
     feature_scale: float = typer.Option(10.0, rich_help_panel=NETS, help="Scale of the unit patch features."),
     pooling: str = typer.Option("counts", rich_help_panel=NETS, help=config_help_of("pooling")),
     none_class: str = typer.Option("on", rich_help_panel=NETS, help="on: the patch head's 'none' row becomes the "
-                                   "model's per-patch 'no class here' logit (needs --pooling votes or counts)."),
+                                   "model's per-patch 'no class here' logit (needs a voting pooling: votes, counts, "
+                                   "highest-counts or topmost-counts)."),
     seed: int = typer.Option(0, help="Seeds the model, the patches cut and both stages' order."),
     workers: int = typer.Option(2, min=0, help="Processes reading images."),
     device: str = config_option("device", "auto"),

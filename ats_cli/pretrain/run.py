@@ -66,7 +66,8 @@ class PretrainOptions:
     def check(self) -> None:
         """Refuse impossible combinations in one line, before anything is read."""
         if self.none_class == "on" and self.pooling not in VOTING_POOLINGS:
-            raise PretrainError("--none-class on needs --pooling votes or counts")
+            raise PretrainError(f"--none-class on needs a voting --pooling ({', '.join(VOTING_POOLINGS)}), "
+                                f"not {self.pooling}")
         if not self.lr > 0:
             raise PretrainError(f"--lr must be > 0 (got {self.lr})")
         if self.none_uniform < 0:
