@@ -7,6 +7,8 @@
 #   bash benchmarks/ips_tasks.sh OUT [EPOCHS] [make-dataset flags...]   (TASKS="top multilabel": only those)
 #   small-scale indication (the demo's data): bash benchmarks/ips_tasks.sh out/ips 4 --preset small --n-train 3000
 #   the paper spec (5,000 + 1,000 images, 1500x1500): bash benchmarks/ips_tasks.sh out/ips-paper 150
+#   MNIST=DIR: digits from the full MNIST in DIR (ats make-dataset fetch-mnist DIR), as the paper
+#   and IPS draw them; without it, the 10,000 bundled digits (8,004 train / 1,996 test)
 set -euo pipefail
 OUT=${1:?usage: ips_tasks.sh OUT [EPOCHS] [make-dataset flags...]}
 EPOCHS=${2:-4}
@@ -14,8 +16,10 @@ shift $(( $# < 2 ? $# : 2 ))
 ATS=${ATS:-ats}
 TRAIN_FLAGS=${TRAIN_FLAGS:---workers 1}  # 2 CPU cores; on a GPU: TRAIN_FLAGS="" (the auto workers)
 export ATS_OFFLINE=${ATS_OFFLINE:-1}
+DIGITS=(--offline)
+if [ -n "${MNIST:-}" ]; then DIGITS=(--mnist "$MNIST"); fi
 for task in ${TASKS:-majority max top multilabel}; do
-  $ATS make-dataset megapixel-mnist "$OUT/data-$task" --task "$task" --offline "$@" | tail -n 1
+  $ATS make-dataset megapixel-mnist "$OUT/data-$task" --task "$task" "${DIGITS[@]}" "$@" | tail -n 1
   start=$(date +%s)
   # shellcheck disable=SC2086  # the flags hold several words on purpose
   $ATS train "$OUT/data-$task" --out "$OUT/run-$task" --epochs "$EPOCHS" $TRAIN_FLAGS \
