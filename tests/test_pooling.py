@@ -229,3 +229,54 @@ def test_highest_is_a_pooling_of_features_with_its_own_readout():
     assert spec == {"name": "highest-counts", "none_class": True, "floor": 0.02}
     m = create_model(_spec(pooling="highest-counts", none_class="on", count_floor=0.02))
     assert m.pooling.none is not None and m.pooling.floor == 0.02
+
+
+@pytest.mark.parametrize("pooling", ["highest", "highest-counts", "topmost-counts"])
+def test_rule_poolings_train_on_the_label_probability_itself(pooling):
+    """The rule poolings' loss is ``-log P(label = y)`` of their readout, not the
+    cross-entropy that divides it by the probability that something is present; the model's
+    loss takes it; the thesis's pooling keeps the cross-entropy."""
+    m = create_model(_spec(pooling=pooling, none_class="off" if pooling == "highest" else "on"))
+    logits = torch.randn(4, m.classifier.out_features).clamp(max=-0.1)
+    y = torch.tensor([0, 2, 1, 2])  # three classes
+    assert torch.allclose(m.pooling.nll(logits, y), -logits[torch.arange(4), y].mean())
+    assert not torch.allclose(m.pooling.nll(logits, y), torch.nn.functional.cross_entropy(logits, y))
+    plain = create_model(_spec())
+    assert torch.allclose(plain.pooling.nll(logits, y), torch.nn.functional.cross_entropy(logits, y))
+    from ats_cli.core.model import exploration
+    from ats_cli.core.source import low_res_view
+
+    torch.manual_seed(0)
+    images = torch.rand(4, 1, 64, 64)
+    for model in (m, plain):
+        out = model(low_res_view(images, model.scale), images)
+        expected = model.pooling.nll(out.logits, y) - model.entropy_weight * exploration(out).mean()
+        assert torch.allclose(model.loss(out, y), expected)
+
+
+def test_the_rule_likelihood_sees_the_scale_of_the_counts_where_the_cross_entropy_does_not():
+    """Why the rule poolings do not train on the cross-entropy (RuleLikelihood): with every
+    count small, dividing all of them by ten leaves the cross-entropy almost where it was
+    (negative control: it cannot tell a model that counts a tenth of an object from one
+    that counts one), where the label's own probability drops about tenfold. And the label
+    then says nothing of the classes below it: their gradient is exactly 0, where the
+    cross-entropy pushes them down."""
+    from ats_cli.extensions.pooling_highest import HighestCountPooling, highest_count_logits
+
+    pool = HighestCountPooling(8, 10, none_class=True, floor=0.15)
+    y = torch.tensor([7])
+    c = torch.zeros(1, 10, dtype=torch.float64)
+    c[0, 2], c[0, 7] = 0.03, 0.01  # three 2s and one 7, each counted a hundredth: 7 already wins
+    ce = [float(torch.nn.functional.cross_entropy(highest_count_logits(s * c), y)) for s in (1.0, 0.1)]
+    nll = [float(pool.nll(highest_count_logits(s * c), y)) for s in (1.0, 0.1)]
+    assert abs(ce[1] - ce[0]) < 0.02, ce
+    assert nll[1] - nll[0] > 2.0, nll  # log 10 = 2.3
+    for loss, below in ((pool.nll, 0.0), (torch.nn.functional.cross_entropy, None)):
+        counts = (c + 0.5).requires_grad_()
+        loss(highest_count_logits(counts), y).backward()
+        g = counts.grad[0]
+        assert g[7] < 0 and (g[8:] > 0).all()  # the label's class up, those above it down
+        if below is not None:
+            assert (g[:7] == below).all(), g
+        else:
+            assert (g[:7] > 1e-3).all(), g  # the control: the cross-entropy also pushes lower classes down

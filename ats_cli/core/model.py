@@ -325,6 +325,7 @@ class ATSModel(nn.Module):
         )
 
     def loss(self, out: ATSOutput, target: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy minus the exploration bonus (thesis eq. 3.21; :func:`exploration`),
-        averaged over the batch."""
-        return F.cross_entropy(out.logits, target) - self.entropy_weight * exploration(out).mean()
+        """The label's negative log-likelihood (the cross-entropy, or the pooling's own:
+        :meth:`ats_cli.extensions.pooling.Pooling.nll`) minus the exploration bonus (thesis
+        eq. 3.21; :func:`exploration`), averaged over the batch."""
+        return self.pooling.nll(out.logits, target) - self.entropy_weight * exploration(out).mean()

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ats_cli.registry import register_extension
 
@@ -57,6 +58,13 @@ class Pooling(nn.Module):
     def readout(self, pooled: torch.Tensor, classifier: nn.Linear) -> torch.Tensor:
         """Logits [B, classes] from the estimate of ``E_a[v]`` [B, V]."""
         raise NotImplementedError
+
+    def nll(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The training loss's likelihood term, averaged over the batch: the negative log of
+        the probability the readout's ``logits`` [B, classes] give the label ``target`` [B].
+        The cross-entropy, i.e. the logits read through a softmax; a pooling whose logits are
+        already log-probabilities says so here (:mod:`.pooling_highest`)."""
+        return F.cross_entropy(logits, target)
 
     def sizes(self, values: torch.Tensor, gain: torch.Tensor | None) -> torch.Tensor:
         """How much each draw's value [B, n, V] weighs in the estimate, in one number [B, n]

@@ -18,11 +18,13 @@ its attention), ``C_r = sum_k c_{r,k}`` and presence that of a Poisson count of 
     P(label = k) = sum_r (1 - exp(-c_{r,k})) * exp(-sum_{s < r} C_s),
     logits_k = logsumexp_r [log(1 - exp(-c_{r,k})) - sum_{s < r} C_s].
 
-The softmax of the logits divides by their sum, which also counts an image whose top row
-holds two classes twice: a tie, which the rule (IPS's: the higher box edge, then the
-left-most) settles finer than one row. Why rows of the grid: they are the finest position
-the attention has; a coarser band would tie objects a row apart. Noise read as none (the
-``none_class`` option) counts for no class and so stands above nothing; ``floor`` as counts'.
+Training takes ``-log P(label = y)`` as it stands, as the highest poolings do
+(:class:`.pooling_highest.RuleLikelihood`: why). Prediction's softmax divides by their sum,
+which also counts an image whose top row holds two classes twice: a tie, which the rule
+(IPS's: the higher box edge, then the left-most) settles finer than one row. Why rows of
+the grid: they are the finest position the attention has; a coarser band would tie objects a
+row apart. Noise read as none (the ``none_class`` option) counts for no class and so stands
+above nothing; ``floor`` as counts'.
 
 Unbiased: a cell's values are its counts placed in its own row's slot, ``v_i = c_i ⊗
 e_{row(i)}``, and its row is a fact of the cell alone, so ``v_i`` is a per-cell deterministic
@@ -39,7 +41,7 @@ import torch.nn as nn
 
 from ats_cli.extensions.pooling import Where
 from ats_cli.extensions.pooling_counts import CountPooling
-from ats_cli.extensions.pooling_highest import poisson_presence
+from ats_cli.extensions.pooling_highest import RuleLikelihood, poisson_presence
 from ats_cli.registry import register_extension
 
 __all__ = ["TopmostCountPooling", "topmost_count_logits"]
@@ -56,7 +58,7 @@ def topmost_count_logits(counts: torch.Tensor) -> torch.Tensor:
 
 
 @register_extension("pooling", "topmost-counts", note="the class of the top-most object: task top")
-class TopmostCountPooling(CountPooling):
+class TopmostCountPooling(RuleLikelihood, CountPooling):
     """Counts, as :class:`~ats_cli.extensions.pooling_counts.CountPooling`, per attention row;
     the label read as the class of the top-most object (:func:`topmost_count_logits`)."""
 
