@@ -94,8 +94,8 @@ class RuleLikelihood:
     task max at ``5f1defb`` counted about 1.0 object in all on images holding 5 digits, and
     read its label's count below 0.3 on 58 of 140 test images it got right (on 9 of the 10 it
     got wrong). Unconditioned, the label's class is only likely once it is counted as present
-    (``q_y`` near 1: ``c_y`` of 2 or more, an object's worth) and every class above it as
-    absent; every image holds some object, so the left-out outcome only ever costs.
+    (an object's worth: ``c_y`` of 1 or more, ``q_y`` of 0.63 or more) and every class above it
+    as absent; every image holds some object, so the left-out outcome only ever costs.
 
     ``P(label = y) <= 1`` for every rule here (for topmost: ``c_{r,y} <= C_r``, so ``P <= 1 -
     exp(-sum_r C_r)``), so the loss is >= 0. Unbiasedness is not touched: the estimate of
