@@ -8,6 +8,7 @@ import typer
 
 from ats_cli.cli import OutputConsole, app
 from ats_cli.cli.options import config_option
+from ats_cli.config import VOTING_POOLINGS  # loaded already: cli.options imports config
 
 NETS = "Networks (as ats train's)"
 STAGES = "Stages"
@@ -55,8 +56,8 @@ def pretrain(
     feature_scale: float = typer.Option(10.0, rich_help_panel=NETS, help="Scale of the unit patch features."),
     pooling: str = typer.Option("counts", rich_help_panel=NETS, help=config_help_of("pooling")),
     none_class: str = typer.Option("on", rich_help_panel=NETS, help="on: the patch head's 'none' row becomes the "
-                                   "model's per-patch 'no class here' logit (needs a voting pooling: votes, counts, "
-                                   "highest-counts or topmost-counts)."),
+                                   "model's per-patch 'no class here' logit (needs a voting pooling: "
+                                   f"{', '.join(VOTING_POOLINGS)})."),
     seed: int = typer.Option(0, help="Seeds the model, the patches cut and both stages' order."),
     workers: int = typer.Option(2, min=0, help="Processes reading images."),
     device: str = config_option("device", "auto"),
