@@ -456,9 +456,22 @@ def recalibrate_batch_norm(model: torch.nn.Module, loader: DataLoader, device: t
 
 
 @torch.no_grad()
+def _label_nll(model, probs: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The batch's mean negative log-likelihood of its labels, as the training loss measures
+    it: the pooling's own (``Pooling.nll``: ``-log P(y)`` for the rule poolings, whose logits
+    are log-probabilities that leave out "nothing present", so the softmax of ``probs``
+    would measure another quantity), or for a model without a pooling (the baselines) the
+    cross-entropy of its probabilities. ``probs`` and ``logits`` come from one sampling."""
+    pooling = getattr(model, "pooling", None)
+    if pooling is not None:
+        return pooling.nll(logits, labels)
+    return torch.nn.functional.nll_loss(probs.clamp_min(1e-12).log(), labels)
+
+
 def evaluate(model, loader: DataLoader, device: torch.device, *, n_patches: int | None = None,
              ctx: Dist | None = None) -> dict[str, float]:
-    """Test loss, accuracy and mean attention entropy; for multi-hot labels the loss is the
+    """Test loss (the training loss's likelihood term, :func:`_label_nll`), accuracy and mean
+    attention entropy; for multi-hot labels the loss is the
     binary cross-entropy, the accuracy the exact match ratio, and ``macro_f1`` is added
     (:mod:`ats_cli.multilabel`).
 
@@ -484,7 +497,7 @@ def evaluate(model, loader: DataLoader, device: torch.device, *, n_patches: int 
             right += exact_matches(probs, labels)
             counts += confusion_counts(probs, labels).cpu()
         else:
-            loss += float(torch.nn.functional.nll_loss(probs.clamp_min(1e-12).log(), labels, reduction="sum"))
+            loss += float(_label_nll(model, probs, out.logits, labels)) * len(labels)
             right += float((probs.argmax(1) == labels).sum())
         ent += float(out.entropy.sum())
         count += len(labels)

@@ -280,3 +280,31 @@ def test_the_rule_likelihood_sees_the_scale_of_the_counts_where_the_cross_entrop
             assert (g[:7] == below).all(), g
         else:
             assert (g[:7] > 1e-3).all(), g  # the control: the cross-entropy also pushes lower classes down
+
+
+@pytest.mark.parametrize("pooling", ["features", "highest-counts"])
+def test_the_test_loss_measures_what_training_minimises(pooling):
+    """``ats train``'s printed test loss is the pooling's own likelihood term on the sampling
+    evaluate() draws: ``-log P(y)`` for a rule pooling, the cross-entropy for the thesis's.
+    Negative control: with small counts the rule pooling's softmax cross-entropy of the same
+    logits (the test loss before) is another number: it conditions on something present."""
+    from ats_cli.core.source import low_res_view
+    from ats_cli.data.inputs import Batch
+    from ats_cli.train import EVAL_SEED, _seed, evaluate
+
+    torch.manual_seed(0)
+    rule = {} if pooling == "features" else {"none_class": "on", "count_floor": 1.0}  # floor 1: at most one count
+    m = create_model(_spec(pooling=pooling, **rule))
+    images, y = torch.rand(4, 1, 64, 64), torch.tensor([0, 2, 1, 2])
+    batch = Batch(low=low_res_view(images, m.scale), sources=images, labels=y, indices=torch.arange(4))
+    got = evaluate(m, [batch], torch.device("cpu"))["loss"]
+    m.eval()
+    gen = torch.Generator().manual_seed(_seed(EVAL_SEED, 0))
+    with torch.no_grad():
+        logits = m(batch.low, images, generator=gen).logits
+    assert got == pytest.approx(float(m.pooling.nll(logits, y)), rel=1e-5)
+    ce = float(torch.nn.functional.cross_entropy(logits, y))
+    if pooling == "features":
+        assert got == pytest.approx(ce, rel=1e-5)
+    else:
+        assert abs(got - ce) > 1e-2, (got, ce)
