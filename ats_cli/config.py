@@ -74,6 +74,16 @@ COUNTING_POOLINGS = ("counts", "highest-counts", "topmost-counts")
 RULE_POOLINGS = ("highest", "highest-counts", "topmost-counts")
 
 
+def none_class_refusal(pooling: str, flag: str) -> str | None:
+    """Why a none logit (``flag`` on: ``none_class``, ``--none-class``) cannot go with
+    ``pooling``, or None where it can. The none logit is one more output of each patch's
+    vote, read as "no class here"; a pooling without per-patch votes has nowhere to put it.
+    One wording for train, export and pretrain."""
+    if pooling in VOTING_POOLINGS:
+        return None
+    return f"{flag} on needs pooling {', '.join(VOTING_POOLINGS)} (pooling {pooling} has no per-patch vote)"
+
+
 def _key(default: Any, help: str, panel: str | None = None, *, choices: dict[str, str] | None = None,
          means: str | None = None) -> Any:
     """A TrainConfig field that also describes itself, so that ``ats train``'s flags, their
@@ -269,9 +279,9 @@ class TrainConfig:
             problems.append(f"feature_lr {self.feature_lr}: method cnn has no feature network (it trains one ResNet)")
         if not 0 <= self.count_floor <= 1 and self.count_floor != -1:
             problems.append(f"count_floor must be in [0, 1], or -1 for auto (got {self.count_floor})")
-        if self.none_class == "on" and self.pooling not in (*VOTING_POOLINGS, "auto"):  # auto: settled below
-            problems.append(f"none_class on needs pooling {', '.join(VOTING_POOLINGS)} (pooling {self.pooling} has "
-                            "no per-patch vote)")
+        if self.none_class == "on" and self.pooling != "auto":  # auto: settled below
+            if refusal := none_class_refusal(self.pooling, "none_class"):
+                problems.append(refusal)
         if self.pooling not in ("features", "auto") and self.method in ("cnn", "deepmil"):
             problems.append(f"pooling {self.pooling}: method {self.method} does not pool by attention sampling")
         if self.position_features == "on" and self.method in ("cnn", "deepmil"):

@@ -56,7 +56,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ats_cli.config import COUNTING_POOLINGS, VOTING_POOLINGS
+from ats_cli.config import COUNTING_POOLINGS, VOTING_POOLINGS, none_class_refusal
 
 __all__ = ["ExportError", "export_checkpoint", "none_shift", "parse_share"]
 
@@ -171,8 +171,7 @@ def _pooling_spec(current: dict[str, Any] | None, name: str | None, none_class: 
     if name is not None and name != spec["name"]:
         kept = (("none_class",) if name in VOTING_POOLINGS else ()) + (("floor",) if name in COUNTING_POOLINGS else ())
         if spec.get("none_class") and "none_class" not in kept and none_class != "off":
-            raise ValueError(f"none_class needs pooling {', '.join(VOTING_POOLINGS)} (pooling {name} has no per-patch "
-                             "vote; --none-class off drops the none logit)")
+            raise ValueError(f"{none_class_refusal(name, 'none_class')}; --none-class off drops the none logit")
         spec = {"name": name, **{k: spec[k] for k in kept if k in spec}}
     if none_class == "off" and spec.get("none_class"):
         spec["none_class"] = False

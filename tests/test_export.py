@@ -42,7 +42,7 @@ def test_export_reads_one_checkpoint_with_another_pooling_and_without_its_none_l
     assert all(torch.equal(v, kept[k]) for k, v in plain.state_dict().items())
     assert set(kept) - set(plain.state_dict()) == {"pooling.none.weight", "pooling.none.bias"}
     # features cannot read a none logit: one line naming the file, nothing written
-    with pytest.raises(ExportError, match="stage1.pt: cannot be exported so .*none_class needs pooling votes"):
+    with pytest.raises(ExportError, match="stage1.pt: cannot be exported so .*none_class on needs pooling votes"):
         export_checkpoint(src, tmp_path / "features.pt", pooling="features")
     assert not (tmp_path / "features.pt").exists()
 

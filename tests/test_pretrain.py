@@ -140,8 +140,8 @@ def test_pretrain_command_writes_a_checkpoint_ats_train_starts_from(tmp_path: Pa
     result = runner.invoke(app, ["pretrain", str(data), "--out", str(pre), "--regions", "boxes", "--workers", "0"])
     assert result.exit_code == 1 and "train.csv:" in result.output and "'boxes'" in result.output, result.output
     result = runner.invoke(app, ["pretrain", str(data), "--out", str(pre), "--pooling", "features"])
-    assert result.exit_code == 2 and "--none-class on needs a voting --pooling" in result.output
-    assert "topmost-counts" in result.output and "not features" in result.output
+    assert result.exit_code == 2 and "--none-class on needs pooling votes" in result.output
+    assert "topmost-counts" in result.output and "pooling features has no per-patch vote" in result.output
     assert not pre.exists()
     result = runner.invoke(app, ["pretrain", str(data), "--out", str(pre), "--images", "12", "--test-images", "4",
                                  "--epochs", "1", "--workers", "1", *nets])
@@ -310,7 +310,7 @@ def test_none_class_keeps_the_none_row_so_noise_votes_little(tmp_path: Path) -> 
         vote = model.pooling.values(model.patch_features(x)[:, None], model.classifier)[:, 0].sum(-1).numpy()
     # after 6 epochs on 12 images: none patches a median 0.33 of a vote, digit patches 0.78
     assert np.median(vote[y == 10]) < 0.45 < 0.65 < np.median(vote[y < 10]), (vote[y == 10], vote[y < 10])
-    with pytest.raises(PretrainError, match="needs a voting --pooling .*highest-counts.*, not features"):
+    with pytest.raises(PretrainError, match="needs pooling .*highest-counts.*pooling features has no per-patch vote"):
         pretrain(PretrainOptions(data=str(data), out=str(tmp_path / "x.pt"), pooling="features", none_class="on"))
 
 

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ats_cli.config import VOTING_POOLINGS
+from ats_cli.config import none_class_refusal
 from ats_cli.pretrain import PretrainError
 from ats_cli.pretrain.attention import attention_report, attention_shape, attention_targets, train_attention
 from ats_cli.pretrain.examples import read_all
@@ -65,9 +65,8 @@ class PretrainOptions:
 
     def check(self) -> None:
         """Refuse impossible combinations in one line, before anything is read."""
-        if self.none_class == "on" and self.pooling not in VOTING_POOLINGS:
-            raise PretrainError(f"--none-class on needs a voting --pooling ({', '.join(VOTING_POOLINGS)}), "
-                                f"not {self.pooling}")
+        if self.none_class == "on" and (refusal := none_class_refusal(self.pooling, "--none-class")):
+            raise PretrainError(refusal)
         if not self.lr > 0:
             raise PretrainError(f"--lr must be > 0 (got {self.lr})")
         if self.none_uniform < 0:
