@@ -455,7 +455,6 @@ def recalibrate_batch_norm(model: torch.nn.Module, loader: DataLoader, device: t
     return used
 
 
-@torch.no_grad()
 def _label_nll(model, probs: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The batch's mean negative log-likelihood of its labels, as the training loss measures
     it: the pooling's own (``Pooling.nll``: ``-log P(y)`` for the rule poolings, whose logits
@@ -468,12 +467,12 @@ def _label_nll(model, probs: torch.Tensor, logits: torch.Tensor, labels: torch.T
     return torch.nn.functional.nll_loss(probs.clamp_min(1e-12).log(), labels)
 
 
+@torch.no_grad()
 def evaluate(model, loader: DataLoader, device: torch.device, *, n_patches: int | None = None,
              ctx: Dist | None = None) -> dict[str, float]:
     """Test loss (the training loss's likelihood term, :func:`_label_nll`), accuracy and mean
-    attention entropy; for multi-hot labels the loss is the
-    binary cross-entropy, the accuracy the exact match ratio, and ``macro_f1`` is added
-    (:mod:`ats_cli.multilabel`).
+    attention entropy; for multi-hot labels the loss is the binary cross-entropy, the
+    accuracy the exact match ratio, and ``macro_f1`` is added (:mod:`ats_cli.multilabel`).
 
     Each batch's sampling is seeded by (EVAL_SEED, index of its first image), so the
     numbers do not depend on the epoch or on which process evaluated which batch: with
