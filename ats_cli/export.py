@@ -170,8 +170,8 @@ def _pooling_spec(current: dict[str, Any] | None, name: str | None, none_class: 
     spec = dict(current or {"name": "features"})
     if name is not None and name != spec["name"]:
         kept = (("none_class",) if name in VOTING_POOLINGS else ()) + (("floor",) if name in COUNTING_POOLINGS else ())
-        if spec.get("none_class") and "none_class" not in kept and none_class != "off":
-            raise ValueError(f"{none_class_refusal(name, 'none_class')}; --none-class off drops the none logit")
+        if spec.get("none_class") and none_class != "off" and (refusal := none_class_refusal(name, "none_class")):
+            raise ValueError(f"{refusal}; --none-class off drops the none logit")
         spec = {"name": name, **{k: spec[k] for k in kept if k in spec}}
     if none_class == "off" and spec.get("none_class"):
         spec["none_class"] = False
