@@ -26,8 +26,9 @@ for seed in "${SEEDS[@]}"; do
   data="$OUT/$TASK-$seed"
   $ATS make-dataset megapixel-mnist "$data" --task "$TASK" --seed "$seed" --n-train 1 --n-test 1000 \
     "${DIGITS[@]}" > "$data.log" 2>&1 || { cat "$data.log"; exit 1; }
-  line=$($ATS predict "$data/test.csv" --model "$MODEL" --out "$OUT/$TASK-$seed-predictions.csv" --overwrite \
-    | grep -E "^(accuracy|macro-F1) " | head -n 1)
+  $ATS predict "$data/test.csv" --model "$MODEL" --out "$OUT/$TASK-$seed-predictions.csv" --overwrite \
+    > "$data-predict.log" 2>&1 || { cat "$data-predict.log"; exit 1; }
+  line=$(grep -E "^(accuracy|macro-F1) " "$data-predict.log" | head -n 1)
   echo "seed $seed: $line"
   figures+=("$(echo "$line" | grep -oE '^(accuracy|macro-F1) [0-9.]+' | grep -oE '[0-9.]+$')")
 done
