@@ -65,8 +65,27 @@ def test_a_build_is_announced_on_stderr_and_a_cached_one_is_not(fake_compiler, c
     assert build_directory == str(directory) and sources == [str(directory / "src" / "ats_patches.cpp")]
     assert (directory / "src" / "ats_patches.h").read_bytes() == (native.CSRC / "ats_patches.h").read_bytes()
 
-    native.build(cuda=False)  # cached: loaded without a word
+    native.build(cuda=False)  # cached: loaded without a word (the stand-in .so is empty, so ninja is asked again)
     assert capsys.readouterr().err == "" and len(fake_compiler) == 2
+
+
+def test_a_finished_build_is_imported_without_asking_the_compiler(fake_compiler, monkeypatch, capsys):
+    """Each clone's own venv hands the compiler other include paths, and ninja rebuilds when its
+    command changes: a finished build for the same key is imported from its file instead."""
+    imported = []
+    monkeypatch.setattr(native, "_import_built", lambda path: imported.append(path) or types.SimpleNamespace())
+    native.build(cuda=False)
+    assert len(fake_compiler) == 1 and imported == []  # the first build compiles
+    directory = native.build_dir(False)
+    assert (directory / native.BUILT).read_text() == native.build_key(False)
+    capsys.readouterr()
+    native.build(cuda=False)
+    assert len(fake_compiler) == 1 and imported == [directory / "ats_patches_cpu.so"]
+    assert capsys.readouterr().err == ""
+    # negative control: a .so that no finished build vouches for (a linker still writing it) is not imported
+    (directory / native.BUILT).unlink()
+    native.build(cuda=False)
+    assert len(fake_compiler) == 2 and len(imported) == 1
 
 
 def test_a_failed_build_says_so(fake_compiler, monkeypatch, capsys):

@@ -6,7 +6,10 @@ of :func:`ats_cli.core.extract_patches` with ``torch.utils.cpp_extension.load`` 
 and cached under ``$ATS_CACHE`` or ``~/.cache/ats``, in a directory named by a hash of
 the kernel sources, the build flags and the torch/CUDA/Python versions
 (:func:`build_key`): checkouts with the same sources share one build, a changed source
-byte never loads a stale one, and later runs load it in milliseconds. A build announces
+byte never loads a stale one, and later runs load it in milliseconds. A finished build is
+imported directly, not handed to ninja again: ninja's record names the compiler's include
+paths, which differ between virtual environments (each clone's own ``.venv``), so asking it
+would recompile for every environment although the key says the build is the same. A build announces
 itself on stderr (where it goes, then every 15 s, then how long it took), so a first
 ``ats predict`` does not look hung. If anything fails -- no compiler, no nvcc, a toolkit
 that does not match torch -- the torch implementation is used and ONE log line says why.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import logging
 import os
 import sys
@@ -74,7 +78,7 @@ def build_key(cuda: bool, csrc: Path | None = None) -> str:
         data = (csrc / name).read_bytes()
         digest.update(f"{name}\0{len(data)}\0".encode() + data)
     digest.update(repr((_flags(cuda), torch.__version__, torch.version.cuda if cuda else None,
-                        sys.version_info[:2])).encode())
+                        sys.version_info[:2], torch.compiled_with_cxx11_abi())).encode())
     return digest.hexdigest()[:16]
 
 
@@ -93,9 +97,23 @@ def build_dir(cuda: bool) -> Path:
     return _cache_root() / f"{tag.replace('+', '_')}-{key}"
 
 
+BUILT = "built"  # written after a build succeeds: a .so without it may be a linker's half-written file
+
+
 def is_built(cuda: bool) -> bool:
     """True when :func:`build_dir` holds a finished build (loading it takes milliseconds)."""
-    return (build_dir(cuda) / f"{_name(cuda)}.so").is_file()
+    directory = build_dir(cuda)
+    return (directory / BUILT).is_file() and (directory / f"{_name(cuda)}.so").is_file()
+
+
+def _import_built(path: Path) -> ModuleType:
+    """Import a finished build's extension module from its file, as torch's loader does."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path}: not an extension module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _stage_sources(directory: Path, cuda: bool) -> list[str]:
@@ -186,6 +204,11 @@ def build(cuda: bool, verbose: bool = False) -> ModuleType:
     if cuda:
         _resolve_cuda_home(cpp_extension)
     directory = build_dir(cuda)
+    if is_built(cuda):
+        try:
+            return _import_built(directory / f"{_name(cuda)}.so")
+        except Exception as exc:  # noqa: BLE001 - a damaged build is rebuilt below, as if absent
+            log.info("ats: the cached %s could not be imported (%s); rebuilding", directory, exc)
     directory.mkdir(parents=True, exist_ok=True)
     sources = _stage_sources(directory, cuda)
     what = f"native {'CUDA' if cuda else 'CPU'} patch kernel"
@@ -219,6 +242,7 @@ def build(cuda: bool, verbose: bool = False) -> ModuleType:
             _announce(f"building the {what} failed after {time.monotonic() - start:.0f} s")
         raise
     done.set()
+    atomic_write_bytes(directory / BUILT, build_key(cuda).encode(), fsync=False)
     if fresh:
         _announce(f"built the {what} in {time.monotonic() - start:.0f} s (later runs load it from the cache)")
     return module
