@@ -12,7 +12,7 @@ from ats_cli.config import AUTO_RARITY_PRIOR, gather_facts, resolve_config, sett
 from ats_cli.core.model import ATSModel
 from ats_cli.core.source import low_res_view
 from ats_cli.data.dataset import load_dataset, write_dataset
-from ats_cli.extensions.prior_rarity import rarity
+from ats_cli.extensions.prior_rarity import _median, _median_by_sort, rarity
 from ats_cli.nets import create
 
 
@@ -22,6 +22,23 @@ def _tissue(seed=0, size=32) -> torch.Tensor:
     low = torch.tensor([0.9, 0.6, 0.75])[None, :, None, None] + 0.04 * torch.randn(1, 3, size, size, generator=g)
     low[0, :, 20, 11] = torch.tensor([0.35, 0.2, 0.5])
     return low
+
+
+def test_the_cpu_median_selects_what_the_device_median_sorts():
+    """The CPU path (a selection per row) and the GPU path (one sort, no read-back) give the same
+    values: torch.median's lower middle over each row's chosen entries, rows holding different counts."""
+    g = torch.Generator().manual_seed(0)
+    values = torch.rand(3, 2, 101, generator=g)
+    values[0, 0, :10] = 0.5  # ties
+    chosen = torch.rand(3, 1, 101, generator=g) < torch.tensor([0.9, 0.5, 0.02])[:, None, None]
+    chosen[2, 0, :2] = True  # at least one per row; the last row holds two or three
+    got = _median(values, chosen)
+    assert torch.equal(got, _median_by_sort(values, chosen))
+    for b in range(3):
+        for c in range(2):
+            assert got[b, c] == values[b, c][chosen[b, 0]].median()
+    # negative control: the middle of all the entries is another value where few are chosen
+    assert not torch.equal(got[2], values[2].median(-1).values)
 
 
 def test_rarity_is_one_for_a_typical_pixel_high_for_the_odd_one_and_free_of_stain_and_contrast():

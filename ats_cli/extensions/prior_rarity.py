@@ -54,7 +54,8 @@ def rarity(low: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         chosen = torch.ones_like(x[:, 0], dtype=torch.bool) if keep is None else keep.flatten(1).to(x.device)
         chosen = chosen | ~chosen.any(1, keepdim=True)  # none supported: all of them
         centre = _median(x, chosen[:, None])[..., None]  # [B, C, 1]
-        dist = (x - centre).norm(dim=1)  # [B, h*w]
+        # the norm written out: torch's strided norm over the channel axis is ~6x slower on a CPU
+        dist = (x - centre).square().sum(1).sqrt()  # [B, h*w]
         ref = _median(dist, chosen).clamp_min(1e-3)
         return (dist / ref[:, None]).view(low.shape[0], 1, *low.shape[-2:])
 
@@ -62,6 +63,19 @@ def rarity(low: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
 def _median(values: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     """``torch.median`` (the lower middle value) of ``values`` [..., N] over the entries
     ``chosen`` (bool, broadcast to it; at least one per row), per row."""
+    chosen = chosen.expand_as(values)
+    if values.device.type == "cpu":
+        # a selection, not a sort (a slide's coarse view holds millions of cells: ~5x faster);
+        # per row, as rows hold different counts -- reading them is free on a CPU, not on a GPU
+        rows, keep = values.reshape(-1, values.shape[-1]), chosen.reshape(-1, values.shape[-1])
+        picked = [torch.kthvalue(v[k], (int(k.sum()) + 1) // 2).values for v, k in zip(rows, keep, strict=True)]
+        return torch.stack(picked).view(values.shape[:-1])
+    return _median_by_sort(values, chosen)
+
+
+def _median_by_sort(values: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """:func:`_median` with no value read back from the device: the chosen values sorted, the
+    others set to +inf, and each row's middle gathered."""
     chosen = chosen.expand_as(values)
     ranked = values.masked_fill(~chosen, torch.inf).sort(dim=-1).values
     middle = (chosen.sum(-1, keepdim=True) - 1) // 2
