@@ -12,7 +12,7 @@ from ats_cli.config import AUTO_RARITY_PRIOR, gather_facts, resolve_config, sett
 from ats_cli.core.model import ATSModel
 from ats_cli.core.source import low_res_view
 from ats_cli.data.dataset import load_dataset, write_dataset
-from ats_cli.extensions.prior_rarity import _median, _median_by_sort, rarity
+from ats_cli.extensions.prior_rarity import SELECT_FROM, _median, _median_by_sort, rarity
 from ats_cli.nets import create
 
 
@@ -28,9 +28,10 @@ def test_the_cpu_median_selects_what_the_device_median_sorts():
     """The CPU path (a selection per row) and the GPU path (one sort, no read-back) give the same
     values: torch.median's lower middle over each row's chosen entries, rows holding different counts."""
     g = torch.Generator().manual_seed(0)
-    values = torch.rand(3, 2, 101, generator=g)
+    n = SELECT_FROM + 1  # long rows: the CPU selects (shorter ones sort, as on a GPU)
+    values = torch.rand(3, 2, n, generator=g)
     values[0, 0, :10] = 0.5  # ties
-    chosen = torch.rand(3, 1, 101, generator=g) < torch.tensor([0.9, 0.5, 0.02])[:, None, None]
+    chosen = torch.rand(3, 1, n, generator=g) < torch.tensor([0.9, 0.5, 0.00002])[:, None, None]
     chosen[2, 0, :2] = True  # at least one per row; the last row holds two or three
     got = _median(values, chosen)
     assert torch.equal(got, _median_by_sort(values, chosen))

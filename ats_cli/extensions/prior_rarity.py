@@ -60,11 +60,17 @@ def rarity(low: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         return (dist / ref[:, None]).view(low.shape[0], 1, *low.shape[-2:])
 
 
+# Rows at least this long take the CPU's selection: below it a row sorts in well under a
+# millisecond and the per-row loop would cost more than it saves (a training batch of small
+# views holds many short rows); the sort path stays the one a GPU takes, read-back free.
+SELECT_FROM = 1 << 16
+
+
 def _median(values: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     """``torch.median`` (the lower middle value) of ``values`` [..., N] over the entries
     ``chosen`` (bool, broadcast to it; at least one per row), per row."""
     chosen = chosen.expand_as(values)
-    if values.device.type == "cpu":
+    if values.device.type == "cpu" and values.shape[-1] >= SELECT_FROM:
         # a selection, not a sort (a slide's coarse view holds millions of cells: ~5x faster);
         # per row, as rows hold different counts -- reading them is free on a CPU, not on a GPU
         rows, keep = values.reshape(-1, values.shape[-1]), chosen.reshape(-1, values.shape[-1])
