@@ -39,9 +39,9 @@ def lone_line_angle(pattern: np.ndarray, tolerance: float) -> float | None:
     if rows.size == 0:
         return None
     best = None
+    angles = np.radians(np.arange(0.0, 90.0, 0.25))
     for corner_col, sign in ((0.0, 1.0), (pattern.shape[1] - 1.0, -1.0)):
         x, y = rows.astype(float), sign * (cols - corner_col)
-        angles = np.radians(np.arange(0.0, 90.0, 0.25))
         # distance of each pixel (x down, y across) from the line through the corner at each angle
         dist = np.abs(x[None, :] * np.sin(angles)[:, None] - y[None, :] * np.cos(angles)[:, None])
         worst = dist.max(axis=1)

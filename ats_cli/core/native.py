@@ -190,6 +190,14 @@ def _resolve_cuda_home(cpp_extension: ModuleType) -> None:
 
 def build(cuda: bool, verbose: bool = False) -> ModuleType:
     """Compile (or load the cached build of) the extension; raises on failure."""
+    if not CSRC.is_dir():
+        raise FileNotFoundError(f"{CSRC} not found (the kernels ship with a source checkout)")
+    directory = build_dir(cuda)
+    if is_built(cuda):  # before the builder's import and the toolkit search, which only a build needs
+        try:
+            return _import_built(directory / f"{_name(cuda)}.so")
+        except Exception as exc:  # noqa: BLE001 - a damaged build is rebuilt below, as if absent
+            log.info("ats: the cached %s could not be imported (%s); rebuilding", directory, exc)
     # Importing the builder warns "No CUDA runtime is found" on every CPU-only machine:
     # true, expected, and noise on a user's terminal, so it is silenced here.
     quiet = logging.getLogger("torch.utils.cpp_extension")
@@ -199,16 +207,8 @@ def build(cuda: bool, verbose: bool = False) -> ModuleType:
     finally:
         quiet.setLevel(level)
 
-    if not CSRC.is_dir():
-        raise FileNotFoundError(f"{CSRC} not found (the kernels ship with a source checkout)")
     if cuda:
         _resolve_cuda_home(cpp_extension)
-    directory = build_dir(cuda)
-    if is_built(cuda):
-        try:
-            return _import_built(directory / f"{_name(cuda)}.so")
-        except Exception as exc:  # noqa: BLE001 - a damaged build is rebuilt below, as if absent
-            log.info("ats: the cached %s could not be imported (%s); rebuilding", directory, exc)
     directory.mkdir(parents=True, exist_ok=True)
     sources = _stage_sources(directory, cuda)
     what = f"native {'CUDA' if cuda else 'CPU'} patch kernel"

@@ -69,11 +69,10 @@ SELECT_FROM = 1 << 16
 def _median(values: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     """``torch.median`` (the lower middle value) of ``values`` [..., N] over the entries
     ``chosen`` (bool, broadcast to it; at least one per row), per row."""
-    chosen = chosen.expand_as(values)
     if values.device.type == "cpu" and values.shape[-1] >= SELECT_FROM:
         # a selection, not a sort (a slide's coarse view holds millions of cells: ~5x faster);
         # per row, as rows hold different counts -- reading them is free on a CPU, not on a GPU
-        rows, keep = values.reshape(-1, values.shape[-1]), chosen.reshape(-1, values.shape[-1])
+        rows, keep = values.reshape(-1, values.shape[-1]), chosen.expand_as(values).reshape(-1, values.shape[-1])
         picked = [torch.kthvalue(v[k], (int(k.sum()) + 1) // 2).values for v, k in zip(rows, keep, strict=True)]
         return torch.stack(picked).view(values.shape[:-1])
     return _median_by_sort(values, chosen)
