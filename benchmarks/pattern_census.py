@@ -51,17 +51,25 @@ def lone_line_angle(pattern: np.ndarray, tolerance: float) -> float | None:
     return None if best is None else best[1]
 
 
+def split_seed(text: str) -> tuple[str, int]:
+    """``SPLIT:SEED`` (e.g. ``test:13``) as (split, seed); argparse reports a bad one in one line."""
+    split, _, seed = text.partition(":")
+    if split not in ("train", "test") or not seed.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected train:SEED or test:SEED, e.g. test:13")
+    return split, int(seed)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--splits", nargs="+", default=list(DEFAULT_SPLITS), help="SPLIT:SEED, e.g. train:0 test:13")
+    parser.add_argument("--splits", nargs="+", type=split_seed, default=[split_seed(s) for s in DEFAULT_SPLITS],
+                        help="SPLIT:SEED, e.g. train:0 test:13")
     parser.add_argument("--tolerance", type=float, default=1.5, help="pixels a lit pixel may lie off the line")
     parser.add_argument("--vertical", type=float, default=25.0, help="degrees from vertical that read as a 1")
     args = parser.parse_args()
     print(f"| split | seed | lone lines (degrees from vertical) | within {args.vertical:g} degrees |")
     print("|---|---:|---|---:|")
-    for item in args.splits:
-        split, seed = item.split(":")
-        angles = [lone_line_angle(p, args.tolerance) for p in split_patterns(int(seed), split)]
+    for split, seed in args.splits:
+        angles = [lone_line_angle(p, args.tolerance) for p in split_patterns(seed, split)]
         lone = sorted(round(a) for a in angles if a is not None)
         steep = sum(a <= args.vertical for a in lone)
         print(f"| {split} | {seed} | {', '.join(map(str, lone)) or 'none'} | {steep} |")
