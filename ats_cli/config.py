@@ -163,6 +163,12 @@ class TrainConfig:
                               "than this share of the attention counts in proportion to it, not once (0 = every "
                               "object once, 1 = votes; -1 = auto: the dataset.json hint count_floor, else 0)",
                               METHOD_PANEL)
+    # the floor evaluation and prediction read at (the model records it): training's floor
+    # teaches the attention where to go; reading needs only enough of one to keep slivers of
+    # misread noise from counting (ats_cli.extensions.pooling_counts)
+    eval_count_floor: float = _key(-1.0, "The count floor at evaluation and prediction (the model records it; "
+                                   "-1 = auto: the dataset.json hint eval_count_floor, else --count-floor's)",
+                                   METHOD_PANEL)
     # on: each patch's position in the image goes into its feature (ats_cli.extensions.position)
     position_features: str = _key("auto", "Each patch's position in the image in its feature and the attention's "
                                   "input: {choices}; "
@@ -279,6 +285,8 @@ class TrainConfig:
             problems.append(f"feature_lr {self.feature_lr}: method cnn has no feature network (it trains one ResNet)")
         if not 0 <= self.count_floor <= 1 and self.count_floor != -1:
             problems.append(f"count_floor must be in [0, 1], or -1 for auto (got {self.count_floor})")
+        if not 0 <= self.eval_count_floor <= 1 and self.eval_count_floor != -1:
+            problems.append(f"eval_count_floor must be in [0, 1], or -1 for auto (got {self.eval_count_floor})")
         if self.none_class == "on" and self.pooling != "auto":  # auto: settled below
             if refusal := none_class_refusal(self.pooling, "none_class"):
                 problems.append(refusal)
@@ -438,6 +446,7 @@ class DataFacts:
     pooling_hint: str = ""  # dataset.json hints.pooling, a registered pooling's name; "": none
     none_class_hint: str = ""  # dataset.json hints.none_class ("on"/"off"); "": none
     count_floor_hint: float = -1.0  # dataset.json hints.count_floor in [0, 1]; -1: none
+    eval_count_floor_hint: float = -1.0  # dataset.json hints.eval_count_floor in [0, 1]; -1: none
     multilabel: bool = False  # the labels hold several classes per image
     ignored_hints: tuple[str, ...] = ()  # one line per dataset.json hint read as no hint (read_hints)
 
@@ -501,6 +510,7 @@ def settle(flags: TrainConfig, facts: DataFacts) -> tuple[Settled, list[Reason]]
     decide("pooling", *_pooling(flags, facts))
     decide("none_class", *_none_class(flags, facts, out["pooling"]))
     decide("count_floor", *_count_floor(flags, facts, out["pooling"]))
+    decide("eval_count_floor", *_eval_count_floor(flags, facts, out["pooling"], out["count_floor"]))
     return Settled(replace(flags, **out).validate(), mpp), reasons
 
 
@@ -774,7 +784,8 @@ def usable_hints(hints: Mapping[str, Any]) -> dict[str, float]:
 
 
 # the hints ats train reads (read_hints), and those a dataset.json may carry for people to read
-HINT_KEYS = (*DATA_DEFAULTS, "channels", "position_features", "pooling", "none_class", "count_floor")
+HINT_KEYS = (*DATA_DEFAULTS, "channels", "position_features", "pooling", "none_class", "count_floor",
+             "eval_count_floor")
 INFORMATIVE_HINTS = ("image_size", "mpp")
 
 
@@ -784,17 +795,19 @@ def read_hints(hints: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[str, ...
     leave the run at the default without a word) or a value it cannot use."""
     usable = usable_hints(hints)
     position, pooling = hints.get("position_features"), hints.get("pooling")
-    none_class, floor = hints.get("none_class"), hints.get("count_floor")
+    none_class, floor, eval_floor = hints.get("none_class"), hints.get("count_floor"), hints.get("eval_count_floor")
     out = {"hints": usable,
            "position_hint": position if position in ("on", "off") else "",
            "pooling_hint": pooling if pooling in extension_choices("pooling") else "",
            "none_class_hint": none_class if none_class in ("on", "off") else "",
-           "count_floor_hint": float(floor) if _is_number(floor) and 0 <= floor <= 1 else -1.0}
+           "count_floor_hint": float(floor) if _is_number(floor) and 0 <= floor <= 1 else -1.0,
+           "eval_count_floor_hint": float(eval_floor) if _is_number(eval_floor) and 0 <= eval_floor <= 1 else -1.0}
     wants = {**{key: "a positive number" for key in DATA_DEFAULTS if key not in usable},
              **({} if out["position_hint"] else {"position_features": '"on" or "off"'}),
              **({} if out["pooling_hint"] else {"pooling": "one of " + ", ".join(extension_choices("pooling"))}),
              **({} if out["none_class_hint"] else {"none_class": '"on" or "off"'}),
-             **({} if out["count_floor_hint"] >= 0 else {"count_floor": "a number in [0, 1]"})}
+             **({} if out["count_floor_hint"] >= 0 else {"count_floor": "a number in [0, 1]"}),
+             **({} if out["eval_count_floor_hint"] >= 0 else {"eval_count_floor": "a number in [0, 1]"})}
     channels = hints.get("channels", 1)
     if _is_number(channels) and channels == int(channels) and channels >= 1:
         out["channels"] = int(channels)
@@ -886,6 +899,25 @@ def _count_floor(flags: TrainConfig, facts: DataFacts, pooling: str) -> tuple[fl
     if facts.count_floor_hint >= 0:
         return facts.count_floor_hint, "dataset.json hint (the share of the attention one object should hold)"
     return 0.0, "no dataset.json hint: every object counts once"
+
+
+def _eval_count_floor(flags: TrainConfig, facts: DataFacts, pooling: str, floor: float) -> tuple[float, str]:
+    """--eval-count-floor auto: the dataset's hint where the pooling counts objects, else the
+    training floor ``floor``. Why two floors: in training, an object under the floor counts
+    in proportion to its attention, so the likelihood pulls mass onto every object the label
+    needs; that is what the floor teaches. At reading, the attention is what it learned, and
+    where it gives a drawn object less than its share (an unseen clutter draws mass away), a
+    floor as high turns an object read with confidence into a fraction of one, while the
+    none logit already keeps clutter from voting. A lower floor keeps only what it is for at
+    reading: slivers of misread clutter do not count as objects. How low is a fact of the
+    images (benchmarks/accuracy.md, IPS's task top), so a dataset says."""
+    if flags.eval_count_floor != -1:
+        return flags.eval_count_floor, "given"
+    if pooling not in COUNTING_POOLINGS:
+        return floor, f"pooling {pooling} counts no objects"
+    if facts.eval_count_floor_hint >= 0:
+        return facts.eval_count_floor_hint, "dataset.json hint (the floor to read at: training's teaches the attention)"
+    return floor, "no dataset.json hint: the training floor"
 
 
 def levels_spec(cfg: TrainConfig, mpp: float | None) -> dict[str, Any]:

@@ -24,7 +24,8 @@ figures are in benchmarks/slides.md).
 ``pooling``: what the model pools, for a checkpoint whose classifier reads one patch as well
 as the pooled features (that of ``ats pretrain``, trained on single patches, reads either
 way); ``none_class="off"`` drops its "no class here" logit; ``count_floor`` the floor of a
-counts pooling.
+counts pooling, the one it reads at and, with ``ats train --init``, trains at (a reading
+floor of its own, ``eval_floor``, is dropped).
 
 ``none_prior`` P: the share of "none" among the objects the model will count, for a
 checkpoint whose "no class here" logit was trained on single patches in another proportion
@@ -169,14 +170,16 @@ def _pooling_spec(current: dict[str, Any] | None, name: str | None, none_class: 
     not take (a floor on votes, a none logit on features) is refused when the model is built."""
     spec = dict(current or {"name": "features"})
     if name is not None and name != spec["name"]:
-        kept = (("none_class",) if name in VOTING_POOLINGS else ()) + (("floor",) if name in COUNTING_POOLINGS else ())
+        kept = (("none_class",) if name in VOTING_POOLINGS else ()) + (("floor", "eval_floor") if name in
+                                                                         COUNTING_POOLINGS else ())
         if spec.get("none_class") and none_class != "off" and (refusal := none_class_refusal(name, "none_class")):
             raise ValueError(f"{refusal}; --none-class off drops the none logit")
         spec = {"name": name, **{k: spec[k] for k in kept if k in spec}}
     if none_class == "off" and spec.get("none_class"):
         spec["none_class"] = False
-    if floor is not None:
+    if floor is not None:  # the floor the model reads at, and trains at with ats train --init: one floor
         spec["floor"] = float(floor)
+        spec.pop("eval_floor", None)
     return spec
 
 

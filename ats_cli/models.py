@@ -111,7 +111,7 @@ def model_spec(cfg: TrainConfig, *, n_classes: int, channels: int, mpp: float | 
 
 def extension_specs(cfg: TrainConfig) -> dict[str, dict[str, Any] | None]:
     """The extension slots (:mod:`ats_cli.extensions`) ``cfg``'s flags select, as plain specs:
-    ``--pooling``, ``--none-class`` and ``--count-floor`` the pooling; ``--min-brightness``
+    ``--pooling``, ``--none-class``, ``--count-floor`` and ``--eval-count-floor`` the pooling; ``--min-brightness``
     the ``bright`` support; ``--rarity-prior`` and ``--rarity-cap`` the ``rarity`` prior (never for ``uniform``,
     whose attention is uniform by definition); ``--patch-gain`` the ``learned`` gain. A
     value still at auto (-1, settled by training) or at 0 selects nothing, except the cap,
@@ -122,6 +122,9 @@ def extension_specs(cfg: TrainConfig) -> dict[str, dict[str, Any] | None]:
         pooling["none_class"] = cfg.none_class == "on"  # auto still unsettled: off, as settle without a hint
     if cfg.pooling in COUNTING_POOLINGS:
         pooling["floor"] = max(float(cfg.count_floor), 0.0)  # auto (-1) still unsettled: 0, likewise
+        if cfg.eval_count_floor >= 0 and float(cfg.eval_count_floor) != pooling["floor"]:
+            # present only when it differs: a model read at its training floor keeps the spec it always had
+            pooling["eval_floor"] = float(cfg.eval_count_floor)
     return {
         "pooling": pooling,
         "support": {"name": "bright", "threshold": float(cfg.min_brightness)} if cfg.min_brightness > 0 else None,

@@ -99,7 +99,7 @@ def cell_positions(m: ATSModel, img: torch.Tensor) -> torch.Tensor:
     return patch_centres(offsets, torch.tensor([[SIZE, SIZE]]), m.patch_size)
 
 
-def _exact(m: ATSModel, img: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+def exact_value(m: ATSModel, img: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """<c, _linear(logits)> at the full expectation sum_i a_i v_i over every cell."""
     low = low_res_view(img, SCALE)
     a = exact_attention(m, img)
@@ -135,8 +135,8 @@ def z_of_estimate(m: ATSModel, groups: int = 40, per_group: int = 400) -> float:
     img = image()
     c = torch.tensor([0.7, -1.3, 0.4])
     params = [p for p in m.parameters() if p.requires_grad]
-    exact_value = _exact(m, img, c)
-    exact = _grads(exact_value, params)
+    value = exact_value(m, img, c)
+    exact = _grads(value, params)
     low = low_res_view(img, SCALE).expand(per_group, -1, -1, -1)
     source = img.expand(per_group, -1, -1, -1)
     gen = torch.Generator().manual_seed(1)
@@ -149,4 +149,4 @@ def z_of_estimate(m: ATSModel, groups: int = 40, per_group: int = 400) -> float:
     g = torch.stack(means)
     z = max_z(g.mean(0), g.std(0) / groups ** 0.5, exact)
     v = torch.tensor(values)
-    return max(z, float((v.mean() - exact_value.detach()).abs() / (v.std() / groups ** 0.5)))
+    return max(z, float((v.mean() - value.detach()).abs() / (v.std() / groups ** 0.5)))

@@ -145,7 +145,7 @@ def test_train_writes_a_run_with_the_flags_and_the_defaults(run, mnist):
     del defaults["patch_gain"]
     del defaults["eval_n_patches"]
     del defaults["feature_train"], defaults["position_features"], defaults["pooling"], defaults["none_class"]
-    del defaults["count_floor"]
+    del defaults["count_floor"], defaults["eval_count_floor"]
     assert {k: saved[k] for k in given} == given
     assert {k: saved[k] for k in defaults} == defaults
     assert saved["min_brightness"] == AUTO_MIN_BRIGHTNESS  # Megapixel MNIST: a black background
@@ -157,6 +157,7 @@ def test_train_writes_a_run_with_the_flags_and_the_defaults(run, mnist):
     assert saved["position_features"] == "off"  # auto: no dataset.json hint (the majority task)
     assert saved["pooling"] == "features"  # auto: no dataset.json hint (the majority task)
     assert saved["none_class"] == "off" and saved["count_floor"] == 0.0  # features: no vote, no count
+    assert saved["eval_count_floor"] == 0.0  # read at the training floor
     assert saved["data"] == str(mnist[0]) and saved["out"] == str(out)
 
 

@@ -30,6 +30,7 @@ from tests.montecarlo import (
     TinyFeatures,
     cell_patches,
     exact_attention,
+    exact_value,
     image,
     tiny_model,
     z_of_estimate,
@@ -123,6 +124,36 @@ def test_the_check_rejects_the_topmost_count_readout_averaged_as_if_linear():
     """exp of its logits is not linear in the counts per row, and the check sees it."""
     pooling = _with_none_head(TopmostCountPooling(D, CLASSES, none_class=True, floor=0.0))
     assert z_of_estimate(_sharp(pooling, patch=16), **QUICK) > REJECTED
+
+
+class _ReadingFloorFromTheDraws(TopmostCountPooling):
+    """In eval mode, each draw counted over the largest mass among the drawn cells: a
+    reading floor that depends on which cells were drawn."""
+
+    def count(self, votes, mass):
+        if self.training:
+            return super().count(votes, mass)
+        return votes / mass.float().amax(1, keepdim=True)[..., None]
+
+
+def test_the_reading_floor_is_the_one_eval_mode_reads_and_is_unbiased():
+    """``eval_floor``: the floor evaluation and prediction read at, ``floor`` training's.
+    The exact expectation differs between the modes (the switch is real), and in eval mode
+    the estimate of what the readout reads stays unbiased in value and gradient."""
+    pooling = _with_none_head(TopmostCountPooling(D, CLASSES, none_class=True, floor=0.3, eval_floor=0.0))
+    m = _sharp(_seen(pooling), patch=16)
+    img, c = image(), torch.tensor([0.7, -1.3, 0.4])
+    trained = exact_value(m, img, c)
+    m.eval()
+    assert pooling.floor_now == 0.0 and not torch.allclose(trained, exact_value(m, img, c))
+    assert z_of_estimate(m) < Z_MAX
+    m.train()
+    assert pooling.floor_now == 0.3
+
+
+def test_the_check_rejects_a_reading_floor_taken_from_the_draws():
+    pooling = _with_none_head(_ReadingFloorFromTheDraws(D, CLASSES, none_class=True, floor=0.3, eval_floor=0.0))
+    assert z_of_estimate(_sharp(_seen(pooling), patch=16).eval(), **QUICK) > REJECTED
 
 
 # ---------------------------------------------------------------- pooling "votes"

@@ -34,7 +34,7 @@ from ats_cli.data.dataset import load_dataset, write_dataset
 
 SETTLED = ("n_patches", "patch_size", "scale", "batch_size", "eval_n_patches", "min_brightness", "augment",
            "rarity_prior", "rarity_cap", "patch_gain", "feature_train", "position_features", "pooling", "none_class",
-           "count_floor")
+           "count_floor", "eval_count_floor")
 MNIST = DataFacts(hints={"n_patches": 10, "patch_size": 50, "scale": 0.12}, channels=1, files=40, probed=16, dark=0.9)
 SLIDES = DataFacts(hints={"n_patches": 12, "patch_size": 64, "scale": 1 / 32}, channels=3, files=12,
                    mpps=(0.5,) * 12, mpps_agree=True, probed=12, masked=12)
@@ -62,7 +62,7 @@ def test_settle_is_pure_and_leaves_no_auto_value(monkeypatch):
     assert config.rarity_cap >= 0
     assert "auto" not in (config.augment, config.patch_gain, config.feature_train, config.position_features,
                           config.pooling, config.none_class)
-    assert config.count_floor >= 0
+    assert config.count_floor >= 0 and config.eval_count_floor >= 0
     assert config.n_patches and config.patch_size and config.scale
     assert [r.key for r in first[1]] == ["mpp", *SETTLED]  # one reason per value, the microns first
 
@@ -315,6 +315,29 @@ def test_pooling_auto_follows_the_datasets_hint():
     assert settle(TrainConfig(), replace(MNIST, multilabel=True))[0].config.pooling == "features"
     with pytest.raises(ConfigError, match="none_class on needs pooling votes"):
         settle(TrainConfig(none_class="on"), MNIST)  # auto settles features, which has no vote
+
+
+def test_the_reading_floor_is_the_hint_else_the_training_floor_and_the_spec_says_it_only_when_it_differs():
+    """eval_count_floor auto: the dataset's hint for a counting pooling, else the settled
+    count floor (negative control: no hint reads at the training floor, and the spec of such
+    a model is the one it always was); a given value wins; a pooling that counts nothing
+    reads at its floor, 0."""
+    from ats_cli.models import extension_specs
+
+    top = replace(MNIST, pooling_hint="topmost-counts", none_class_hint="on", count_floor_hint=0.15,
+                  eval_count_floor_hint=0.07)
+    settled, reasons = settle(TrainConfig(), top)
+    assert (settled.config.count_floor, settled.config.eval_count_floor) == (0.15, 0.07)
+    assert _why(reasons)["eval_count_floor"].startswith("eval_count_floor 0.07: dataset.json hint")
+    assert extension_specs(settled.config)["pooling"] == {"name": "topmost-counts", "none_class": True,
+                                                          "floor": 0.15, "eval_floor": 0.07}
+    unhinted = settle(TrainConfig(), replace(top, eval_count_floor_hint=-1.0))[0].config
+    assert unhinted.eval_count_floor == 0.15 and "eval_floor" not in extension_specs(unhinted)["pooling"]
+    assert settle(TrainConfig(eval_count_floor=0.02), top)[0].config.eval_count_floor == 0.02
+    plain = settle(TrainConfig(), MNIST)[0].config
+    assert (plain.count_floor, plain.eval_count_floor) == (0.0, 0.0)
+    with pytest.raises(ConfigError, match="eval_count_floor must be in"):
+        TrainConfig(eval_count_floor=1.5).validate()
 
 
 def test_a_hint_ats_cannot_use_is_named_not_dropped_in_silence(tmp_path):

@@ -39,7 +39,8 @@ def export(
                                 help="What the model pools: features | highest | votes | counts | "
                                 "highest-counts | topmost-counts \\[default: as in SRC]."),
     count_floor: float = typer.Option(None, "--count-floor", min=0.0, max=1.0, show_default=False,
-                                      help="The floor of a counts pooling \\[default: as in SRC]."),
+                                      help="The floor a counts pooling reads at (and trains at with ats train --init; "
+                                      "replaces a reading floor of its own) \\[default: as in SRC]."),
     none_class: str = typer.Option(None, "--none-class", show_default=False,
                                    help="off: drop the model's 'no class here' logit."),
     none_prior: str = typer.Option(None, "--none-prior", callback=_share, show_default=False,

@@ -15,6 +15,13 @@ attention counts once, one with less counts ``a(R) / floor``, in proportion to i
 in a vote; 0 is the pure count, 1 the vote (``M <= 1``). Why a floor: counted once each,
 many small objects of noise that each hold a sliver of the mass would outvote the few
 objects the label is about on what little they misread; weighed by their mass they do not.
+``eval_floor`` (None: ``floor``): the floor read at evaluation and prediction. In training
+the floor also teaches: under it an object counts by its mass, so the likelihood pulls the
+attention onto every object the label needs. At reading, an object the learned attention
+gives less than its share (unseen clutter draws mass away) would count as a fraction of
+one while it is read with confidence; a lower reading floor counts it once and still keeps
+the slivers out (:func:`ats_cli.config._eval_count_floor`; measured on IPS's task top,
+benchmarks/accuracy.md). Both floors give an unbiased estimate: each is a constant.
 
 Unbiased: ``M`` comes from the whole attention map, not from the draws, so ``v_i`` is a
 deterministic, differentiable function of the parameters for every cell, and step (*) of
@@ -64,11 +71,19 @@ def local_mass(probs: torch.Tensor, att_shape: tuple[int, int], sizes: torch.Ten
 @register_extension("pooling", "counts",
                     note="those over the attention mass around each patch: each object counts once")
 class CountPooling(VotePooling):
-    def __init__(self, features: int, n_classes: int, *, none_class: bool = False, floor: float = 0.0):
-        if not 0 <= floor <= 1:
-            raise ExtensionError(f"pooling 'counts': floor must be in [0, 1], got {floor}")
+    def __init__(self, features: int, n_classes: int, *, none_class: bool = False, floor: float = 0.0,
+                 eval_floor: float | None = None):
+        for name, value in (("floor", floor), ("eval_floor", floor if eval_floor is None else eval_floor)):
+            if not 0 <= value <= 1:
+                raise ExtensionError(f"pooling 'counts': {name} must be in [0, 1], got {value}")
         super().__init__(features, n_classes, none_class=none_class)
         self.floor = float(floor)
+        self.eval_floor = None if eval_floor is None else float(eval_floor)
+
+    @property
+    def floor_now(self) -> float:
+        """The floor in use: ``floor`` in training, ``eval_floor`` (when set) in eval mode."""
+        return self.floor if self.training or self.eval_floor is None else self.eval_floor
 
     def values(self, feats: torch.Tensor, classifier: nn.Linear, where: Where | None = None) -> torch.Tensor:
         if where is None:
@@ -78,4 +93,4 @@ class CountPooling(VotePooling):
 
     def count(self, votes: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
         """Votes [..., classes] over their cells' mass [...], floored."""
-        return votes / mass.float().clamp(min=max(self.floor, torch.finfo(torch.float32).tiny))[..., None]
+        return votes / mass.float().clamp(min=max(self.floor_now, torch.finfo(torch.float32).tiny))[..., None]
