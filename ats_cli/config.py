@@ -163,9 +163,7 @@ class TrainConfig:
                               "than this share of the attention counts in proportion to it, not once (0 = every "
                               "object once, 1 = votes; -1 = auto: the dataset.json hint count_floor, else 0)",
                               METHOD_PANEL)
-    # the floor evaluation and prediction read at (the model records it): training's floor
-    # teaches the attention where to go; reading needs only enough of one to keep slivers of
-    # misread noise from counting (ats_cli.extensions.pooling_counts)
+    # the floor evaluation and prediction read at (the model records it; why: ats_cli.extensions.pooling_counts)
     eval_count_floor: float = _key(-1.0, "The count floor at evaluation and prediction (the model records it; "
                                    "-1 = auto: the dataset.json hint eval_count_floor, else --count-floor's)",
                                    METHOD_PANEL)
@@ -795,19 +793,17 @@ def read_hints(hints: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[str, ...
     leave the run at the default without a word) or a value it cannot use."""
     usable = usable_hints(hints)
     position, pooling = hints.get("position_features"), hints.get("pooling")
-    none_class, floor, eval_floor = hints.get("none_class"), hints.get("count_floor"), hints.get("eval_count_floor")
+    none_class = hints.get("none_class")
     out = {"hints": usable,
            "position_hint": position if position in ("on", "off") else "",
            "pooling_hint": pooling if pooling in extension_choices("pooling") else "",
            "none_class_hint": none_class if none_class in ("on", "off") else "",
-           "count_floor_hint": float(floor) if _is_number(floor) and 0 <= floor <= 1 else -1.0,
-           "eval_count_floor_hint": float(eval_floor) if _is_number(eval_floor) and 0 <= eval_floor <= 1 else -1.0}
+           **{f"{key}_hint": _share_hint(hints.get(key)) for key in ("count_floor", "eval_count_floor")}}
     wants = {**{key: "a positive number" for key in DATA_DEFAULTS if key not in usable},
              **({} if out["position_hint"] else {"position_features": '"on" or "off"'}),
              **({} if out["pooling_hint"] else {"pooling": "one of " + ", ".join(extension_choices("pooling"))}),
              **({} if out["none_class_hint"] else {"none_class": '"on" or "off"'}),
-             **({} if out["count_floor_hint"] >= 0 else {"count_floor": "a number in [0, 1]"}),
-             **({} if out["eval_count_floor_hint"] >= 0 else {"eval_count_floor": "a number in [0, 1]"})}
+             **{key: "a number in [0, 1]" for key in ("count_floor", "eval_count_floor") if out[f"{key}_hint"] < 0}}
     channels = hints.get("channels", 1)
     if _is_number(channels) and channels == int(channels) and channels >= 1:
         out["channels"] = int(channels)
@@ -820,6 +816,11 @@ def read_hints(hints: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[str, ...
         elif key in wants:
             ignored.append(f"dataset.json hint {key} {json.dumps(value)} ignored: not {wants[key]}")
     return out, tuple(ignored)
+
+
+def _share_hint(value: Any) -> float:
+    """A hint that is a share of the attention (a count floor): the number in [0, 1], else -1 (no hint)."""
+    return float(value) if _is_number(value) and 0 <= value <= 1 else -1.0
 
 
 def _is_number(value: Any) -> bool:
@@ -903,13 +904,8 @@ def _count_floor(flags: TrainConfig, facts: DataFacts, pooling: str) -> tuple[fl
 
 def _eval_count_floor(flags: TrainConfig, facts: DataFacts, pooling: str, floor: float) -> tuple[float, str]:
     """--eval-count-floor auto: the dataset's hint where the pooling counts objects, else the
-    training floor ``floor``. Why two floors: in training, an object under the floor counts
-    in proportion to its attention, so the likelihood pulls mass onto every object the label
-    needs; that is what the floor teaches. At reading, the attention is what it learned, and
-    where it gives a drawn object less than its share (an unseen clutter draws mass away), a
-    floor as high turns an object read with confidence into a fraction of one, while the
-    none logit already keeps clutter from voting. A lower floor keeps only what it is for at
-    reading: slivers of misread clutter do not count as objects. How low is a fact of the
+    training floor ``floor``. Why a floor of its own for reading:
+    :mod:`ats_cli.extensions.pooling_counts` (``eval_floor``). How low is a fact of the
     images (benchmarks/accuracy.md, IPS's task top), so a dataset says."""
     if flags.eval_count_floor != -1:
         return flags.eval_count_floor, "given"

@@ -104,13 +104,6 @@ def test_export_command_sets_the_reading_and_refuses_in_one_line(tmp_path):
     assert "model.pt" in result.output and "eval_n_patches 80" in result.output
     ckpt = load_checkpoint(out)
     assert ckpt["spec"]["eval_n_patches"] == 80 and ckpt["spec"]["pooling"]["floor"] == 0.02
-    # a reading floor of its own (eval_floor) gives way to the one --count-floor gives: one floor
-    read = tmp_path / "read.pt"
-    spec = _spec(pooling="topmost-counts", none_class="on", count_floor=0.15, eval_count_floor=0.07)
-    assert spec["pooling"]["eval_floor"] == 0.07
-    save_checkpoint(src, spec=spec, classes=["a", "b", "c"], model=create_model(spec), optimizer={"state": {}})
-    assert runner.invoke(app, ["export", str(src), str(read), "--count-floor", "0.05"]).exit_code == 0
-    assert load_checkpoint(read)["spec"]["pooling"] == {"name": "topmost-counts", "none_class": True, "floor": 0.05}
     assert ckpt["release"]["none_prior"] == pytest.approx(50 / 55) and "optimizer" not in ckpt
     assert ckpt["export"]["source"] == "stage1.pt"
     for args, says in (([str(out), str(tmp_path / "again.pt"), "--none-prior", "0.5"], "already read at prior"),
@@ -121,6 +114,13 @@ def test_export_command_sets_the_reading_and_refuses_in_one_line(tmp_path):
         assert result.exit_code != 0 and says in " ".join(result.output.split()), (args, result.output)
         assert "Traceback" not in result.output
     assert not any((tmp_path / n).exists() for n in ("again.pt", "bad.pt", "n.pt", "f.pt"))
+    # a reading floor of its own (eval_floor) gives way to the one --count-floor gives: one floor
+    top, read = tmp_path / "top.pt", tmp_path / "read.pt"
+    spec = _spec(pooling="topmost-counts", none_class="on", count_floor=0.15, eval_count_floor=0.07)
+    assert spec["pooling"]["eval_floor"] == 0.07
+    save_checkpoint(top, spec=spec, classes=["a", "b", "c"], model=create_model(spec), optimizer={"state": {}})
+    assert runner.invoke(app, ["export", str(top), str(read), "--count-floor", "0.05"]).exit_code == 0
+    assert load_checkpoint(read)["spec"]["pooling"] == {"name": "topmost-counts", "none_class": True, "floor": 0.05}
 
 
 def test_parse_share():

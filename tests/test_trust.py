@@ -358,6 +358,7 @@ def test_a_patch_smaller_than_the_feature_nets_window_is_one_line_naming_the_fla
     assert "--patch-size 4: the feature network mnist-features cannot read 4x4 patches" in result.output
     lines = result.output.strip().splitlines()
     assert "Traceback" not in result.output and lines[0].startswith("settled from the data")
-    # the error is one line, the last, after the reasons (how many there are is not this test's business)
+    # the reasons (indented), the prepared-images line, then the error: one line, the last, whole
+    assert all(line.startswith("  ") or line.startswith("prepared images") for line in lines[1:-1]), lines
     assert "--patch-size 4: the feature network mnist-features cannot read 4x4 patches" in lines[-1]
     assert lines[-1].rstrip().endswith("give larger patches or another --feature-net")

@@ -230,11 +230,9 @@ def make_config(preset: str = "paper", **overrides: Any) -> MegapixelMNISTConfig
 # every digit, so a missed one is a wrong answer: 20 patches, twice the paper's, drawn in
 # training (40 at evaluation, twice n_patches) gave 3 points on max and 2.5 on top; positions
 # (--position-features) are left off for top, as its pooling reads the rows itself. top reads
-# at a floor of 0.07 (ats_cli.config._eval_count_floor: why a reading floor): on unseen noise
-# the attention gives the top digit less than its share, and at 0.15 it then counted as a
-# fraction of one while the digit below it counted once; chosen on five fresh pattern sets,
-# measured on five others (benchmarks/accuracy.md, IPS's tasks). max was not measured so: it
-# reads at its training floor.
+# at a floor of 0.07 (eval_count_floor; why a reading floor: ats_cli.extensions.pooling_counts),
+# chosen on five fresh pattern sets and measured on five others (benchmarks/accuracy.md, IPS's
+# tasks); max was not measured so and reads at its training floor.
 TASK_HINTS = {
     "max": {"pooling": "highest-counts", "none_class": "on", "count_floor": 0.15, "n_patches": 20},
     "top": {"pooling": "topmost-counts", "none_class": "on", "count_floor": 0.15, "eval_count_floor": 0.07,
