@@ -24,6 +24,7 @@ from ats_cli.data.megapixel_mnist import (
     image_layout,
     make_config,
     render_image,
+    split_patterns,
 )
 from ats_cli.data.mnist import (
     DigitSet,
@@ -356,6 +357,62 @@ def test_rerun_with_other_parameters_refuses(tmp_path: Path, bundled: DigitSet) 
         generate_megapixel_mnist(stranger, config, bundled, workers=1)
 
 
+def _rows_of(patches: np.ndarray, patterns: np.ndarray) -> list[bool]:
+    """Whether each pasted noise patch is one of ``patterns``."""
+    return [any(np.array_equal(p, q) for q in patterns) for p in patches]
+
+
+def test_val_split_draws_its_own_noise_and_train_digits(tmp_path: Path, bundled: DigitSet) -> None:
+    """A val image's 50 patterns are its own (none of train's or test's, none of another val
+    image's) and its digits come from the train pool; train and test are the images they
+    were without a val split, so adding one changes no existing file."""
+    config = make_config("small", **{**TINY, "n_val": 3})
+    ds_dir = tmp_path / "val"
+    generate_megapixel_mnist(ds_dir, config, bundled, workers=2, chunk_size=1)
+    ds = load_dataset(ds_dir)
+    assert [len(ds[s]) for s in ("train", "val", "test")] == [6, 3, 4]
+    without = tmp_path / "without"
+    generate_megapixel_mnist(without, make_config("small", **TINY), bundled, workers=1)
+    old = _files(without)
+    new = _files(ds_dir)
+    assert {k: v for k, v in new.items() if k.startswith(("train/", "test/", "train.csv", "test.csv"))} == \
+        {k: v for k, v in old.items() if k != "dataset.json"}
+
+    train_p, test_p = split_patterns(0, "train"), split_patterns(0, "test")
+    seen: list[np.ndarray] = []
+    for i, record in enumerate(ds["val"]):
+        pixels, layout = render_image(config, bundled, "val", i)
+        with Image.open(record.path) as im:
+            np.testing.assert_array_equal(np.asarray(im), pixels)
+        assert record.label == layout.target
+        assert not any(_rows_of(layout.noise_patches, train_p)) and not any(_rows_of(layout.noise_patches, test_p))
+        assert not any(any(_rows_of(layout.noise_patches, other)) for other in seen)
+        seen.append(layout.noise_patches)
+        for idx, cls in zip(layout.digit_index.tolist(), layout.digit_classes.tolist(), strict=True):
+            assert bundled.y_train[idx] == cls  # a train-pool digit of the drawn class
+    # the negative control: a test image's noise all comes from the test split's patterns
+    _, test_layout = render_image(config, bundled, "test", 0)
+    assert all(_rows_of(test_layout.noise_patches, test_p))
+    with pytest.raises(ValueError, match="val split has no split-level patterns"):
+        split_patterns(0, "val")
+
+
+def test_val_split_resumes_old_datasets_and_refuses_a_change(tmp_path: Path, bundled: DigitSet) -> None:
+    config = make_config("small", **TINY)
+    out = tmp_path / "out"
+    generate_megapixel_mnist(out, config, bundled, workers=1)
+    # a run begun before val splits existed records no n_val: it resumes as n_val 0
+    block = json.loads((out / "dataset.json").read_text())["generator"]
+    del block["params"]["n_val"]
+    (out / "dataset.json").unlink()
+    (out / LOCK_NAME).write_text(json.dumps(block))
+    assert generate_megapixel_mnist(out, config, bundled, workers=1).skipped == 10
+    with pytest.raises(DatasetError, match=r"n_val: 0 -> 2"):
+        generate_megapixel_mnist(out, make_config("small", **{**TINY, "n_val": 2}), bundled, workers=1)
+    with pytest.raises(ValueError, match="n_val must be >= 0"):
+        make_config("small", n_val=-1)
+
+
 def test_cli_smoke(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
@@ -382,5 +439,9 @@ def test_cli_smoke(tmp_path: Path) -> None:
     refused = runner.invoke(app, [*args, str(out), *flags[:-3], "--seed", "5", "--workers", "1", "--offline"])
     assert refused.exit_code == 1
     assert "different parameters" in refused.output and "seed: 0 -> 5" in refused.output
+    with_val = runner.invoke(app, [*args, str(tmp_path / "val"), *flags, "--n-val", "2"])
+    assert with_val.exit_code == 0, with_val.output
+    assert "3 train + 2 val + 2 test images" in " ".join(with_val.output.split())
+    assert len(load_dataset(tmp_path / "val")["val"]) == 2
     bad = runner.invoke(app, [*args, str(tmp_path / "bad"), "--n-target", "9", "--offline"])
     assert bad.exit_code == 1 and "n_target must be in 1..n_digits" in bad.output

@@ -14,7 +14,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ats_cli.cli import OutputConsole
 from ats_cli.data.dataset import DatasetError
 from ats_cli.data.generation import GenerationReport
-from ats_cli.data.megapixel_mnist import PlacementError, check_output, generate_megapixel_mnist, make_config
+from ats_cli.data.megapixel_mnist import (
+    PlacementError,
+    check_output,
+    generate_megapixel_mnist,
+    make_config,
+    split_sizes,
+)
 from ats_cli.data.mnist import DigitSourceError, resolve_digits
 from ats_cli.data.noise import FAMILIES as NOISE_FAMILIES
 
@@ -55,6 +61,10 @@ def megapixel_mnist(
     = Preset.paper,
     n_train: Annotated[int | None, typer.Option("--n-train", help="Training images (paper: 5000).")] = None,
     n_test: Annotated[int | None, typer.Option("--n-test", help="Test images (paper: 1000).")] = None,
+    n_val: Annotated[int | None, typer.Option(
+        "--n-val", help="Validation images, each with noise patterns of its own (none in train or test): "
+        "ats train then keeps best.pt by them and the test split stays untouched by any choice (0: no val "
+        "split; best.pt is then chosen on test). See docs/datasets.md.")] = None,
     width: Annotated[int | None, typer.Option(help="Canvas width in pixels (paper: 1500).")] = None,
     height: Annotated[int | None, typer.Option(help="Canvas height in pixels (paper: 1500).")] = None,
     n_digits: Annotated[int | None, typer.Option("--n-digits", help="Digits per image (5).")] = None,
@@ -85,7 +95,7 @@ def megapixel_mnist(
     """Generate Megapixel MNIST (thesis §3.4.2): label = the majority digit among 5, hidden in noise."""
     try:
         config = make_config(
-            preset.value, n_train=n_train, n_test=n_test, width=width, height=height,
+            preset.value, n_train=n_train, n_test=n_test, n_val=n_val, width=width, height=height,
             n_digits=n_digits, n_target=n_target, n_noise=n_noise, seed=seed, noise=noise,
             noise_overlap=noise_overlap, task=task.value,
         )
@@ -105,7 +115,7 @@ def megapixel_mnist(
         raise fail(err) from None
 
     _generate(lambda progress: generate_megapixel_mnist(out, config, digits, workers=workers, progress=progress),
-              {"train": config.n_train, "test": config.n_test})
+              split_sizes(config))
 
 
 def _generate(run: Callable[[Callable[[str, int, int], None]], GenerationReport], totals: dict[str, int]) -> None:

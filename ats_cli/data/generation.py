@@ -26,10 +26,9 @@ from typing import Any, Protocol
 from ats_cli.data.dataset import DATASET_JSON, DatasetError, Problem, write_dataset
 from ats_cli.io import atomic_write_text, sweep_temporaries
 
-__all__ = ["LOCK_NAME", "SPLITS", "ChunkJob", "GenerationReport", "check_output", "run_generation"]
+__all__ = ["LOCK_NAME", "ChunkJob", "GenerationReport", "check_output", "run_generation"]
 
 LOCK_NAME = ".ats-generate.json"
-SPLITS = ("train", "test")
 Result = tuple[int, dict[str, str], bool]
 
 

@@ -20,6 +20,18 @@ Design choices, and why:
   metadata of images it skips without re-rendering them.
 * **Disjoint digit pools.** Train images use only the source's train digits, test images
   only its test digits, so no test digit was ever seen in training.
+* **A validation split on unseen noise** (``n_val``, default 0: the paper has none). The
+  test split's 50 patterns are one draw, and a model's accuracy depends on which draw
+  (benchmarks/accuracy.md#none-logit: choosing ``best.pt`` on one pattern set kept the
+  epoch that was weaker on nine of ten others). So each ``val`` image draws its own 50
+  patterns, from ``SeedSequence(entropy=seed, spawn_key=(3, i))``, and ``ats train``
+  chooses ``best.pt`` on the average over many pattern sets, none of them the test's or
+  the training's. Its digits come from the source's train pool, so no choice made on
+  ``val`` has looked at a test digit and the test split stays untouched by every choice
+  (a val digit may have appeared in a training image, which makes val accuracy slightly
+  optimistic but compares epochs fairly). Image ``i`` draws the rest from
+  ``SeedSequence(entropy=seed, spawn_key=(2, i))``: three words, like the test patterns'
+  ``(seed, 0, 1)`` and unlike every train or test image's two.
 * **The paper's noise by default.** Both presets use the ``reference`` family: the 2019
   reference generator's noise (idiap/attention-sampling, ``scripts/make_mnist.py``),
   50 thin-line patterns per split, pasted after the digits at positions independent of
@@ -62,7 +74,7 @@ import numpy as np
 from PIL import Image
 
 from ats_cli.data import generation
-from ats_cli.data.generation import SPLITS, GenerationReport, run_generation
+from ats_cli.data.generation import GenerationReport, run_generation
 from ats_cli.data.mnist import DigitSet
 from ats_cli.data.noise import FAMILIES, REFERENCE_MARGIN, NoiseContext, parse_families, reference_patterns
 from ats_cli.io import atomic_write_bytes
@@ -83,6 +95,7 @@ __all__ = [
     "recommended_hints",
     "render_image",
     "split_patterns",
+    "split_sizes",
 ]
 
 GENERATOR_NAME = "megapixel-mnist"
@@ -111,6 +124,7 @@ class MegapixelMNISTConfig:
 
     n_train: int = 5000
     n_test: int = 1000
+    n_val: int = 0  # validation images on unseen noise (module docstring); 0: no val split
     width: int = 1500
     height: int = 1500
     n_digits: int = 5
@@ -133,7 +147,8 @@ class MegapixelMNISTConfig:
         """What this config makes, in the words ``ats make-dataset`` prints before it starts."""
         rules = {self.overlaps(f) for f in self.families}
         where = "may cover digits" if rules == {True} else "never on digits" if rules == {False} else "per family"
-        return (f"{self.n_train} train + {self.n_test} test images, {self.width}x{self.height}, {self.n_digits} "
+        val = f" + {self.n_val} val" if self.n_val else ""
+        return (f"{self.n_train} train{val} + {self.n_test} test images, {self.width}x{self.height}, {self.n_digits} "
                 f"digits ({self.n_target} target), {self.n_noise} noise ({'+'.join(self.families)}, {where}), "
                 f"seed {self.seed}, task {self.task}")
 
@@ -155,6 +170,8 @@ class MegapixelMNISTConfig:
                 raise ValueError(f"{f.name} must be an integer, got {value!r}")
         if self.n_train < 1 or self.n_test < 1:
             raise ValueError("n_train and n_test must be at least 1 (both splits are required)")
+        if self.n_val < 0:
+            raise ValueError(f"n_val must be >= 0, got {self.n_val}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
         h, w = digit_shape
@@ -323,6 +340,10 @@ def box_fractions(corners: Any, boxes: Any, patch_size: tuple[int, int]) -> np.n
     return dr * dc / (b[:, 2] * b[:, 3])
 
 
+SPLITS = ("train", "val", "test")
+_VAL_IMAGE, _VAL_PATTERNS = 2, 3  # first word of a val image's spawn key, and of its patterns' key
+
+
 def _split_seed(seed: int, split: str) -> int:
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
@@ -330,21 +351,36 @@ def _split_seed(seed: int, split: str) -> int:
 
 
 def _image_rng(seed: int, split: str, index: int) -> np.random.Generator:
-    return np.random.default_rng(np.random.SeedSequence(entropy=_split_seed(seed, split), spawn_key=(index,)))
+    key = (_VAL_IMAGE, index) if split == "val" else (index,)
+    return np.random.default_rng(np.random.SeedSequence(entropy=_split_seed(seed, split), spawn_key=key))
 
 
 @functools.lru_cache(maxsize=8)
 def split_patterns(seed: int, split: str) -> np.ndarray:
-    """The 50 ``reference`` noise patterns of ``split`` (read-only; depends on nothing but seed and split)."""
+    """The 50 ``reference`` noise patterns of ``split`` (read-only; depends on nothing but seed and split).
+
+    ``val`` has none of its own: each of its images draws its own (:func:`_val_patterns`).
+    """
+    if split == "val":
+        raise ValueError("the val split has no split-level patterns: each val image draws its own")
     rng = np.random.default_rng(np.random.SeedSequence(entropy=_split_seed(seed, split), spawn_key=(0, 1)))
     patterns = reference_patterns(rng)
     patterns.flags.writeable = False
     return patterns
 
 
-def _noise_context(config: MegapixelMNISTConfig, split: str, images: np.ndarray) -> NoiseContext:
-    needs_patterns = config.n_noise > 0 and "reference" in config.families
-    return NoiseContext(patterns=split_patterns(config.seed, split) if needs_patterns else None, digits=images)
+def _val_patterns(seed: int, index: int) -> np.ndarray:
+    rng = np.random.default_rng(np.random.SeedSequence(entropy=seed, spawn_key=(_VAL_PATTERNS, index)))
+    return reference_patterns(rng)
+
+
+def _noise_context(config: MegapixelMNISTConfig, split: str, images: np.ndarray, index: int = 0) -> NoiseContext:
+    """The noise material of image ``index`` of ``split``: its split's patterns, or for val its own."""
+    if not (config.n_noise > 0 and "reference" in config.families):
+        return NoiseContext(patterns=None, digits=images)
+    if split == "val":
+        return NoiseContext(patterns=_val_patterns(config.seed, index), digits=images)
+    return NoiseContext(patterns=split_patterns(config.seed, split), digits=images)
 
 
 def _place(rng: np.random.Generator, n: int, placed: list[tuple[int, int]], config: MegapixelMNISTConfig,
@@ -438,14 +474,15 @@ def _pools(labels: np.ndarray) -> list[np.ndarray]:
 
 
 def _split_arrays(digits: DigitSet, split: str) -> tuple[np.ndarray, np.ndarray]:
-    return (digits.x_train, digits.y_train) if split == "train" else (digits.x_test, digits.y_test)
+    """The digit pool of ``split``: val draws from the train pool (module docstring: why)."""
+    return (digits.x_test, digits.y_test) if split == "test" else (digits.x_train, digits.y_train)
 
 
 def image_layout(config: MegapixelMNISTConfig, digits: DigitSet, split: str, index: int) -> Layout:
     """The layout of image ``index`` of ``split`` (what :func:`generate_megapixel_mnist` writes)."""
     images, labels = _split_arrays(digits, split)
     return _sample_layout(_image_rng(config.seed, split, index), _pools(labels), config, images.shape[1:3],
-                          _noise_context(config, split, images))
+                          _noise_context(config, split, images, index))
 
 
 def render_image(config: MegapixelMNISTConfig, digits: DigitSet, split: str, index: int) -> tuple[np.ndarray, Layout]:
@@ -486,7 +523,6 @@ class _Job:
     out: Path
     arrays: dict[str, tuple[np.ndarray, list[np.ndarray]]]  # split -> (images, per-class pools)
     name_width: int
-    contexts: dict[str, NoiseContext]  # split -> its noise material (reference patterns, digits)
 
     def name(self, index: int) -> str:
         return f"{index:0{self.name_width}d}.png"
@@ -497,7 +533,7 @@ class _Job:
         results = []
         for index in indices:
             layout = _sample_layout(_image_rng(self.config.seed, split, index), pools, self.config, box,
-                                    self.contexts[split])
+                                    _noise_context(self.config, split, images, index))
             rel = f"{split}/{self.name(index)}"
             path = self.out / rel
             wrote = False
@@ -518,13 +554,19 @@ _TASK_TEXT = {
 }
 
 
+def split_sizes(config: MegapixelMNISTConfig) -> dict[str, int]:
+    """Images per split, in generation order; val only when asked for."""
+    return {"train": config.n_train, **({"val": config.n_val} if config.n_val else {}), "test": config.n_test}
+
+
 def fingerprint(config: MegapixelMNISTConfig, digits: DigitSet) -> dict[str, Any]:
     """The generator block of ``dataset.json``; its parameters decide whether a rerun may resume."""
     return {
         "name": GENERATOR_NAME,
         "version": GENERATOR_VERSION,
         "params": config.params(),
-        "seeding": "image i of a split: numpy SeedSequence(entropy=seed+1 for train / seed for test, spawn_key=(i,))",
+        "seeding": "image i of a split: numpy SeedSequence(entropy=seed+1 for train / seed for test, spawn_key=(i,)); "
+                   "of val: SeedSequence(entropy=seed, spawn_key=(2, i)), digits from the train pool",
         "noise": noise_block(config),
         "png_compress_level": PNG_COMPRESS_LEVEL,
         "digits": digits.summary(),
@@ -544,7 +586,8 @@ def noise_block(config: MegapixelMNISTConfig) -> dict[str, Any]:
             "non_overlapping": "rejection-sampled so the box meets no digit box and no other such noise box",
         },
         "params": {f: dict(FAMILIES[f].params) for f in families},
-        "pattern_seeding": "reference patterns of a split: numpy SeedSequence(entropy=split seed, spawn_key=(0, 1))",
+        "pattern_seeding": "reference patterns of a split: numpy SeedSequence(entropy=split seed, spawn_key=(0, 1)); "
+                           "val image i draws its own: SeedSequence(entropy=seed, spawn_key=(3, i))",
     }
 
 
@@ -554,6 +597,7 @@ def _differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
         return diffs  # another generator: nothing else to compare
     if old.get("params", {}).get("task", "majority") == new["params"]["task"]:  # before tasks: majority
         diffs = [d for d in diffs if not d.startswith("task: None ->")]
+    diffs = [d for d in diffs if d != "n_val: None -> 0"]  # before val splits: none
     old_sha = (old.get("digits") or {}).get("sha256")
     if old_sha != new["digits"]["sha256"]:
         diffs.append(f"digit source: {(old.get('digits') or {}).get('description')} -> {new['digits']['description']}")
@@ -597,12 +641,11 @@ def generate_megapixel_mnist(
     job = _Job(
         config=config,
         out=out,
-        arrays={s: (_split_arrays(digits, s)[0], _pools(_split_arrays(digits, s)[1])) for s in SPLITS},
-        name_width=max(5, len(str(max(config.n_train, config.n_test) - 1))),
-        contexts={s: _noise_context(config, s, _split_arrays(digits, s)[0]) for s in SPLITS},
+        arrays={s: (_split_arrays(digits, s)[0], _pools(_split_arrays(digits, s)[1])) for s in split_sizes(config)},
+        name_width=max(5, len(str(max(config.n_train, config.n_test, config.n_val) - 1))),
     )
     return run_generation(
-        out, fingerprint(config, digits), job, {"train": config.n_train, "test": config.n_test},
+        out, fingerprint(config, digits), job, split_sizes(config),
         dataset={
             "classes": [str(d) for d in range(10)],
             "hints": recommended_hints(config),
