@@ -2,7 +2,8 @@
 # IPS's four Megapixel MNIST tasks (majority, max, top, multilabel) on the same images,
 # each trained with the defaults (max and top: the pooling, its options and the patches their
 # dataset.json hints name; benchmarks/accuracy.md says which commit each row ran).
-# Prints each run's per-epoch test figures (test_acc; multilabel: exact match and macro-F1).
+# Prints each run's per-epoch test figures (test_acc; multilabel: exact match and macro-F1),
+# and with --n-val N (a val split on noise of its own, which then chooses best.pt) val_acc too.
 #
 #   bash benchmarks/ips_tasks.sh OUT [EPOCHS] [make-dataset flags...]   (TASKS="top multilabel": only those)
 #   small-scale indication (the demo's data): bash benchmarks/ips_tasks.sh out/ips 4 --preset small --n-train 3000
@@ -31,5 +32,7 @@ rows = [json.loads(line) for line in open(sys.argv[1])]
 acc = ", ".join(f"{100 * r['test_acc']:.1f}" for r in rows)
 f1 = ", ".join(f"{r['test_macro_f1']:.3f}" for r in rows if "test_macro_f1" in r)
 print(f"{sys.argv[2]}: test_acc per epoch {acc}%" + (f"; macro-F1 {f1}" if f1 else ""))
+if "val_acc" in rows[0]:
+    print(f"{sys.argv[2]}: val_acc per epoch " + ", ".join(f"{100 * r['val_acc']:.1f}" for r in rows) + "%")
 PY
 done
