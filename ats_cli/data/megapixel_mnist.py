@@ -21,9 +21,9 @@ Design choices, and why:
 * **Disjoint digit pools.** Train images use only the source's train digits, test images
   only its test digits, so no test digit was ever seen in training.
 * **A validation split on unseen noise** (``n_val``, default 0: the paper has none). The
-  test split's 50 patterns are one draw, and a model's accuracy depends on which draw
-  (benchmarks/accuracy.md#none-logit: choosing ``best.pt`` on one pattern set kept the
-  epoch that was weaker on nine of ten others). So each ``val`` image draws its own 50
+  test split's 50 patterns are one draw, and which epoch reads best depends on the draw
+  (benchmarks/accuracy.md#val-split: choosing ``best.pt`` on one pattern set kept an
+  epoch a point weaker on ten others than choosing on this split did). So each ``val`` image draws its own 50
   patterns, from ``SeedSequence(entropy=seed, spawn_key=(3, i))``, and ``ats train``
   chooses ``best.pt`` on the average over many pattern sets, none of them the test's or
   the training's. Its digits come from the source's train pool, so no choice made on
