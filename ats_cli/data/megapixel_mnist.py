@@ -22,11 +22,11 @@ Design choices, and why:
   only its test digits, so no test digit was ever seen in training.
 * **A validation split on unseen noise** (``n_val``, default 0: the paper has none). The
   test split's 50 patterns are one draw, and which epoch reads best depends on the draw
-  (benchmarks/accuracy.md#val-split: choosing ``best.pt`` on one pattern set kept an
-  epoch a point weaker on ten others than choosing on this split did). So each ``val`` image draws its own 50
-  patterns, from ``SeedSequence(entropy=seed, spawn_key=(3, i))``, and ``ats train``
-  chooses ``best.pt`` on the average over many pattern sets, none of them the test's or
-  the training's. Its digits come from the source's train pool, so no choice made on
+  (benchmarks/accuracy.md#val-split: on seed 4's ``top``, the epoch its test split chose
+  read a point lower on ten unseen pattern sets than the one a val split chose). So each
+  ``val`` image draws its own 50 patterns, from ``SeedSequence(entropy=seed,
+  spawn_key=(3, i))``, and ``ats train`` chooses ``best.pt`` on the average over many
+  pattern sets, none of them the test's or the training's. Its digits come from the source's train pool, so no choice made on
   ``val`` has looked at a test digit and the test split stays untouched by every choice
   (a val digit may have appeared in a training image, which makes val accuracy slightly
   optimistic but compares epochs fairly). Image ``i`` draws the rest from
