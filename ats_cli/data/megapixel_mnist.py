@@ -26,8 +26,9 @@ Design choices, and why:
   read a point lower on ten unseen pattern sets than the one a val split chose). So each
   ``val`` image draws its own 50 patterns, from ``SeedSequence(entropy=seed,
   spawn_key=(3, i))``, and ``ats train`` chooses ``best.pt`` on the average over many
-  pattern sets, none of them the test's or the training's. Its digits come from the source's train pool, so no choice made on
-  ``val`` has looked at a test digit and the test split stays untouched by every choice
+  pattern sets, none of them the test's or the training's. Its digits come from the
+  source's train pool, so no choice made on ``val`` has looked at a test digit and the
+  test split stays untouched by every choice
   (a val digit may have appeared in a training image, which makes val accuracy slightly
   optimistic but compares epochs fairly). Image ``i`` draws the rest from
   ``SeedSequence(entropy=seed, spawn_key=(2, i))``: three words, like the test patterns'
@@ -638,14 +639,15 @@ def generate_megapixel_mnist(
     if digit_shape != (28, 28):
         raise ValueError(f"digits must be 28x28 like the noise patches, got {digit_shape}")
     config.validate(digit_shape)
+    sizes = split_sizes(config)
     job = _Job(
         config=config,
         out=out,
-        arrays={s: (_split_arrays(digits, s)[0], _pools(_split_arrays(digits, s)[1])) for s in split_sizes(config)},
-        name_width=max(5, len(str(max(config.n_train, config.n_test, config.n_val) - 1))),
+        arrays={s: (_split_arrays(digits, s)[0], _pools(_split_arrays(digits, s)[1])) for s in sizes},
+        name_width=max(5, len(str(max(sizes.values()) - 1))),
     )
     return run_generation(
-        out, fingerprint(config, digits), job, split_sizes(config),
+        out, fingerprint(config, digits), job, sizes,
         dataset={
             "classes": [str(d) for d in range(10)],
             "hints": recommended_hints(config),
