@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     except (CheckpointError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     digits = resolve_digits(args.mnist, offline=True)
-    config = make_config("paper", n_train=1, n_test=args.n, seed=args.seed, noise=args.noise)
+    config = make_config("paper", n_train=1, n_val=0, n_test=args.n, seed=args.seed, noise=args.noise)
     result = {"model": str(predictor.path), "n": args.n, "bold": args.bold, "noise": args.noise,
               "seed": args.seed, "digits": digits.description, "rows": []}
     print(f"model {predictor.path}; {args.n} images per set, {args.noise} noise, seed {args.seed}, "

@@ -20,7 +20,7 @@ EPOCHS=${EPOCHS:-3}
 source benchmarks/gpu_env.sh   # PY, ATS, DEVICE, MAKE_FLAGS
 mkdir -p "$RES" "$WORK"
 # shellcheck disable=SC2086  # MAKE_FLAGS holds several words on purpose
-"${ATS[@]}" make-dataset megapixel-mnist "$WORK/data" --task max --offline $MAKE_FLAGS 2>&1 | tail -n 1
+"${ATS[@]}" make-dataset megapixel-mnist "$WORK/data" --task max --n-val 0 --offline $MAKE_FLAGS 2>&1 | tail -n 1
 for w in $WORKERS; do
   start=$(date +%s.%N)
   "${ATS[@]}" train "$WORK/data" --out "$WORK/run-w$w" --epochs "$EPOCHS" --device "$DEVICE" --workers "$w" 2>&1 \

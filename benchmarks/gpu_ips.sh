@@ -3,7 +3,7 @@
 #
 #   EPOCHS=40 TASKS="max top multilabel" BUDGET_S=520 bash benchmarks/gpu_ips.sh    # on the GPU machine
 #
-# The same datasets and flags as benchmarks/ips_tasks.sh (5,000 + 1,000 images of 1500x1500,
+# The same datasets and flags as benchmarks/ips_tasks.sh (5,000 + 1,000 val + 1,000 images of 1500x1500,
 # reference noise, seed 0, the bundled digits; image labels only; each task with the defaults: max and
 # top get their pooling and patches from their dataset.json hints),
 # but the tasks train at the same time on the one GPU (a run keeps the device ~busy only a few

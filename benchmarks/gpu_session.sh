@@ -113,7 +113,7 @@ make_data() {  # make_data DIR LOG: the dataset, then its prepared layout (what 
         if [[ "$SMALL" == 1 ]]; then
             "${ATS[@]}" make-dataset megapixel-mnist "$data" --preset small --n-train 64 --n-test 8 --offline --workers 2
         else
-            "${ATS[@]}" make-dataset megapixel-mnist "$data" --preset paper --n-train 1280 --n-test 64 --offline
+            "${ATS[@]}" make-dataset megapixel-mnist "$data" --preset paper --n-train 1280 --n-val 0 --n-test 64 --offline
         fi
         rc=$?
         echo "make-dataset rc=$rc"

@@ -24,7 +24,7 @@ if [ -n "${MNIST:-}" ]; then DIGITS=(--mnist "$MNIST"); fi
 figures=()
 for seed in "${SEEDS[@]}"; do
   data="$OUT/$TASK-$seed"
-  $ATS make-dataset megapixel-mnist "$data" --task "$TASK" --seed "$seed" --n-train 1 --n-test 1000 \
+  $ATS make-dataset megapixel-mnist "$data" --task "$TASK" --seed "$seed" --n-train 1 --n-val 0 --n-test 1000 \
     "${DIGITS[@]}" > "$data.log" 2>&1 || { cat "$data.log"; exit 1; }
   $ATS predict "$data/test.csv" --model "$MODEL" --out "$OUT/$TASK-$seed-predictions.csv" --overwrite \
     > "$data-predict.log" 2>&1 || { cat "$data-predict.log"; exit 1; }

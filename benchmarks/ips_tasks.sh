@@ -3,11 +3,12 @@
 # each trained with the defaults (max and top: the pooling, its options and the patches their
 # dataset.json hints name; benchmarks/accuracy.md says which commit each row ran).
 # Prints each run's per-epoch test figures (test_acc; multilabel: exact match and macro-F1),
-# and with --n-val N (a val split on noise of its own, which then chooses best.pt) val_acc too.
+# and, where the dataset has a val split (the paper preset's 1,000 images on noise of their own,
+# which then choose best.pt; --n-val N), val_acc too.
 #
 #   bash benchmarks/ips_tasks.sh OUT [EPOCHS] [make-dataset flags...]   (TASKS="top multilabel": only those)
 #   small-scale indication (the demo's data): bash benchmarks/ips_tasks.sh out/ips 4 --preset small --n-train 3000
-#   the paper spec (5,000 + 1,000 images, 1500x1500): bash benchmarks/ips_tasks.sh out/ips-paper 150
+#   the paper spec (5,000 + 1,000 val + 1,000 images, 1500x1500): bash benchmarks/ips_tasks.sh out/ips-paper 150
 #   MNIST=DIR: digits from the full MNIST in DIR (ats make-dataset fetch-mnist DIR), as the paper
 #   and IPS draw them; without it, the 10,000 bundled digits (8,004 train / 1,996 test)
 set -euo pipefail

@@ -128,7 +128,7 @@ def run(argv: list[str] | None = None, log=print) -> dict[str, Any]:
         sets = []
         for family in names:
             noise = {"n_noise": 0} if family == CLEAN else {"noise": family}
-            config = make_config("paper", n_train=1, n_test=args.n, seed=args.seed, **{**spec, **noise})
+            config = make_config("paper", n_train=1, n_val=0, n_test=args.n, seed=args.seed, **{**spec, **noise})
             start = time.perf_counter()
             generate_megapixel_mnist(work / family, config, digits, workers=args.workers)
             sets.append((family, config, time.perf_counter() - start))

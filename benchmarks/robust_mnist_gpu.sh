@@ -49,7 +49,7 @@ echo "### robust_mnist_gpu: $(date -u +%FT%TZ) NTRAIN=$NTRAIN EPOCHS=$EPOCHS ATT
      "JOBS=$JOBS CPUS=$CPUS source $(bash benchmarks/gpu_session.sh --source-hash)"
 "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available() and torch.cuda.get_device_name(0))'
 
-boxed data "${ATS[@]}" make-dataset megapixel-mnist "$W/data" --n-train "$NTRAIN" --n-test 300 \
+boxed data "${ATS[@]}" make-dataset megapixel-mnist "$W/data" --n-train "$NTRAIN" --n-val 0 --n-test 300 \
   --noise "$TRAIN_NOISE" --seed 0 --mnist "$MNIST" "${SIZE[@]}" >/dev/null
 
 boxed stage1 "${ATS[@]}" pretrain "$W/data" --out "$W/stage1.pt" --images "$NTRAIN" \

@@ -58,7 +58,7 @@ if [[ " $ENCODERS " == *" demo "* ]]; then
 fi
 if [[ " $ENCODERS " == *" multilabel "* ]]; then
   # shellcheck disable=SC2086  # the flags hold several words on purpose
-  $ATS make-dataset megapixel-mnist "$OUT/source-multilabel" --task multilabel --offline $SOURCE_FLAGS | tail -n 1
+  $ATS make-dataset megapixel-mnist "$OUT/source-multilabel" --task multilabel --n-val 0 --offline $SOURCE_FLAGS | tail -n 1
   train "$OUT/source-multilabel" "$OUT/source-run-multilabel" "$SOURCE_EPOCHS"
   curve "$OUT/source-run-multilabel" "source run (multilabel, reference noise)"
   $ATS export "$OUT/source-run-multilabel/best.pt" "$OUT/encoder-multilabel" --encoder | tail -n 1
@@ -69,7 +69,7 @@ declare -A SOURCE=([demo]=source-run [multilabel]=source-run-multilabel)
 declare -A TASK=([maj]=majority [max]=max)
 for t in $TARGETS; do
   # shellcheck disable=SC2086  # the flags hold several words on purpose
-  $ATS make-dataset megapixel-mnist "$OUT/target-$t" --task "${TASK[$t]}" --offline $TARGET_FLAGS | tail -n 1
+  $ATS make-dataset megapixel-mnist "$OUT/target-$t" --task "${TASK[$t]}" --n-val 0 --offline $TARGET_FLAGS | tail -n 1
   train "$OUT/target-$t" "$OUT/scratch-$t" "$SCRATCH" &
   for e in $ENCODERS; do
     train "$OUT/target-$t" "$OUT/$e-$t" "$TRANSFER" --feature-net "$OUT/encoder-$e" &

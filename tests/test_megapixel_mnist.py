@@ -168,6 +168,8 @@ def test_presets_and_overrides() -> None:
     small = make_config("small", n_noise=None, seed=7)
     assert (small.width, small.n_train, small.n_noise, small.seed) == (500, 1000, 10, 7)
     assert PRESETS["paper"] == MegapixelMNISTConfig()
+    # the paper's images plus a val split, so best.pt is not chosen on test; the demo's preset has none
+    assert (paper.n_val, small.n_val) == (1000, 0)
     # both presets use the reference generator's noise, placed as it places it
     for config in (paper, small):
         assert (config.noise, config.noise_overlap, config.overlaps("reference")) == ("reference", None, True)
@@ -406,8 +408,11 @@ def test_val_split_resumes_old_datasets_and_refuses_a_change(tmp_path: Path, bun
     del block["params"]["n_val"]
     (out / "dataset.json").unlink()
     (out / LOCK_NAME).write_text(json.dumps(block))
+    # ... and asked for a val split (the paper preset's default) it says how to resume it as it was
+    with pytest.raises(DatasetError, match=r"n_val: 0 -> 2 \(it was made without a val split: --n-val 0 resumes"):
+        generate_megapixel_mnist(out, make_config("small", **{**TINY, "n_val": 2}), bundled, workers=1)
     assert generate_megapixel_mnist(out, config, bundled, workers=1).skipped == 10
-    with pytest.raises(DatasetError, match=r"n_val: 0 -> 2"):
+    with pytest.raises(DatasetError, match=r"n_val: 0 -> 2 \(it was made without a val split"):
         generate_megapixel_mnist(out, make_config("small", **{**TINY, "n_val": 2}), bundled, workers=1)
     with pytest.raises(ValueError, match="n_val must be >= 0"):
         make_config("small", n_val=-1)
