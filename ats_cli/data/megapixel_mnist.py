@@ -258,9 +258,8 @@ def make_config(preset: str = "paper", **overrides: Any) -> MegapixelMNISTConfig
 # (40 at evaluation, twice n_patches) gave 3 points on max and 2.5 on top; positions
 # (--position-features) are left off for top, as its pooling reads the rows itself. Both read
 # at a floor of 0.07 (eval_count_floor; why a reading floor:
-# ats_cli.extensions.pooling_counts): for top chosen on five fresh pattern sets and measured
-# on five others; for max chosen on the val split (94.9% at 0.15, 95.5% at 0.1, 95.8% at
-# 0.07) and measured on ten unseen sets, 95.0% -> 95.35% (benchmarks/accuracy.md#reading-floor).
+# ats_cli.extensions.pooling_counts): for top chosen on five fresh pattern sets, for max on
+# the val split, each then measured on unseen ones (benchmarks/accuracy.md#reading-floor).
 TASK_HINTS = {
     "max": {"pooling": "highest-counts", "none_class": "on", "count_floor": 0.15, "eval_count_floor": 0.07,
             "n_patches": 20},
