@@ -51,10 +51,13 @@ from ats_cli.config import (
     settle,
     view_scale,
 )
+from ats_cli.core.model import exploration
 from ats_cli.core.source import to_device
 from ats_cli.data.dataset import load_dataset
 from ats_cli.data.images import ImageReadError
 from ats_cli.data.inputs import Batch, ImageDataset, collate, readable, single_thread_worker, view_cache_for
+from ats_cli.diagnose import chance_accuracy, uniform_entropy
+from ats_cli.diagnose import warnings as degenerate_warnings
 from ats_cli.inference import predict_probs
 from ats_cli.io import atomic_path, atomic_write_text
 from ats_cli.models import check_patch_size, create_model, model_spec
@@ -247,31 +250,40 @@ DEVICE_SOURCES_MAX_BYTES = 1 << 30
 
 
 class RunningSums:
-    """The epoch's sums of (loss x n, correct, entropy, n) as a float64 vector on the device.
+    """The epoch's sums of (loss x n, correct, entropy, n, the exploration bonus, a uniform
+    attention's entropy) as a float64 vector on the device.
 
     ``running`` is the dict the run saves on Ctrl-C and reports per epoch; it is updated by
     :meth:`flush`. The vector starts from its values and adds each step's in order, the same
     float64 additions in the same order as adding Python floats step by step, so the
     figures are bit for bit what reading every step gave (and a resumed run's too)."""
 
-    KEYS = ("loss", "correct", "ent", "n")
+    # bonus: lambda x the exploration term, so the classification loss is loss + bonus;
+    # uniform: ats_cli.diagnose.uniform_entropy (a run that learns nothing says so)
+    KEYS = ("loss", "correct", "ent", "n", "bonus", "uniform")
 
     def __init__(self, running: dict[str, float], device: torch.device, *, distributed: bool = False):
         self.running = running
         self.distributed = distributed
         self.every = STATS_EVERY if torch.device(device).type == "cuda" else 1  # reading on a CPU costs nothing
-        self.sums = to_device(torch.tensor([float(running[k]) for k in self.KEYS], dtype=torch.float64), device)
+        # a checkpoint saved mid-epoch before bonus and uniform were kept has neither: 0
+        self.sums = to_device(torch.tensor([float(running.get(k, 0.0)) for k in self.KEYS], dtype=torch.float64),
+                              device)
         self.unread = 0
         self.staged: torch.Tensor | None = None
 
-    def add(self, loss: torch.Tensor, correct: torch.Tensor, entropy: torch.Tensor, labels: torch.Tensor) -> None:
+    def add(self, loss: torch.Tensor, correct: torch.Tensor, entropy: torch.Tensor, labels: torch.Tensor,
+            bonus: torch.Tensor | None = None, uniform: torch.Tensor | None = None) -> None:
         """Stage one step's statistics (all processes' under torch.distributed), without
         waiting; :meth:`commit` adds them once the step is counted, so that a Ctrl-C in
         between leaves sums and position in agreement (the step is redone on resume)."""
         n = labels.shape[0]
+        zero = torch.zeros((), dtype=torch.float64, device=self.sums.device)
         step = torch.stack([loss.detach().double() * n, correct.double(),
                             entropy.detach().sum().double(),
-                            torch.full((), float(n), dtype=torch.float64, device=self.sums.device)])
+                            torch.full((), float(n), dtype=torch.float64, device=self.sums.device),
+                            zero if bonus is None else bonus.detach().double() * n,
+                            zero if uniform is None else uniform.detach().sum().double().to(zero.device)])
         if self.distributed:
             dist.all_reduce(step)  # on the device: queued like any kernel
         self.staged = step
@@ -320,7 +332,8 @@ def train_step(net: torch.nn.Module, model: torch.nn.Module, opt: torch.optim.Op
         loss = step_loss(model, out, labels)  # multi-hot labels: a sigmoid per class
     opt.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()  # DDP averages the gradients over the ranks here
-    sums.add(loss, correct(out.logits, labels), out.entropy, labels)
+    sums.add(loss, correct(out.logits, labels), out.entropy, labels,
+             bonus=float(getattr(model, "entropy_weight", 0.0)) * exploration(out).mean(), uniform=uniform_entropy(out))
     if clip_norm:
         scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
@@ -680,12 +693,17 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
 
     # ---- the epochs
     global_batch = cfg.batch_size * ctx.world_size
+    # a run that learns nothing says so (ats_cli.diagnose); multi-label data has no one chance
+    chance = {} if data.multilabel else {split: chance_accuracy([r.label for r in data[split]])
+                                         for split in ("train", *held_out)}
+    warned: set[str] = set()
     for epoch in range(start_epoch, cfg.epochs):
         order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
                                ).tolist()
         done = start_done if epoch == start_epoch else 0  # images of this epoch already trained on
         acc = running if (epoch == start_epoch and running) else {"loss": 0.0, "correct": 0.0, "ent": 0.0,
-                                                                     "n": 0.0, "time": 0.0}
+                                                                     "n": 0.0, "bonus": 0.0, "uniform": 0.0,
+                                                                     "time": 0.0}
         pos = Position(epoch, step=done // global_batch, done=done, running=acc)
         reset_peak_memory(device)
         train_one_epoch(cfg, ctx, device, net, opt, scaler, train_set, order, pos, save=save_position,
@@ -714,7 +732,10 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
             "train_acc": acc["correct"] / acc["n"],
             **{f"{split}_{key}": value for split, score in scores.items()
                for key, value in score.items() if key in ("loss", "acc", "macro_f1")},
+            # the loss without the exploration bonus: what the held-out losses are
+            "train_ce": (acc["loss"] + acc.get("bonus", 0.0)) / acc["n"],
             "entropy": acc["ent"] / acc["n"],
+            "entropy_uniform": acc.get("uniform", 0.0) / acc["n"],  # ats_cli.diagnose
             "samples": int(acc["n"]),
             "samples_per_s": acc["n"] / max(acc["time"], 1e-9),  # all processes together
             "ms_per_sample": 1000 * acc["time"] / acc["n"],
@@ -744,6 +765,10 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
             + "".join(f"{split} loss {record[f'{split}_loss']:.4f} acc {record[f'{split}_acc']:.3f} | "
                       for split in loaders) + f"entropy {record['entropy']:.2f} | "
             f"{record['samples_per_s']:.1f} samples/s | peak {record['peak_mem_mb']:.0f} MB")
+        for kind, line in degenerate_warnings(record, chance, steps=math.ceil(len(train_set) / global_batch)).items():
+            if kind not in warned:  # each kind once a run: the curves show the rest
+                warned.add(kind)
+                log(line)
         if stop.stopped:
             raise TrainingInterrupted(f"interrupted at the end of epoch {epoch + 1}; state saved to {run / 'last.pt'}; "
                                       "continue with --resume")
@@ -846,8 +871,12 @@ def selection_score(record: dict[str, Any]) -> tuple[float, int]:
 
 
 def _plot_curves(history: list[dict[str, Any]], path: Path) -> None:
-    """Loss and accuracy per epoch, train, validation (when there is one) and test, as a PNG
-    (written atomically)."""
+    """Classification loss, error rate and the attention's entropy per epoch, train,
+    validation (when there is one) and test, as a PNG (written atomically). The training
+    loss drawn is the classification loss alone (``train_ce``; records from before it was
+    kept: the loss with its exploration bonus), so that it compares with the held-out
+    losses; the entropy is drawn against a uniform attention's, where a run whose attention
+    has not moved sits (:mod:`ats_cli.diagnose`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -855,17 +884,22 @@ def _plot_curves(history: list[dict[str, Any]], path: Path) -> None:
     from matplotlib.ticker import MaxNLocator
 
     epochs = [h["epoch"] for h in history]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.plot(epochs, [h["train_loss"] for h in history], "o-", label="train")
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(14, 4))
+    ax1.plot(epochs, [h.get("train_ce", h["train_loss"]) for h in history], "o-", label="train")
     held_out = [split for split in ("val", "test") if f"{split}_acc" in history[-1]]
     for split in held_out:
         ax1.plot(epochs, [h.get(f"{split}_loss", math.nan) for h in history], "o-", label=split)
-    ax1.set(xlabel="epoch", ylabel="loss", title="Loss")
+    ax1.set(xlabel="epoch", ylabel="classification loss", title="Classification loss")
     ax2.plot(epochs, [1 - h["train_acc"] for h in history], "o-", label="train")
     for split in held_out:
         ax2.plot(epochs, [1 - h.get(f"{split}_acc", math.nan) for h in history], "o-", label=split)
     ax2.set(xlabel="epoch", ylabel="error", title="Error rate", ylim=(0, 1))
-    for ax in (ax1, ax2):
+    ax3.plot(epochs, [h["entropy"] for h in history], "o-", label="attention (train)")
+    if any(h.get("entropy_uniform") for h in history):
+        ax3.plot(epochs, [h.get("entropy_uniform") or math.nan for h in history], "--", color="gray",
+                 label="uniform attention")
+    ax3.set(xlabel="epoch", ylabel="entropy (nats)", title="Attention entropy")
+    for ax in (ax1, ax2, ax3):
         ax.grid(alpha=0.3)
         ax.legend()
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
@@ -889,6 +923,7 @@ class _TensorBoard:
 
     SCALARS = {"loss/train": "train_loss", "loss/test": "test_loss", "accuracy/train": "train_acc",
                "accuracy/test": "test_acc", "loss/val": "val_loss", "accuracy/val": "val_acc",
+               "loss/train_classification": "train_ce",
                "attention/entropy": "entropy", "lr": "lr", "samples_per_s": "samples_per_s"}
 
     def __init__(self, folder: Path, log: Callable[[str], None], *, enabled: bool = True):

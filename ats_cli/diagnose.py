@@ -1,0 +1,96 @@
+"""A run that learns nothing says so.
+
+Attention sampling has two ways to train to nothing while the loss still goes down, and
+both look like ordinary training in a log of losses:
+
+* **The attention stays uniform.** The attention net learns only through the patches it
+  draws (the estimator's gradient, thesis eq. 3.19): when the few objects that decide the
+  label are rarely among them, its gradient is noise and the attention stays where its
+  zero-initialised last layer started it, uniform. The feature net then learns from
+  background alone. Measured on the first steps of a small-object task on real photos
+  (benchmarks/first_steps.py): 1-3% of the drawn patches touched an object, and the
+  attention net's gradient was a hundredth of the feature net's.
+* **Validation stays at chance while training accuracy climbs.** The model learns the
+  training images by heart (a small dataset, a feature net started from random weights)
+  or training and evaluation see the images differently.
+
+:func:`uniform_entropy` gives the entropy of a uniform attention over the cells an image
+may sample, the training step adds it up next to the attention's own, and
+:func:`warnings` reads one epoch's record: a line for each of the two, with the likely
+causes and what to try. The thresholds are loose on purpose: a warning on a run that is
+learning costs a user's trust, one missed on a run at chance costs only what today's
+silence costs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["UNIFORM_SHARE", "CHANCE_MARGIN", "uniform_entropy", "uniform_share", "chance_accuracy", "warnings"]
+
+# an attention whose entropy is at least this share of the uniform one's has not moved
+UNIFORM_SHARE = 0.995
+# held-out accuracy within this of chance is chance, while training accuracy is at least
+# CLIMB above its own chance
+CHANCE_MARGIN, CLIMB = 0.05, 0.25
+DOCS = "docs/training.md#a-run-that-learns-nothing"
+
+
+@torch.no_grad()
+def uniform_entropy(out: Any) -> torch.Tensor:
+    """[B] the entropy (nats) a uniform attention over the cells each image may sample would
+    have: log of the count of cells with any probability (the support and a tissue mask set
+    the others to exactly 0), plus, for a two-level model, that of each drawn region's fine
+    attention averaged over the regions, as its ``entropy`` adds them."""
+    att = out.attention.flatten(1)
+    total = torch.log((att > 0).sum(1).clamp(min=1).double())
+    fine = getattr(out, "fine_attention", None)
+    if fine is not None:
+        B, k = fine.shape[:2]
+        total = total + torch.log((fine.reshape(B, k, -1) > 0).sum(-1).clamp(min=1).double()).mean(1)
+    return total
+
+
+def chance_accuracy(labels: Sequence[int]) -> float:
+    """The accuracy of always answering the most frequent class of ``labels``."""
+    if not labels:
+        return 0.0
+    counts: dict[int, int] = {}
+    for label in labels:
+        counts[label] = counts.get(label, 0) + 1
+    return max(counts.values()) / len(labels)
+
+
+def warnings(record: dict[str, Any], chance: dict[str, float], *, steps: int) -> dict[str, str]:
+    """The warnings one epoch's ``record`` (``ats train``'s metrics line) calls for, by kind
+    (``uniform``, ``chance``); ``chance``: each split's :func:`chance_accuracy` (splits
+    missing from it are not judged: multi-label data); ``steps``: training steps an epoch."""
+    out = {}
+    epoch = record["epoch"]
+    h, h0 = record.get("entropy"), record.get("entropy_uniform")
+    if h is not None and h0 and h >= UNIFORM_SHARE * h0:
+        out["uniform"] = (
+            f"warning: epoch {epoch}: the attention is still uniform (entropy {h:.2f}, uniform {h0:.2f}): it has "
+            "not found what decides the label. Likely: the objects are small against the patches or the low-res "
+            f"view, few drawn patches land on them, or too few steps ({steps} an epoch). Try: more --epochs or a "
+            f"smaller --batch-size, more --n-patches, a finer --scale, a pretrained --feature-net ({DOCS})")
+    held = "val" if "val" in chance and "val_acc" in record else "test"
+    if held in chance and "train" in chance and f"{held}_acc" in record:
+        acc, train = record[f"{held}_acc"], record["train_acc"]
+        if acc <= chance[held] + CHANCE_MARGIN and train >= chance["train"] + CLIMB:
+            out["chance"] = (
+                f"warning: epoch {epoch}: {held} accuracy {acc:.3f} is chance ({chance[held]:.3f}, the largest "
+                f"class) while train accuracy is {train:.3f}: the model learns the training images, not the label. "
+                "Likely: too few training images for a feature net from random weights, or the attention is not on "
+                f"what decides the label. Try: more images, a pretrained --feature-net, more --n-patches ({DOCS})")
+    return out
+
+
+def uniform_share(record: dict[str, Any]) -> float:
+    """The epoch's attention entropy as a share of the uniform one's (nan when unknown)."""
+    h, h0 = record.get("entropy"), record.get("entropy_uniform")
+    return h / h0 if h is not None and h0 else math.nan
