@@ -293,3 +293,22 @@ def test_a_folder_of_mixed_sizes_trains_in_batches_and_predicts(tmp_path):
                                     "--batch-size", "3"])
     assert predicted.exit_code == 0, predicted.output
     assert len(out.read_text().splitlines()) == 1 + 4  # the header and the 4 test images
+
+    # the predictor batches them together; each image's record has its own attention grid
+    from ats_cli.predict import load_predictor
+    from ats_cli.predict.inputs import InputItem
+    from ats_cli.render.records import AttentionRecord
+
+    predictor = load_predictor(run, "cpu")
+    paths = sorted((tmp_path / "photos").rglob("*.*"))[:4]
+    seen = []
+
+    def record(index, row, opened, output, b):
+        seen.append((b, AttentionRecord.from_output(predictor.model, opened, output, b).attention.shape,
+                     tuple(opened.low.shape[-2:])))
+
+    rows = predictor.predict([InputItem(p) for p in paths], batch_size=4, on_output=record)
+    assert all(r.error is None for r in rows) and len({tuple(opened) for _, _, opened in seen}) > 1
+    assert [b for b, _, _ in seen] == [0, 1, 2, 3]  # one batch of the 4 sizes
+    assert all(shape == view for _, shape, view in seen)  # mnist-attention: one cell per view pixel
+    assert all(len(r.probs) == 2 and abs(sum(r.probs) - 1) < 1e-5 for r in rows)

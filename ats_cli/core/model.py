@@ -65,6 +65,10 @@ class ATSOutput:
     # [B] what the loss's regulariser maximises: H(a) (the thesis), or with a prior -KL(a || the
     # prior's own attention) (ats_cli.core.sampling.prior_divergence); None: the entropy
     explore: torch.Tensor | None = None
+    # each image's own attention grid (att_h, att_w) in the top-left corner of ``attention``
+    # when the batch's views differed in size and were padded (ATSModel.forward's view_sizes);
+    # None: every image's grid is the whole of ``attention``
+    grids: list[tuple[int, int]] | None = None
 
 
 def exploration(out: Any) -> torch.Tensor:
@@ -130,6 +134,10 @@ class ATSModel(nn.Module):
     position in the image goes into its feature before pooling
     (:mod:`ats_cli.extensions.position`).
     """
+
+    # forward takes a batch of views of different sizes, padded (view_sizes): the loaders and
+    # the predictor then batch images of any size together
+    takes_mixed_views = True
 
     def __init__(
         self,
@@ -403,6 +411,7 @@ class ATSModel(nn.Module):
             patch_logits=self.classifier(feats),  # for consumers; the pooled estimate above does not use it
             patches=patches if return_patches else None,
             explore=self._explore(probs, ent, prior, keep),
+            grids=grids,
         )
 
     def loss(self, out: ATSOutput, target: torch.Tensor) -> torch.Tensor:

@@ -167,6 +167,9 @@ class NestedATSModel(ATSModel):
     drawn regions can miss the one that decides the label where several regions look alike
     at the coarse scale. The other arguments are :class:`ATSModel`'s."""
 
+    takes_mixed_views = False  # images of different sizes have different region grids: batched by size
+
+
     def __init__(self, coarse_net: nn.Module, attention_net: nn.Module, feature_net: nn.Module, n_classes: int, *,
                  regions: int, region_size: int, coarse_scale: float, scale: float, eval_regions: int = 0,
                  eval_coarse_scale: float = 0.0, region_temperature: float = 1.0, **kwargs: Any):
