@@ -80,12 +80,13 @@ class DeepMIL(nn.Module):
 
     def forward(self, low: torch.Tensor, sources: Sources, *, n_patches: int | None = None,
                 generator: torch.Generator | None = None, return_patches: bool = False,
-                support_mask: torch.Tensor | None = None, patch_transform=None) -> ATSOutput:
+                support_mask: torch.Tensor | None = None, patch_transform=None,
+                view_sizes: torch.Tensor | None = None) -> ATSOutput:
         """``n_patches``, ``generator`` and ``support_mask`` (a slide's tissue mask) are
         accepted for a common interface and ignored: Deep MIL is deterministic and always
         reads the whole grid, as the baseline of the thesis does. ``patch_transform``: as
         :meth:`ats_cli.core.model.ATSModel.forward`'s (training's augmentation)."""
-        size = uniform_shape(source_shapes(sources))
+        size = None if view_sizes is not None else uniform_shape(source_shapes(sources))
         if size is None:
             raise ValueError("Deep MIL needs the images of a batch to share a size; use --batch-size 1")
         grid, shape = grid_offsets(size, self.patch_size, self.stride)
@@ -127,10 +128,15 @@ class CNNClassifier(nn.Module):
 
     def forward(self, low: torch.Tensor, sources: Sources, *, n_patches: int | None = None,
                 generator: torch.Generator | None = None, return_patches: bool = False,
-                support_mask: torch.Tensor | None = None, patch_transform=None) -> ATSOutput:
+                support_mask: torch.Tensor | None = None, patch_transform=None,
+                view_sizes: torch.Tensor | None = None) -> ATSOutput:
         """Reads nothing at full resolution; the output has one attention cell and no patches.
         ``support_mask`` is ignored: the CNN sees the whole downsampled image; so is
-        ``patch_transform`` (there are no patches; training augments ``low`` itself)."""
+        ``patch_transform`` (there are no patches; training augments ``low`` itself).
+        ``view_sizes`` (views of different sizes, padded) is refused: the CNN would see the
+        padding as part of the image."""
+        if view_sizes is not None:
+            raise ValueError("the CNN baseline needs the images of a batch to share a size; use --batch-size 1")
         if return_patches:
             self.attention_net  # noqa: B018  (raises: there are no patches or map to show)
         B = low.shape[0]

@@ -253,8 +253,8 @@ class TrainConfig:
         "auto": "colour+flips for RGB slides, i.e. a tissue mask, else none",
         "none": "", "colour": "HED stain jitter, brightness and contrast",
         "colour+flips": "and every patch flipped or rotated by a multiple of 90 degrees"})
-    batch_size: int = _key(0, "Images per step, per process; 0 = auto: 32, or 1 when the training images differ "
-                           "in size (they cannot be stacked), or fewer when 32 low-res views would exceed 8 M pixels",
+    batch_size: int = _key(0, "Images per step, per process; 0 = auto: 32, or fewer when 32 low-res views (padded "
+                           "to the largest height and width when the images differ in size) would exceed 8 M pixels",
                            OPT_PANEL)
     epochs: int = _key(20, "Epochs", OPT_PANEL)
     # running; "" = random init
@@ -440,6 +440,9 @@ class DataFacts:
     sizes: tuple[str, ...] = ()  # the first 3 distinct sizes of the training images as read ("HxW [at MPP µm/px]")
     n_sizes: int = 0  # how many distinct ones there are; 0: not read
     pixels: int = 0  # the largest training image's pixels, H x W as its header says; 0: not read
+    # the largest height and the largest width among them (a step's views are padded to them); 0: not read
+    frame_h: int = 0
+    frame_w: int = 0
     position_hint: str = ""  # dataset.json hints.position_features ("on"/"off"); "": none
     pooling_hint: str = ""  # dataset.json hints.pooling, a registered pooling's name; "": none
     none_class_hint: str = ""  # dataset.json hints.none_class ("on"/"off"); "": none
@@ -594,28 +597,42 @@ AUTO_VIEW_PIXELS = 8_000_000  # --batch-size auto: at most this many low-res vie
 
 
 def _batch_size(flags: TrainConfig, facts: DataFacts, scale: float) -> tuple[int, str]:
-    """A step stacks its images' low-res views (at ``scale``) into one tensor, which only
-    images of one size (and, for slides read at the model's microns per pixel, one pixel
-    size) allow: a cohort of slides of many sizes trains one slide per step instead of
-    stopping at its first mixed batch. Images of one size: AUTO_BATCH (the thesis's 32 at
-    the paper spec), unless their views are large: the attention net's activations grow
-    with the view, a CPU step at 1/64 of a 100k slide (1,562² views, two levels or one) held
-    ~0.6 GB a slide (benchmarks/slides.md, "Two levels"), so 32 of them would need ~20 GB;
-    at most AUTO_VIEW_PIXELS view pixels a step keeps a step near 2-3 GB. (The size is the
-    header's, before any resampling to --mpp: an overestimate for slides read coarser.)"""
+    """AUTO_BATCH (the thesis's 32 at the paper spec), unless the views are large: the
+    attention net's activations grow with the view, a CPU step at 1/64 of a 100k slide
+    (1,562² views, two levels or one) held ~0.6 GB a slide (benchmarks/slides.md, "Two
+    levels"), so 32 of them would need ~20 GB; at most AUTO_VIEW_PIXELS view pixels a step
+    keeps a step near 2-3 GB. (The size is the header's, before any resampling to --mpp: an
+    overestimate for slides read coarser.)
+
+    Images of different sizes and aspect ratios share a step: their views are padded
+    bottom/right to the largest height and width, and the model keeps the padding out of
+    the attention and runs the attention net on each image's own view, so each image gets
+    what it gets alone (:meth:`ats_cli.core.model.ATSModel.forward`). The bound then counts
+    the padded views: the largest height times the largest width (more than any one image
+    when one is tall and another wide). A two-level model, Deep MIL and the CNN take views
+    of one size only: with them a dataset of mixed sizes still trains one image per step."""
     if flags.batch_size:
         return flags.batch_size, "given"
-    if facts.n_sizes > 1:
-        shown = ", ".join(facts.sizes) + (", ..." if facts.n_sizes > len(facts.sizes) else "")
-        return 1, f"the training images come in {facts.n_sizes} sizes ({shown}): one image per step"
-    if facts.n_sizes != 1:
+    shown = ", ".join(facts.sizes) + (", ..." if facts.n_sizes > len(facts.sizes) else "")
+    if facts.n_sizes > 1 and (flags.levels != 1 or flags.method not in ("ats", "uniform")):
+        who = "two levels" if flags.levels != 1 else f"method {flags.method}"
+        return 1, (f"the training images come in {facts.n_sizes} sizes ({shown}) and {who} stacks views of one size "
+                   "only: one image per step")
+    if facts.n_sizes < 1:
         return AUTO_BATCH, "the default"
-    view = facts.pixels * scale * scale
+    if facts.n_sizes == 1:
+        what = f"every training image is {facts.sizes[0]}"
+        frame = facts.pixels
+    else:  # an older settled.json has no frame: the largest image stands for it
+        frame = facts.frame_h * facts.frame_w or facts.pixels
+        what = (f"the training images come in {facts.n_sizes} sizes ({shown}), their views padded to the largest "
+                f"height and width" + (f" ({facts.frame_h}x{facts.frame_w})" if facts.frame_h else ""))
+    view = frame * scale * scale
     fits = int(AUTO_VIEW_PIXELS // view) if view else AUTO_BATCH
     if fits >= AUTO_BATCH:
-        return AUTO_BATCH, f"every training image is {facts.sizes[0]}"
-    return max(1, fits), (f"every training image is {facts.sizes[0]}, its low-res view {view / 1e6:.2g} M pixels: "
-                          f"at most {AUTO_VIEW_PIXELS / 1e6:g} M a step (memory)")
+        return AUTO_BATCH, what
+    return max(1, fits), (f"{what}, its low-res view {view / 1e6:.2g} M pixels: at most "
+                          f"{AUTO_VIEW_PIXELS / 1e6:g} M a step (memory)")
 
 
 def _settled_view_scale(sizes: TrainConfig, mpp: float | None) -> float:
@@ -989,6 +1006,8 @@ def gather_facts(flags: TrainConfig, data: Dataset, *, view_cache: Any = None) -
                       pretrained=pretrained_source(flags.feature_net, flags.feature_weights),
                       sizes=tuple(shapes[:3]), n_sizes=len(shapes),
                       pixels=max((s[0] * s[1] for _, s in headers if s), default=0),
+                      frame_h=max((s[0] for _, s in headers if s), default=0),
+                      frame_w=max((s[1] for _, s in headers if s), default=0),
                       multilabel=bool(data.multilabel))
     if not looks_at_images(flags):
         return facts

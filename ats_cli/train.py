@@ -328,7 +328,7 @@ def train_step(net: torch.nn.Module, model: torch.nn.Module, opt: torch.optim.Op
     extra = {"patch_transform": augmentation.patches} if augmentation else {}
     with autocast if autocast is not None else contextlib.nullcontext():
         out = net(augmentation.low(low) if augmentation else low, sources, generator=generator,
-                  support_mask=to_device(batch.support, device), **extra)
+                  support_mask=to_device(batch.support, device), **batch.views, **extra)
         loss = step_loss(model, out, labels)  # multi-hot labels: a sigmoid per class
     opt.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()  # DDP averages the gradients over the ranks here
@@ -456,7 +456,8 @@ def recalibrate_batch_norm(model: torch.nn.Module, loader: DataLoader, device: t
     try:
         for batch in readable(loader):
             gen.manual_seed(_seed(seed, used))
-            model(batch.low.to(device), batch.sources, generator=gen, support_mask=batch.support_on(device))
+            model(batch.low.to(device), batch.sources, generator=gen, support_mask=batch.support_on(device),
+                  **batch.views)
             used += 1
     finally:
         for m, momentum in zip(norms, momenta, strict=True):
@@ -502,7 +503,7 @@ def evaluate(model, loader: DataLoader, device: torch.device, *, n_patches: int 
         gen.manual_seed(_seed(EVAL_SEED, int(batch.indices[0])))
         labels = batch.labels.to(device)
         probs, out = predict_probs(model, batch.low.to(device), batch.sources, n_patches=n_patches, generator=gen,
-                                   support_mask=batch.support_on(device))
+                                   support_mask=batch.support_on(device), **batch.views)
         if labels.is_floating_point():
             p = probs.clamp(1e-12, 1 - 1e-12)
             loss += float(torch.nn.functional.binary_cross_entropy(p, labels, reduction="sum"))  # as in training

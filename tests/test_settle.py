@@ -230,21 +230,35 @@ def test_the_facts_are_read_from_the_first_training_images(tmp_path):
     assert gather_facts(given, load_dataset(tmp_path / "light")).probed == 0
 
 
-def test_batch_size_auto_is_one_image_per_step_when_sizes_differ(tmp_path):
-    """Views of different sizes cannot be stacked: a cohort of mixed sizes settles on one
-    image per step (and trains), one of a single size on the default batch."""
+def test_batch_size_auto_batches_images_of_different_sizes(tmp_path):
+    """Views of different sizes are padded to the largest and batched together: a cohort of
+    mixed sizes settles on the default batch like one of a single size, bounded by the
+    padded view (the largest height times the largest width); two levels and the
+    baselines, which stack views of one size only, still take one image per step."""
     same = gather_facts(TrainConfig(), _pngs(tmp_path / "same", background=200))
     assert (same.n_sizes, same.sizes) == (1, ("64x64",))
     settled, reasons = settle(TrainConfig(), same)
     assert settled.config.batch_size == 32
     assert _why(reasons)["batch_size"] == "batch_size 32: every training image is 64x64"
     mixed = gather_facts(TrainConfig(), _pngs(tmp_path / "mixed", background=200, sides=(64, 80, 64, 96)))
-    assert (mixed.n_sizes, mixed.sizes) == (3, ("64x64", "64x80", "64x96"))
+    assert (mixed.n_sizes, mixed.sizes, mixed.frame_h, mixed.frame_w) == (3, ("64x64", "64x80", "64x96"), 64, 96)
     settled, reasons = settle(TrainConfig(), mixed)
-    assert settled.config.batch_size == 1
-    assert _why(reasons)["batch_size"] == ("batch_size 1: the training images come in 3 sizes (64x64, 64x80, "
-                                           "64x96): one image per step")
-    assert settle(TrainConfig(batch_size=4), mixed)[0].config.batch_size == 4  # given wins (stops at a mixed batch)
+    assert settled.config.batch_size == 32
+    assert _why(reasons)["batch_size"] == ("batch_size 32: the training images come in 3 sizes (64x64, 64x80, "
+                                           "64x96), their views padded to the largest height and width (64x96)")
+    # the bound counts the padded frame: one tall and one wide image pad to a square of both
+    tall_wide = replace(mixed, sizes=("20000x5000", "5000x20000"), n_sizes=2, pixels=10 ** 8, frame_h=20000,
+                        frame_w=20000)
+    settled, reasons = settle(TrainConfig(scale=0.05), tall_wide)
+    assert settled.config.batch_size == 8  # 8 M // 1000²; the largest image alone (1000x250) would allow 32
+    assert _why(reasons)["batch_size"].endswith("(20000x20000), its low-res view 1 M pixels: at most 8 M a step "
+                                                "(memory)")
+    assert settle(TrainConfig(scale=0.05), replace(tall_wide, frame_h=0, frame_w=0))[0].config.batch_size == 32
+    two = TrainConfig(levels=2, region_size=32, coarse_px=4)
+    settled, reasons = settle(two, mixed)
+    assert settled.config.batch_size == 1 and "two levels stacks views of one size only" in _why(reasons)["batch_size"]
+    assert settle(TrainConfig(method="deepmil"), mixed)[0].config.batch_size == 1
+    assert settle(TrainConfig(batch_size=4), mixed)[0].config.batch_size == 4  # given wins
     assert settle(TrainConfig(), DataFacts())[0].config.batch_size == 32  # facts of an older run: the default
 
 
@@ -259,7 +273,7 @@ def test_a_mixed_size_dataset_trains_with_the_defaults(tmp_path):
                                       "--n-patches", "2", "--feature-width", "4", "--attention-width", "4",
                                       "--workers", "0", "--no-prepare"])
     assert result.exit_code == 0, result.output
-    assert json.loads((run / "config.json").read_text())["batch_size"] == 1
+    assert json.loads((run / "config.json").read_text())["batch_size"] == 32  # the 4 images, padded, in one step
 
 
 def test_an_exif_rotated_photo_counts_at_the_size_it_is_read(tmp_path):

@@ -13,7 +13,7 @@ the thesis's model.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +65,10 @@ class ATSOutput:
     # [B] what the loss's regulariser maximises: H(a) (the thesis), or with a prior -KL(a || the
     # prior's own attention) (ats_cli.core.sampling.prior_divergence); None: the entropy
     explore: torch.Tensor | None = None
+    # each image's own attention grid (att_h, att_w) in the top-left corner of ``attention``
+    # when the batch's views differed in size and were padded (ATSModel.forward's view_sizes);
+    # None: every image's grid is the whole of ``attention``
+    grids: list[tuple[int, int]] | None = None
 
 
 def exploration(out: Any) -> torch.Tensor:
@@ -72,6 +76,20 @@ def exploration(out: Any) -> torch.Tensor:
     attention's entropy (the thesis's eq. 3.21)."""
     explore = getattr(out, "explore", None)
     return out.entropy if explore is None else explore
+
+
+def _view_shapes(view_sizes: torch.Tensor | Sequence[Sequence[int]] | None, low: torch.Tensor
+                 ) -> list[tuple[int, int]] | None:
+    """``view_sizes`` as B (h, w) host ints, checked against ``low`` [B, C, h, w]; None when
+    there are none or every view fills ``low`` (a batch of one size: nothing to undo)."""
+    if view_sizes is None:
+        return None
+    pairs = view_sizes.tolist() if isinstance(view_sizes, torch.Tensor) else view_sizes
+    views = [(int(h), int(w)) for h, w in pairs]
+    H, W = low.shape[-2:]
+    if len(views) != low.shape[0] or any(not (0 < h <= H and 0 < w <= W) for h, w in views):
+        raise ValueError(f"view sizes {views} do not fit the batch of low-res views {tuple(low.shape)}")
+    return None if all(v == (H, W) for v in views) else views
 
 
 def pixels_to_float(patches: torch.Tensor) -> torch.Tensor:
@@ -116,6 +134,10 @@ class ATSModel(nn.Module):
     position in the image goes into its feature before pooling
     (:mod:`ats_cli.extensions.position`).
     """
+
+    # forward takes a batch of views of different sizes, padded (view_sizes): the loaders and
+    # the predictor then batch images of any size together
+    takes_mixed_views = True
 
     def __init__(
         self,
@@ -208,6 +230,52 @@ class ATSModel(nn.Module):
             scores = scores + prior[:, None].to(scores.dtype)
         return scores, self._support_cells(keep_px, att_shape), prior
 
+    def _padded_scores(self, low: torch.Tensor, views: list[tuple[int, int]], mask: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[tuple[int, int]],
+                                  torch.Tensor]:
+        """:meth:`_scores_and_support` for views of different sizes padded into ``low``:
+        the attention net (and the support, the prior) run on each image's own view, one
+        group of equal view size at a time, and the score maps are padded bottom/right to
+        the largest grid. Why not run the net on the padded tensor: a 'same'-padded
+        convolution (:class:`ats_cli.nets.mnist.ConvAttention`) would see the padding's
+        values where alone it sees its own zero border, which changes the scores of the
+        border cells from the second layer on; run apart, an image's scores are those it
+        has alone, and the views are small, so the extra calls are cheap. Returns the
+        scores [B, 1, H, W], the cells that may be sampled [B, H, W] (False on the
+        padding), the log-prior [B, H, W] (0 on the padding; None without a prior), each
+        image's own grid (host ints) and the cells that exist [B, H, W] (bool, on the host)."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for b, view in enumerate(views):
+            groups.setdefault(view, []).append(b)
+        parts = []
+        for (h, w), members in groups.items():
+            rows = torch.tensor(members).to(low.device)
+            own_mask = None if mask is None else mask.to(low.device)[rows, :h, :w]
+            scores, keep, prior = self._scores_and_support(self.attention_net, low[rows, :, :h, :w], own_mask)
+            parts.append((members, scores, keep, prior))
+        H = max(int(p[1].shape[-2]) for p in parts)
+        W = max(int(p[1].shape[-1]) for p in parts)
+        grids: list[tuple[int, int]] = [(0, 0)] * len(views)
+        order: list[int] = []
+        padded_scores, padded_keep, padded_prior = [], [], []
+        for members, scores, keep, prior in parts:
+            h, w = (int(v) for v in scores.shape[-2:])
+            for b in members:
+                grids[b] = (h, w)
+            order += members
+            pad = (0, W - w, 0, H - h)
+            padded_scores.append(F.pad(scores, pad))
+            keep = torch.ones(scores.shape[0], h, w, dtype=torch.bool, device=scores.device) if keep is None else keep
+            padded_keep.append(F.pad(keep, pad, value=False))
+            if prior is not None:
+                padded_prior.append(F.pad(prior, pad))
+        back = torch.tensor(order).argsort().to(low.device)  # the groups' rows back in batch order
+        exists = torch.zeros(len(views), H, W, dtype=torch.bool)
+        for b, (h, w) in enumerate(grids):
+            exists[b, :h, :w] = True
+        prior = torch.cat(padded_prior)[back] if padded_prior else None
+        return torch.cat(padded_scores)[back], torch.cat(padded_keep)[back], prior, grids, exists
+
     @staticmethod
     def _explore(probs: torch.Tensor, ent: torch.Tensor, prior: torch.Tensor | None, keep: torch.Tensor | None
                  ) -> torch.Tensor:
@@ -266,6 +334,7 @@ class ATSModel(nn.Module):
         return_patches: bool = False,
         support_mask: torch.Tensor | None = None,
         patch_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        view_sizes: torch.Tensor | Sequence[Sequence[int]] | None = None,
     ) -> ATSOutput:
         """``low``: low-res views [B, C, h, w] (float, [0, 1]); ``sources``: the
         full-resolution images, as a tensor [B, C, H, W] or a sequence of patch sources.
@@ -274,13 +343,31 @@ class ATSModel(nn.Module):
         ``patch_transform``: applied to the gathered patches [B, n, C, ph, pw] (float, [0, 1])
         before the feature net; the training step passes its augmentation here
         (:class:`ats_cli.augment.Augmentation`), prediction never does. It changes what the
-        feature net sees, not which positions are drawn nor how they are pooled."""
+        feature net sees, not which positions are drawn nor how they are pooled.
+
+        ``view_sizes`` (host ints, [B, 2] or B pairs; None = every view fills ``low``): each
+        image's own low-res (h, w) when ``low`` holds views of different sizes padded
+        bottom/right to the largest (:func:`ats_cli.data.inputs.collate`). Each image then
+        gets what it would get alone (:meth:`_padded_scores`): its attention over its own
+        cells, the padding given probability 0 and never drawn, its patches mapped with its
+        own geometry. ``attention`` is then [B, att_h, att_w] over the padded grid, each
+        image's own grid in its top-left corner and zeros around it."""
         n = self.patches_now if n_patches is None else int(n_patches)
-        scores, keep, prior = self._scores_and_support(self.attention_net, low, support_mask)
+        views = _view_shapes(view_sizes, low)
+        if views is None:
+            scores, keep, prior = self._scores_and_support(self.attention_net, low, support_mask)
+            grids = exists = None
+        else:
+            scores, keep, prior, grids, exists = self._padded_scores(low, views, support_mask)
+            fewest = min(h * w for h, w in grids)
+            if not self.replace and n > fewest:  # refused as that image alone is (sampling._check_probs)
+                raise ValueError(f"cannot draw {n} positions without replacement from only {fewest} positions; "
+                                 "use fewer patches, a larger low-resolution view, or sampling with replacement")
         att_shape = tuple(scores.shape[-2:])
         # the support cells are never empty (a blank image gets the whole map): no check, which would wait
         probs = attention_distribution(scores, keep, check=False)
-        draw = sample(probs, n, replace=self.replace, generator=generator)
+        draw = sample(probs, n, replace=self.replace, generator=generator,
+                      exists=None if exists is None else to_device(exists.flatten(1), probs.device))
         indices, sampled_probs = draw.indices, draw.probs
 
         shapes = source_shapes(sources)  # host ints: a batch of one size maps positions with no size tensor
@@ -292,6 +379,8 @@ class ATSModel(nn.Module):
             self.patch_size,
             low_size=tuple(low.shape[-2:]),
             margin=getattr(self.attention_net, "margin", 0),
+            views=views,
+            grids=grids,
         )
         patches = pixels_to_float(to_device(gather_patches(sources, offsets, self.patch_size), low.device))
         if patch_transform is not None:
@@ -303,7 +392,7 @@ class ATSModel(nn.Module):
             feats = self.position(feats, patch_centres(offsets, sizes, self.patch_size))
         threshold = estimator_threshold(self.active_estimator, draw, probs)
         weights = estimator_weights(sampled_probs, replace=self.replace, threshold=threshold)
-        where = Where(probs, att_shape, indices, sizes, self.patch_size, shapes)
+        where = Where(probs, att_shape, indices, sizes, self.patch_size, shapes, grids or ())
         values = self.pooling.values(feats, self.classifier, where)
         pooled = expectation(values, sampled_probs, replace=self.replace, weights=weights)
         with torch.no_grad():  # each draw's share, in the unit of what was pooled (see ATSOutput)
@@ -322,6 +411,7 @@ class ATSModel(nn.Module):
             patch_logits=self.classifier(feats),  # for consumers; the pooled estimate above does not use it
             patches=patches if return_patches else None,
             explore=self._explore(probs, ent, prior, keep),
+            grids=grids,
         )
 
     def loss(self, out: ATSOutput, target: torch.Tensor) -> torch.Tensor:

@@ -167,6 +167,9 @@ class NestedATSModel(ATSModel):
     drawn regions can miss the one that decides the label where several regions look alike
     at the coarse scale. The other arguments are :class:`ATSModel`'s."""
 
+    takes_mixed_views = False  # images of different sizes have different region grids: batched by size
+
+
     def __init__(self, coarse_net: nn.Module, attention_net: nn.Module, feature_net: nn.Module, n_classes: int, *,
                  regions: int, region_size: int, coarse_scale: float, scale: float, eval_regions: int = 0,
                  eval_coarse_scale: float = 0.0, region_temperature: float = 1.0, **kwargs: Any):
@@ -272,13 +275,15 @@ class NestedATSModel(ATSModel):
         return_patches: bool = False,
         support_mask: torch.Tensor | None = None,
         patch_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        view_sizes: torch.Tensor | None = None,
     ) -> NestedOutput:
         """As :meth:`ATSModel.forward`, ``low`` being the coarse views [B, C, h, w] and
-        ``n_patches`` the patches per region."""
+        ``n_patches`` the patches per region. ``view_sizes`` (a batch of views of different
+        sizes, padded) is refused: images of different sizes have different region grids."""
         n = self.patches_now if n_patches is None else int(n_patches)
         R = self.region_size
         sizes = source_sizes(sources)
-        if not bool((sizes == sizes[0]).all()):
+        if view_sizes is not None or not bool((sizes == sizes[0]).all()):
             raise NestedConfigError("images of different sizes in one batch have different region grids; use "
                                     "--batch-size 1")
         image_size = (int(sizes[0, 0]), int(sizes[0, 1]))

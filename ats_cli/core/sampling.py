@@ -70,6 +70,7 @@ def sample(
     *,
     replace: bool = False,
     generator: torch.Generator | None = None,
+    exists: torch.Tensor | None = None,
 ) -> Draw:
     """Draw ``n`` positions per row of ``probs`` [B, K].
 
@@ -85,6 +86,14 @@ def sample(
     vectorised ``topk`` instead of n dependent multinomial draws.
     Positions with probability 0 are only drawn once every positive one is taken;
     the estimator gives them weight 0.
+
+    ``exists`` (bool [B, K], None = all): the positions that are cells of the image, the
+    others being the padding of a batch of views of different sizes. Those are never
+    drawn, as long as every image has at least ``n`` (without replacement; the caller
+    checks, on the host, what would be refused for that image alone): the positions of
+    probability 0 an image must fill up with are its own, ranked above every padded one.
+    The keys of the existing positions are those the same uniforms give without padding,
+    and so is the threshold.
     """
     _check_probs(probs, n, replace)
     p = probs.detach()
@@ -96,9 +105,14 @@ def sample(
         u = u.clamp_(min=1e-300, max=1.0 - 1e-16)
         gumbel = -torch.log(-torch.log(u))
         keys = torch.log(p.double()) + gumbel  # log(0) = -inf: drawn last, as it should be
+        if exists is not None:  # an existing cell of probability 0 above the padding: the lowest finite key
+            lowest = torch.finfo(torch.float64).min
+            keys = torch.where(exists.to(keys.device), keys.clamp(min=lowest), -torch.inf)
         top = torch.topk(keys, min(n + 1, p.shape[1]), dim=1, largest=True, sorted=True)
         indices = top.indices[:, :n]
         threshold = top.values[:, n] if top.values.shape[1] > n else keys.new_full((p.shape[0],), -torch.inf)
+        if exists is not None:  # the threshold as without padding: -inf when no positive key is left
+            threshold = torch.where(threshold > torch.finfo(torch.float64).min, threshold, -torch.inf)
         return Draw(indices, probs.gather(1, indices), threshold)
     return Draw(indices, probs.gather(1, indices), None)
 

@@ -182,6 +182,8 @@ def positions_to_offsets(
     *,
     low_size: tuple[int, int] | None = None,
     margin: int = 0,
+    views: Sequence[tuple[int, int]] | None = None,
+    grids: Sequence[tuple[int, int]] | None = None,
 ) -> torch.Tensor:
     """Top-left corners [B, n, 2] (row, col) in full-resolution pixels of the patches for
     flat attention positions ``indices`` [B, n].
@@ -193,15 +195,27 @@ def positions_to_offsets(
     to full resolution by the ratio of the image size to the low-res size, and the patch
     is centred on the footprint's centre. ``image_size`` is (H, W), or a [B, 2] tensor
     when the images of a batch differ in size (slides).
+
+    A batch of views of different sizes (padded bottom/right to one tensor, see
+    :class:`ats_cli.data.inputs.Batch`) gives ``views``, each image's own low-res (h, w),
+    and ``grids``, each image's own attention grid (att_h, att_w) in the top-left corner
+    of the padded grid ``attention_shape`` (host ints, B pairs each): an index is read as
+    a (row, col) of the padded grid and mapped with its own image's geometry, in the same
+    float64 operations as that image alone, so its patch is the one it would be alone.
     """
     att_h, att_w = attention_shape
-    if low_size is None:
-        low_size, margin = (att_h, att_w), 0
-    low_h, low_w = low_size
-    if low_h - 2 * margin < att_h or low_w - 2 * margin < att_w:
-        raise ValueError(
-            f"attention map {attention_shape} does not fit in low-res view {low_size} with margin {margin}"
-        )
+    if views is not None and grids is not None:
+        for view, grid in zip(views, grids, strict=True):
+            _check_fits(grid, view, margin)
+        geometry = torch.tensor([[*v, *g] for v, g in zip(views, grids, strict=True)], dtype=torch.float64)
+        geometry = to_device(geometry.reshape(-1, 1, 4), indices.device)
+        low_h, low_w, own_h, own_w = geometry.unbind(-1)
+    else:
+        if low_size is None:
+            low_size, margin = (att_h, att_w), 0
+        _check_fits(attention_shape, low_size, margin)
+        low_h, low_w = low_size
+        own_h, own_w = att_h, att_w
     if isinstance(image_size, torch.Tensor):  # [B, 2], one size per image: a (pinned, queued) copy
         sizes = to_device(image_size.to(torch.float64).reshape(-1, 1, 2), indices.device)
         zoom_r, zoom_c = sizes[..., 0] / low_h, sizes[..., 1] / low_w
@@ -209,10 +223,19 @@ def positions_to_offsets(
         zoom_r, zoom_c = float(image_size[0]) / low_h, float(image_size[1]) / low_w
     row = torch.div(indices, att_w, rounding_mode="floor").double()
     col = (indices % att_w).double()
-    cell_h = (low_h - 2 * margin) / att_h
-    cell_w = (low_w - 2 * margin) / att_w
+    cell_h = (low_h - 2 * margin) / own_h
+    cell_w = (low_w - 2 * margin) / own_w
     centre_r = (margin + (row + 0.5) * cell_h) * zoom_r
     centre_c = (margin + (col + 0.5) * cell_w) * zoom_c
     top = torch.floor(centre_r - patch_size[0] / 2 + 0.5)
     left = torch.floor(centre_c - patch_size[1] / 2 + 0.5)
     return torch.stack([top, left], dim=-1).long()
+
+
+def _check_fits(attention_shape: Sequence[int], low_size: Sequence[int], margin: int) -> None:
+    (att_h, att_w), (low_h, low_w) = attention_shape, low_size
+    if low_h - 2 * margin < att_h or low_w - 2 * margin < att_w:
+        raise ValueError(
+            f"attention map {tuple(attention_shape)} does not fit in low-res view {tuple(low_size)} with margin "
+            f"{margin}"
+        )

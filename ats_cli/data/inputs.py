@@ -112,7 +112,7 @@ from ats_cli.io import atomic_path
 if TYPE_CHECKING:
     from ats_cli.data.slides import SlideReader
 
-__all__ = ["OpenedImage", "open_input", "batch_sources", "batch_support", "describe_reading",
+__all__ = ["OpenedImage", "open_input", "batch_sources", "batch_support", "batch_views", "describe_reading",
            "announce_readings", "file_facts", "ViewCache", "view_cache_for", "VIEW_CACHE_ENV", "VIEW_CACHE_FORMAT",
            "ImageDataset", "Batch", "Unreadable", "collate", "readable", "single_thread_worker"]
 
@@ -204,11 +204,40 @@ def batch_sources(sources: Sequence[PatchSource]) -> torch.Tensor | list[PatchSo
 
 def batch_support(masks: Sequence[torch.Tensor | None], view_shape: Sequence[int]) -> torch.Tensor | None:
     """A batch's tissue masks [B, h, w] (True everywhere for an input without one), or
-    None when no input has one. ``view_shape``: the (h, w) the batch's views share."""
+    None when no input has one. ``view_shape``: the (h, w) of the batch's views, the
+    largest when they differ (a smaller view's mask is padded bottom/right with False, as
+    its view is with zeros: :func:`batch_views`)."""
     if all(m is None for m in masks):
         return None
-    everywhere = torch.ones(tuple(view_shape), dtype=torch.bool)
-    return torch.stack([everywhere if m is None else m for m in masks])
+    h, w = (int(v) for v in view_shape)
+    out = torch.zeros(len(masks), h, w, dtype=torch.bool)
+    for b, m in enumerate(masks):
+        if m is None:
+            out[b] = True
+        else:
+            out[b, :m.shape[-2], :m.shape[-1]] = m
+    return out
+
+
+def batch_views(lows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A batch's low-res views [C, h, w] as one tensor [B, C, h, w], and their own sizes
+    [B, 2] (host, int64) when they differ, else None.
+
+    Views of different sizes (images of different sizes or aspect ratios) are padded
+    bottom/right with zeros to the largest height and width: the padding stands for no
+    cell of any image, and the model, told each view's size, keeps it out of the
+    attention (it gets no probability and is never drawn) and computes each image's
+    attention on its own view (:meth:`ats_cli.core.model.ATSModel.forward`), so an image
+    gets in a mixed batch what it gets alone. Top-left so that a cell's (row, col) is the
+    same in the padded grid as in the image's own."""
+    shapes = [tuple(x.shape[-2:]) for x in lows]
+    if len(set(shapes)) == 1:
+        return torch.stack(list(lows)), None
+    H, W = max(h for h, _ in shapes), max(w for _, w in shapes)
+    out = lows[0].new_zeros(len(lows), lows[0].shape[0], H, W)
+    for b, x in enumerate(lows):
+        out[b, :, :x.shape[-2], :x.shape[-1]] = x
+    return out, torch.tensor(shapes, dtype=torch.long)
 
 
 # ------------------------------------- magnification: how a slide is read, a file's mpp
@@ -454,6 +483,9 @@ class Batch:
     labels: torch.Tensor  # [B] class indices, or [B, classes] multi-hot (multi-label)
     indices: torch.Tensor  # [B] positions in the split
     support: torch.Tensor | None = None  # [B, h, w] bool: tissue masks (True everywhere for images without one)
+    # [B, 2] (host, int64) each view's own (h, w) when they differ and ``low`` holds them padded
+    # bottom/right to the largest (batch_views); None: every view fills ``low``
+    view_sizes: torch.Tensor | None = None
 
     def pin_memory(self) -> Batch:
         """Page-locked copies (the DataLoader's pin thread calls this), so that the training
@@ -468,19 +500,22 @@ class Batch:
     def support_on(self, device: torch.device) -> torch.Tensor | None:
         return None if self.support is None else self.support.to(device)
 
+    @property
+    def views(self) -> dict[str, torch.Tensor]:
+        """The model's keyword for a batch of views of different sizes (``view_sizes``), or
+        nothing for one of a single size: a model that never takes mixed batches (the
+        baselines, two levels) is called as before."""
+        return {} if self.view_sizes is None else {"view_sizes": self.view_sizes}
+
 
 def collate(items: list[Item | Unreadable]) -> Batch | Unreadable:
     for item in items:
         if isinstance(item, Unreadable):
             return item
     lows, sources, labels, indices, masks = zip(*items, strict=True)
-    if len({tuple(x.shape) for x in lows}) != 1:
-        shapes = sorted({tuple(s.size) for s in sources})
-        raise ValueError(
-            f"images of different sizes {shapes[:3]} in one batch; use --batch-size 1 for such datasets"
-        )
-    return Batch(torch.stack(lows), batch_sources(sources), torch.tensor(labels), torch.tensor(indices),
-                 batch_support(masks, lows[0].shape[-2:]))
+    low, view_sizes = batch_views(lows)  # different sizes: padded, their own sizes kept
+    return Batch(low, batch_sources(sources), torch.tensor(labels), torch.tensor(indices),
+                 batch_support(masks, low.shape[-2:]), view_sizes)
 
 
 def readable(loader: Iterable[Batch | Unreadable]) -> Iterator[Batch]:

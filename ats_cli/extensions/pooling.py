@@ -40,6 +40,10 @@ class Where:
     # the same sizes as host ints, for choices made on the host (a window's size): reading
     # ``sizes`` there would wait for the device if they lived on it; () = read ``sizes``
     shapes: tuple[tuple[int, int], ...] | list[tuple[int, int]] = ()
+    # each image's own attention grid (att_h, att_w) in the top-left corner of ``att_shape``
+    # when the batch's views differ in size and were padded (ats_cli.core.model.ATSModel.forward:
+    # its cells' size is that grid's); () = every image's grid is ``att_shape``
+    grids: tuple[tuple[int, int], ...] | list[tuple[int, int]] = ()
 
 
 class Pooling(nn.Module):

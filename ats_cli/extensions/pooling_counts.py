@@ -48,16 +48,20 @@ __all__ = ["CountPooling", "local_mass"]
 
 
 def local_mass(probs: torch.Tensor, att_shape: tuple[int, int], sizes: torch.Tensor | Sequence[tuple[int, int]],
-               patch_size: tuple[int, int]) -> torch.Tensor:
+               patch_size: tuple[int, int], grids: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
     """[B, K]: for every cell, the attention mass of the cells whose centres lie within one
     patch of it (a window of ``ceil(patch / cell)`` cells, made odd), with ``probs`` [B, K]
     over the attention grid ``att_shape`` and ``sizes`` the full-resolution (H, W) of each
-    image, which sets the cell size: host ints, or a [B, 2] tensor (read on the host)."""
+    image, which sets the cell size: host ints, or a [B, 2] tensor (read on the host).
+    ``grids``: each image's own grid within ``att_shape`` when a batch of views of different
+    sizes was padded (:class:`~ats_cli.extensions.pooling.Where`); its cells' size is its
+    own, and the padding around it holds no mass, as the zeros beyond its border do alone."""
     h, w = att_shape
     out = probs.new_empty(probs.shape)
     pairs = sizes.tolist() if isinstance(sizes, torch.Tensor) else sizes
-    windows = [(math.ceil(patch_size[0] * h / float(H)) | 1, math.ceil(patch_size[1] * w / float(W)) | 1)
-               for H, W in pairs]
+    own = grids or [(h, w)] * len(pairs)
+    windows = [(math.ceil(patch_size[0] * gh / float(H)) | 1, math.ceil(patch_size[1] * gw / float(W)) | 1)
+               for (H, W), (gh, gw) in zip(pairs, own, strict=True)]
     for window in set(windows):
         # one window for the batch (images of one size): the whole batch, no index list to copy
         rows = slice(None) if len(set(windows)) == 1 else [b for b, k in enumerate(windows) if k == window]
@@ -88,7 +92,7 @@ class CountPooling(VotePooling):
     def values(self, feats: torch.Tensor, classifier: nn.Linear, where: Where | None = None) -> torch.Tensor:
         if where is None:
             raise ValueError("pooling 'counts' needs the attention around the draws (where)")
-        mass = local_mass(where.probs, where.att_shape, where.shapes or where.sizes, where.patch_size)
+        mass = local_mass(where.probs, where.att_shape, where.shapes or where.sizes, where.patch_size, where.grids)
         return self.count(self.probabilities(feats, classifier), mass.gather(1, where.indices))
 
     def count(self, votes: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:

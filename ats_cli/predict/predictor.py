@@ -25,7 +25,7 @@ from ats_cli.checkpoint import CheckpointError, load_model
 from ats_cli.core.model import ATSModel, ATSOutput
 from ats_cli.core.sampling import ESTIMATORS
 from ats_cli.data.images import ImageReadError
-from ats_cli.data.inputs import OpenedImage, batch_sources, batch_support, open_input
+from ats_cli.data.inputs import OpenedImage, batch_sources, batch_support, batch_views, open_input
 from ats_cli.inference import predict_probs
 from ats_cli.multilabel import DEFAULT_THRESHOLD, decide, is_multilabel
 from ats_cli.predict.inputs import InputItem
@@ -165,8 +165,9 @@ class Predictor:
     ) -> list[PredictionRow]:
         """One row per item, in the items' order; failures are rows with ``error`` set.
 
-        Images of equal size are stacked into batches of up to ``batch_size`` (different
-        sizes cannot share a tensor, so they are batched separately). The sampling
+        Images are stacked into batches of up to ``batch_size``: of any sizes for a model
+        that takes views of different sizes, padded (one level: each image then gets what it
+        gets alone, :meth:`ats_cli.core.model.ATSModel.forward`), else of equal size. The sampling
         generator is re-seeded with ``seed`` at the start of every batch: the output is a
         function of (model, inputs, seed, n_patches, samples, batch_size), and with
         ``batch_size=1`` (the default) a file's probabilities do not depend on which other
@@ -232,6 +233,7 @@ class Predictor:
         def open_one(item: InputItem) -> OpenedImage:
             return read(item.path, channels=self.channels, scale=self.model.scale, patch_size=self.model.patch_size)
 
+        mixed = getattr(self.model, "takes_mixed_views", False)
         opened_images = _read_ahead(items, open_one, prefetch)
         try:
             for index, item in enumerate(items):
@@ -246,7 +248,7 @@ class Predictor:
                         text = f"{type(e).__name__}: {text}"
                     finish(index, _failed(item, text if str(item.path) in text else f"{item.path}: {text}"))
                     continue
-                key = (tuple(opened.low.shape), tuple(opened.source.size))
+                key = () if mixed else (tuple(opened.low.shape), tuple(opened.source.size))
                 group = pending.setdefault(key, [])
                 group.append((index, opened))
                 if len(group) >= batch_size:
@@ -261,12 +263,13 @@ class Predictor:
 
     def _probs(self, images: list[OpenedImage], n_patches: int | None, samples: int, seed: int
                ) -> tuple[torch.Tensor, ATSOutput]:
-        low = torch.stack([img.low for img in images]).to(self.device)
+        low, view_sizes = batch_views([img.low for img in images])  # different sizes: padded, sizes kept
+        low = low.to(self.device)
         sources = batch_sources([img.source for img in images])
-        masks = batch_support([img.support for img in images], low.shape[-2:])  # a batch shares one view size
+        masks = batch_support([img.support for img in images], low.shape[-2:])
         generator = torch.Generator(device=self.device).manual_seed(seed)
         probs, output = predict_probs(self.model, low, sources, n_patches=n_patches, samples=samples,
-                                      generator=generator, support_mask=masks)
+                                      generator=generator, support_mask=masks, view_sizes=view_sizes)
         return probs.cpu(), output
 
 

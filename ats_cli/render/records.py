@@ -140,8 +140,12 @@ class AttentionRecord:
         def row(values):
             return None if values is None else _numpy(values[b], np.float64)
 
+        attention = output.attention[b]
+        grids = getattr(output, "grids", None)
+        if grids:  # a batch of views of different sizes: this image's own grid, not the padding
+            attention = attention[:grids[b][0], :grids[b][1]]
         return cls(
-            attention=_numpy(output.attention[b], np.float64),
+            attention=_numpy(attention, np.float64),
             offsets=_numpy(output.offsets[b], np.int64).reshape(-1, 2),
             sampled_probs=_numpy(output.sampled_probs[b], np.float64),
             weights=row(getattr(output, "weights", None)),
