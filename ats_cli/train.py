@@ -68,7 +68,7 @@ from ats_cli.runtime import (
     all_reduce,
     append_metrics,
     broadcast_buffers,
-    check_training_set,
+    check_run_data,
     claim,
     deferred_interrupts,
     failed_save,
@@ -79,9 +79,9 @@ from ats_cli.runtime import (
     reset_peak_memory,
     resume_state,
     rewrite_metrics,
+    run_data_identity,
     settings_changed,
     shard_batches,
-    training_set_identity,
 )
 
 __all__ = ["train", "train_one_epoch", "train_step", "RunningSums", "evaluate", "loader_workers", "TrainingInterrupted"]
@@ -585,7 +585,10 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
 
     # ---- data: every rank reads the dataset (same path on every node)
     data = load_dataset(cfg.data)
-    train_identity = training_set_identity(data["train"], data.root)  # a resume must find the same (runtime)
+    train_identity = run_data_identity(data)  # a resume must find the same classes and splits (runtime)
+    if resume:  # checked before anything is prepared: last.pt, or a newer best.pt
+        state, ckpt = from_main(lambda: resume_state(run, load_checkpoint), ctx)
+        check_run_data(state, ckpt, train_identity, data.root)
     cache = view_cache_for(run)  # slides' low-res views and tissue masks: made once (ats_cli.data.inputs)
     # ---- the values left to the data (ats_cli.config); a resumed run's were settled when it started
     saved = load_facts(run) if resume else None
@@ -642,8 +645,6 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
     if cfg.init and not resume:  # a resumed run already holds its (fine-tuned) weights
         log(f"initialised the model from {cfg.init}: {_init_from(model, cfg.init, spec, data.classes, ctx)}")
     if resume:
-        state, ckpt = from_main(lambda: resume_state(run, load_checkpoint), ctx)  # last.pt, or a newer best.pt
-        check_training_set(state, ckpt.get("train_set"), train_identity, str(data.root / "train.csv"))
         try:
             model.load_state_dict(ckpt["model"])
             opt.load_state_dict(ckpt["optimizer"])
