@@ -23,7 +23,8 @@ _GLOB_CHARS = "*?["
 
 @dataclass(frozen=True)
 class InputItem:
-    """One image to predict. ``label`` (a class name) comes from a dataset CSV; ``extra``
+    """One image to predict. ``label`` (a class name, a multi-label set, "" for an empty
+    cell) comes from a dataset CSV; ``extra``
     holds that CSV row's other columns (e.g. the ``digits`` boxes); ``error`` is set when
     the argument could not even be turned into an image path (it then becomes a failed row)."""
 
@@ -98,8 +99,10 @@ def _expand(path: Path, *, recursive: bool, explicit: bool) -> list[InputItem]:
 def read_inputs_csv(path: str | os.PathLike[str]) -> list[InputItem]:
     """The rows of a dataset CSV (the ats dataset format, or any CSV with a ``path``
     column) as input items, read by the dataset loader's parser
-    (:func:`ats_cli.data.dataset.read_csv`); ``label`` is kept when the column exists and
-    the cell is not empty, every other column goes to ``extra``. Relative paths are
+    (:func:`ats_cli.data.dataset.read_csv`); ``label`` is the cell when the column exists
+    (an empty cell is "": the empty set of a multi-label model, no label for a single-label
+    one, :mod:`ats_cli.predict.metrics`), None without the column; every other column goes
+    to ``extra``. Relative paths are
     relative to the CSV's directory, as in the dataset format. A row that cannot be used
     is a failed item naming the CSV and line; a CSV that cannot be read (no ``path``
     column, not CSV, not UTF-8) is one failed item naming it."""
@@ -109,5 +112,6 @@ def read_inputs_csv(path: str | os.PathLike[str]) -> list[InputItem]:
         return [InputItem(path, error=str(table.error))]
     if not table.rows:
         return [InputItem(path, error=f"{path}: the CSV has no rows")]
+    labelled = "label" in table.columns
     return [InputItem(path, error=str(row.problem)) if row.problem is not None
-            else InputItem(row.path, label=row.label or None, extra=row.extra) for row in table.rows]
+            else InputItem(row.path, label=row.label if labelled else None, extra=row.extra) for row in table.rows]
