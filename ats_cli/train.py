@@ -84,13 +84,20 @@ from ats_cli.runtime import (
     shard_batches,
 )
 
-__all__ = ["train", "train_one_epoch", "train_step", "RunningSums", "evaluate", "loader_workers", "TrainingInterrupted"]
+__all__ = ["train", "train_one_epoch", "train_step", "RunningSums", "evaluate", "loader_workers", "TrainingInterrupted",
+           "TrainingDiverged"]
 
 EVAL_SEED = 12345  # the test set is always sampled the same way, so epochs compare
 
 
 class TrainingInterrupted(Exception):
     """Raised after Ctrl-C once the state has been saved; ``--resume`` continues."""
+
+
+class TrainingDiverged(ValueError):
+    """The training loss became NaN or infinite: the weights no longer mean anything, so the
+    run stops there without saving them (the checkpoints of the epochs before are kept).
+    Training on used to go to the last epoch with loss nan and exit 0."""
 
 
 AUTO_WORKERS_CPU = 2  # --workers auto on a CPU device: the compute shares the cores with the workers
@@ -395,6 +402,12 @@ def train_one_epoch(cfg: TrainConfig, ctx: Dist, device: torch.device, net: torc
             sums.commit()
             if sums.due() or pos.step == total_steps or not acc["n"]:
                 sums.flush()
+                if not math.isfinite(acc["loss"]):  # read with the sums: no extra wait for the device
+                    raise TrainingDiverged(
+                        f"the training loss became {acc['loss'] / max(acc['n'], 1)} at epoch {pos.epoch + 1}, step "
+                        f"{pos.step}; stopped without saving these weights (the last finished epoch is in "
+                        f"{Path(cfg.out) / 'last.pt'}, if any): check the starting weights and the images, or lower "
+                        "--lr")
             now = time.perf_counter()
             acc["time"] += now - t_last  # wall time (the ranks run in lockstep)
             t_last = now
@@ -406,6 +419,20 @@ def train_one_epoch(cfg: TrainConfig, ctx: Dist, device: torch.device, net: torc
         save(pos)
         raise TrainingInterrupted(f"interrupted at epoch {pos.epoch + 1}, step {pos.step}; state saved to "
                                   f"{Path(cfg.out) / 'last.pt'}; continue with --resume") from None
+
+
+def check_finite_weights(model: torch.nn.Module, when: str, run: Path) -> None:
+    """Raise :class:`TrainingDiverged` when a weight or buffer of ``model`` holds NaN or
+    infinity: the last step of an epoch can make them so with a finite loss (and batch-norm
+    statistics recalibrated on huge activations), and saving them would make checkpoints
+    that predict nothing (and that loading refuses). One read per epoch."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]  # batch-norm statistics too
+    bad = [name for name, t in tensors if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise TrainingDiverged(f"the weights became NaN or infinite {when} ({bad[0]}"
+                               f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}); stopped without saving them "
+                               f"(the last finished epoch is in {run / 'last.pt'}, if any): check the starting weights "
+                               "and the images, or lower --lr")
 
 
 BN_BATCHES = 16  # training batches whose statistics become the batch norms' running statistics after an epoch
@@ -700,6 +727,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
                 recalibrate_batch_norm(model, _loader(train_set, first, cfg, device), device,
                                        _seed(cfg.seed, epoch, "batch-norm", ctx.rank))
             broadcast_buffers(model, ctx)  # e.g. batch-norm statistics: evaluate and save rank 0's
+            check_finite_weights(model, f"at the end of epoch {epoch + 1}", run)  # before anything saves them
             scores = {split: evaluate(model, loader, device, ctx=ctx)  # the model's eval_n_patches
                       for split, loader in loaders.items()}
         except KeyboardInterrupt:  # the epoch's steps are done: keep them, --resume evaluates
