@@ -52,14 +52,17 @@ one, so a checkpoint that records a shift is refused.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from ats_cli.config import COUNTING_POOLINGS, VOTING_POOLINGS, none_class_refusal
 
-__all__ = ["ExportError", "export_checkpoint", "none_shift", "parse_share"]
+__all__ = ["ExportError", "check_destination", "export_checkpoint", "none_shift", "parse_share", "writing"]
 
 
 class ExportError(ValueError):
@@ -86,20 +89,26 @@ def export_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str], 
                       eval_n_patches: int | None = None, eval_regions: int | None = None,
                       eval_coarse_px: int | None = None, pooling: str | None = None, none_class: str | None = None,
                       count_floor: float | None = None, none_prior: float | None = None,
-                      trained_none_share: float | None = None) -> dict[str, Any]:
-    """Write ``dst``, the model of ``src`` with the given evaluation options (module
-    docstring), atomically; returns the ``export`` record written in it. Raises
+                      trained_none_share: float | None = None, overwrite: bool = False) -> dict[str, Any]:
+    """Write ``dst``, the model of ``src`` (a checkpoint, or a run directory: its ``best.pt``,
+    else ``last.pt``, as ``ats predict -m`` takes it) with the given evaluation options
+    (module docstring), atomically; returns the ``export`` record written in it. Raises
     :class:`ExportError` (one line) for a file that is not a checkpoint, a second prior
-    shift, or options the model cannot take, before anything is written."""
+    shift, options the model cannot take or a ``dst`` that exists (unless ``overwrite``),
+    before anything is written, and for a write that fails (a full or read-only disk):
+    then nothing is left behind, not even the directories made for ``dst``."""
     from ats_cli.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
     from ats_cli.models import create_model
+    from ats_cli.predict.predictor import resolve_model_path
     from ats_cli.pretrain.internals import NONE_BIAS_KEY, NONE_PREFIX
 
     _check_values(mpp, eval_n_patches, eval_regions, eval_coarse_px, count_floor)
     try:
+        src = resolve_model_path(src)
         ckpt = load_checkpoint(src)
     except CheckpointError as e:
         raise ExportError(str(e)) from None
+    check_destination(dst, overwrite=overwrite)
     release = dict(ckpt.get("release") or {})
     if none_prior is not None:
         if "none_prior" in release:  # shifting twice would count the first shift as the training prior
@@ -156,10 +165,41 @@ def export_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str], 
             **({k: release[k] for k in ("none_prior", "none_shift")} if none_prior is not None else {}),
             "source": Path(src).name}
     extra = {k: ckpt[k] for k in ("pretrain",) if k in ckpt}
-    save_checkpoint(dst, spec=ckpt["spec"], classes=ckpt["classes"], model=model, epoch=ckpt.get("epoch"),
-                    config=ckpt.get("config", {}), history=ckpt.get("history", []), export=done, **extra,
-                    **({"release": release} if release else {}))
+    with writing(dst):
+        save_checkpoint(dst, spec=ckpt["spec"], classes=ckpt["classes"], model=model, epoch=ckpt.get("epoch"),
+                        config=ckpt.get("config", {}), history=ckpt.get("history", []), export=done, **extra,
+                        **({"release": release} if release else {}))
     return done
+
+
+def check_destination(dst: str | os.PathLike[str], *, overwrite: bool) -> None:
+    """Refuse a ``dst`` that is a directory, or a file that exists unless ``overwrite``
+    (it used to be replaced without a word: an exported model is often the only copy of a
+    choice of options)."""
+    dst = Path(dst)
+    if dst.is_dir():
+        raise ExportError(f"{dst}: is a directory; give the model file to write (or --encoder to write an encoder "
+                          "directory)")
+    if dst.exists() and not overwrite:
+        raise ExportError(f"{dst}: exists; give --overwrite to replace it, or another name")
+
+
+@contextmanager
+def writing(dst: str | os.PathLike[str]) -> Iterator[None]:
+    """Make the directories ``dst`` needs, run the body (which writes ``dst`` atomically);
+    an OSError in either (a full or read-only disk) is an :class:`ExportError` naming
+    ``dst``, after removing the directories made here (it used to be a traceback that
+    left an empty directory)."""
+    dst = Path(dst)
+    missing = [p for p in [dst.parent, *dst.parent.parents] if not p.exists()]
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        yield
+    except OSError as e:
+        for folder in missing:  # deepest first; only those made here, only when empty
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise ExportError(f"{dst}: cannot write it ({e.strerror or e}); nothing was written") from None
 
 
 def _pooling_spec(current: dict[str, Any] | None, name: str | None, none_class: str | None,

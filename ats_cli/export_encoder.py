@@ -17,17 +17,19 @@ from pathlib import Path
 from typing import Any
 
 from ats_cli.checkpoint import load_model
-from ats_cli.io import atomic_write_bytes, atomic_write_text
+from ats_cli.io import atomic_path
 from ats_cli.nets.encoders import CONFIG, FORMAT, VERSION, WEIGHTS, Encoder, EncoderError, import_extra
 from ats_cli.predict.predictor import resolve_model_path
-from ats_cli.runtime import make_dirs
 
 __all__ = ["export_encoder"]
 
 
-def export_encoder(src: str | os.PathLike[str], out: str | os.PathLike[str]) -> dict[str, Any]:
+def export_encoder(src: str | os.PathLike[str], out: str | os.PathLike[str], *, overwrite: bool = False
+                   ) -> dict[str, Any]:
     """Write the feature network of checkpoint (or run directory) ``src`` to directory ``out``;
-    returns the config written. Raises :class:`EncoderError` for a model without one and
+    returns the config written. Raises :class:`EncoderError` for a model without one, for
+    an ``out`` that already holds an encoder (unless ``overwrite``) and for a write that
+    fails (then neither file is there, nor the directories made for them), and
     :class:`ats_cli.checkpoint.CheckpointError` for a file that is not a checkpoint."""
     st = import_extra("safetensors.torch", "export --encoder")
     path = resolve_model_path(src)
@@ -46,7 +48,16 @@ def export_encoder(src: str | os.PathLike[str], out: str | os.PathLike[str]) -> 
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise EncoderError(f"{out}: not a directory (ats export --encoder writes {WEIGHTS} and {CONFIG} into one)")
-    make_dirs(out)
-    atomic_write_bytes(out / WEIGHTS, st.save({k: v.contiguous() for k, v in net.state_dict().items()}))
-    atomic_write_text(out / CONFIG, json.dumps(config, indent=2) + "\n")
+    held = [name for name in (WEIGHTS, CONFIG) if (out / name).exists()]
+    if held and not overwrite:
+        raise EncoderError(f"{out}: already holds {' and '.join(held)}; give --overwrite to replace them, or another "
+                           "directory")
+    from ats_cli.export import ExportError, writing
+
+    try:
+        with writing(out / CONFIG), atomic_path(out / WEIGHTS) as weights, atomic_path(out / CONFIG) as cfg:
+            weights.write_bytes(st.save({k: v.contiguous() for k, v in net.state_dict().items()}))
+            cfg.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    except ExportError as e:  # both files are written before either replaces what was there
+        raise EncoderError(str(e)) from None
     return config

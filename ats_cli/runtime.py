@@ -53,12 +53,15 @@ epoch journal). ``ats train --out RUN`` writes ``config.json``, ``settled.json``
 * **A resume continues the same run.** ``--resume`` starts from the newest full
   training state in RUN (:func:`resume_state`): ``last.pt``, or ``best.pt`` when a full
   disk stopped the epoch's end after writing it (both hold the weights, optimizer and
-  history; the newer epoch wins). A run records its training set's identity
-  (:func:`training_set_identity`: the number of ``train.csv`` rows and a digest of their
-  paths and labels), and a resume against another set is refused: the epoch's order and
-  the position in it (image 18 of 10) would continue over other images, and the result
-  would be neither run. So is a resume whose settings build another model (``--method``,
-  a network): one line naming what changed, instead of PyTorch's state_dict dump.
+  history; the newer epoch wins). A run records its data's identity
+  (:func:`run_data_identity`: the class order, and for each split the number of rows and
+  a digest of their paths and labels), and a resume against other data is refused
+  (:func:`check_run_data`): another ``train.csv`` would continue the epoch's order and
+  position in it (image 18 of 10) over other images, reordered classes would save the
+  head under the wrong names, and another ``val.csv`` would choose ``best.pt`` across
+  epochs scored on different rows; the result would be neither run. So is a resume whose
+  settings build another model (``--method``, a network): one line naming what changed,
+  instead of PyTorch's state_dict dump.
 """
 
 from __future__ import annotations
@@ -96,8 +99,9 @@ __all__ = ["resolve_device", "peak_memory_mb", "reset_peak_memory", "stop_signal
            "deferred_interrupts", "Dist", "from_env", "process_group", "shard_batches", "all_reduce",
            "broadcast_buffers", "from_main", "launch_command", "launch", "run_launched", "check_devices",
            "exit_worker", "LOCK_NAME", "RESUMABLE", "RunDirError", "RunLock", "append_metrics",
-           "check_training_set", "claim", "failed_save", "holds_run", "make_dirs", "move_aside", "prepare_run",
-           "resumable", "resume_state", "rewrite_metrics", "settings_changed", "training_set_identity"]
+           "check_run_data", "check_training_set", "claim", "failed_save", "holds_run", "make_dirs", "move_aside",
+           "prepare_run", "resumable", "resume_state", "rewrite_metrics", "run_data_identity", "settings_changed",
+           "training_set_identity"]
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -737,6 +741,61 @@ def training_set_identity(records: Iterable[Any], root: str | os.PathLike[str]) 
     return {"images": n, "digest": h.hexdigest()}
 
 
+def run_data_identity(data: Any) -> dict[str, Any]:
+    """What a run records of its dataset (``data``: :class:`~ats_cli.data.dataset.Dataset`),
+    everything a resume must find unchanged: the training set's identity
+    (:func:`training_set_identity`, at the top level as runs before this recorded it), the
+    class order (it gives each output of the head its name: reordered, the head trained
+    on the old order would be saved under the new names) and each held-out split's
+    identity (``val.csv`` chooses ``best.pt`` across the epochs, so every epoch must be
+    scored on the same rows; ``test.csv`` is what the history reports)."""
+    identity = training_set_identity(data["train"], data.root)
+    identity["classes"] = list(data.classes)
+    identity["splits"] = {split: training_set_identity(records, data.root)
+                          for split, records in data.splits.items() if split != "train"}
+    return identity
+
+
+def check_run_data(path: str | os.PathLike[str], ckpt: Mapping[str, Any], now: Mapping[str, Any],
+                   root: str | os.PathLike[str]) -> None:
+    """Refuse to resume the state at ``path`` (checkpoint ``ckpt``) on a dataset ``now``
+    (:func:`run_data_identity`; ``root``: its directory, for the message) that differs from
+    the one the run started on in anything that changes the result: the class order, the
+    training rows, or a held-out split's rows (one appearing or going included). The
+    class order is checked against the checkpoint's own ``classes``, so runs saved before
+    the splits were recorded are checked for it too; their held-out splits are not
+    (nothing to compare with). One line naming what changed and the way on."""
+    root = Path(root)
+    recorded = ckpt.get("train_set") or {}
+    then_classes = recorded.get("classes", ckpt.get("classes"))
+    fix = "resume on the data the run started with, or start a new run (--overwrite, or another --out)"
+    if then_classes is not None and list(then_classes) != list(now["classes"]):
+        same = sorted(then_classes) == sorted(now["classes"])
+        what = "the classes in another order" if same else "other classes"
+        raise RunDirError(f"{path}: {root / 'dataset.json'} now lists {what} ({', '.join(now['classes'])}) than "
+                          f"this run was trained with ({', '.join(then_classes)}); resuming would save its head "
+                          f"under the wrong class names: {fix}")
+    check_training_set(path, recorded, now, str(root / "train.csv"))
+    splits_then, splits_now = recorded.get("splits"), now["splits"]
+    if splits_then is None:
+        return
+    changed = []
+    for split in sorted(set(splits_then) | set(splits_now)):
+        a, b = splits_then.get(split), splits_now.get(split)
+        if a is None:
+            changed.append(f"{split}.csv is new")
+        elif b is None:
+            changed.append(f"{split}.csv is gone")
+        elif a.get("digest") != b["digest"]:
+            swapped = [o for o in splits_then if o != split and splits_then[o].get("digest") == b["digest"]]
+            changed.append(f"{split}.csv now lists {swapped[0]}.csv's rows" if swapped
+                           else f"{split}.csv lists other rows ({b['images']} images, was {a.get('images')})")
+    if changed:
+        raise RunDirError(f"{path}: the held-out splits in {root} changed since this run started "
+                          f"({'; '.join(changed)}); its epochs would be scored, and best.pt chosen, on different rows: "
+                          + fix)
+
+
 def check_training_set(path: str | os.PathLike[str], recorded: Mapping[str, Any] | None, now: Mapping[str, Any],
                        where: str) -> None:
     """Refuse to resume the state at ``path`` (recorded training set ``recorded``; None:
@@ -747,7 +806,8 @@ def check_training_set(path: str | os.PathLike[str], recorded: Mapping[str, Any]
     before, after = int(recorded.get("images", 0)), now["images"]
     what = f"{after} images, not the {before}" if after != before else f"other rows than the {before} images"
     raise RunDirError(f"{path}: {where} now lists {what} this run was trained on; resuming would continue its epoch "
-                      "over other images: resume on the data it was trained on, or start a new run with --overwrite")
+                      "over other images: resume on the data it was trained on, or start a new run (--overwrite, or "
+                      "another --out)")
 
 
 def settings_changed(path: str | os.PathLike[str], theirs: Mapping[str, Any] | None, ours: Mapping[str, Any],

@@ -71,7 +71,7 @@ from ats_cli.runtime import (
     all_reduce,
     append_metrics,
     broadcast_buffers,
-    check_training_set,
+    check_run_data,
     claim,
     deferred_interrupts,
     failed_save,
@@ -82,18 +82,25 @@ from ats_cli.runtime import (
     reset_peak_memory,
     resume_state,
     rewrite_metrics,
+    run_data_identity,
     settings_changed,
     shard_batches,
-    training_set_identity,
 )
 
-__all__ = ["train", "train_one_epoch", "train_step", "RunningSums", "evaluate", "loader_workers", "TrainingInterrupted"]
+__all__ = ["train", "train_one_epoch", "train_step", "RunningSums", "evaluate", "loader_workers", "TrainingInterrupted",
+           "TrainingDiverged"]
 
 EVAL_SEED = 12345  # the test set is always sampled the same way, so epochs compare
 
 
 class TrainingInterrupted(Exception):
     """Raised after Ctrl-C once the state has been saved; ``--resume`` continues."""
+
+
+class TrainingDiverged(ValueError):
+    """The training loss became NaN or infinite: the weights no longer mean anything, so the
+    run stops there without saving them (the checkpoints of the epochs before are kept).
+    Training on used to go to the last epoch with loss nan and exit 0."""
 
 
 AUTO_WORKERS_CPU = 2  # --workers auto on a CPU device: the compute shares the cores with the workers
@@ -408,6 +415,12 @@ def train_one_epoch(cfg: TrainConfig, ctx: Dist, device: torch.device, net: torc
             sums.commit()
             if sums.due() or pos.step == total_steps or not acc["n"]:
                 sums.flush()
+                if not math.isfinite(acc["loss"]):  # read with the sums: no extra wait for the device
+                    raise TrainingDiverged(
+                        f"the training loss became {acc['loss'] / max(acc['n'], 1)} at epoch {pos.epoch + 1}, step "
+                        f"{pos.step}; stopped without saving these weights (the last finished epoch is in "
+                        f"{Path(cfg.out) / 'last.pt'}, if any): check the starting weights and the images, or lower "
+                        "--lr")
             now = time.perf_counter()
             acc["time"] += now - t_last  # wall time (the ranks run in lockstep)
             t_last = now
@@ -419,6 +432,20 @@ def train_one_epoch(cfg: TrainConfig, ctx: Dist, device: torch.device, net: torc
         save(pos)
         raise TrainingInterrupted(f"interrupted at epoch {pos.epoch + 1}, step {pos.step}; state saved to "
                                   f"{Path(cfg.out) / 'last.pt'}; continue with --resume") from None
+
+
+def check_finite_weights(model: torch.nn.Module, when: str, run: Path) -> None:
+    """Raise :class:`TrainingDiverged` when a weight or buffer of ``model`` holds NaN or
+    infinity: the last step of an epoch can make them so with a finite loss (and batch-norm
+    statistics recalibrated on huge activations), and saving them would make checkpoints
+    that predict nothing (and that loading refuses). One read per epoch."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]  # batch-norm statistics too
+    bad = [name for name, t in tensors if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise TrainingDiverged(f"the weights became NaN or infinite {when} ({bad[0]}"
+                               f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}); stopped without saving them "
+                               f"(the last finished epoch is in {run / 'last.pt'}, if any): check the starting weights "
+                               "and the images, or lower --lr")
 
 
 BN_BATCHES = 16  # training batches whose statistics become the batch norms' running statistics after an epoch
@@ -599,7 +626,10 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
 
     # ---- data: every rank reads the dataset (same path on every node)
     data = load_dataset(cfg.data)
-    train_identity = training_set_identity(data["train"], data.root)  # a resume must find the same (runtime)
+    train_identity = run_data_identity(data)  # a resume must find the same classes and splits (runtime)
+    if resume:  # checked before anything is prepared: last.pt, or a newer best.pt
+        state, ckpt = from_main(lambda: resume_state(run, load_checkpoint), ctx)
+        check_run_data(state, ckpt, train_identity, data.root)
     cache = view_cache_for(run)  # slides' low-res views and tissue masks: made once (ats_cli.data.inputs)
     # ---- the values left to the data (ats_cli.config); a resumed run's were settled when it started
     saved = load_facts(run) if resume else None
@@ -656,8 +686,6 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
     if cfg.init and not resume:  # a resumed run already holds its (fine-tuned) weights
         log(f"initialised the model from {cfg.init}: {_init_from(model, cfg.init, spec, data.classes, ctx)}")
     if resume:
-        state, ckpt = from_main(lambda: resume_state(run, load_checkpoint), ctx)  # last.pt, or a newer best.pt
-        check_training_set(state, ckpt.get("train_set"), train_identity, str(data.root / "train.csv"))
         try:
             model.load_state_dict(ckpt["model"])
             opt.load_state_dict(ckpt["optimizer"])
@@ -718,6 +746,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
                 recalibrate_batch_norm(model, _loader(train_set, first, cfg, device), device,
                                        _seed(cfg.seed, epoch, "batch-norm", ctx.rank))
             broadcast_buffers(model, ctx)  # e.g. batch-norm statistics: evaluate and save rank 0's
+            check_finite_weights(model, f"at the end of epoch {epoch + 1}", run)  # before anything saves them
             scores = {split: evaluate(model, loader, device, ctx=ctx)  # the model's eval_n_patches
                       for split, loader in loaders.items()}
         except KeyboardInterrupt:  # the epoch's steps are done: keep them, --resume evaluates

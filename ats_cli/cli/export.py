@@ -22,10 +22,12 @@ def _share(text: str | None) -> float | None:
 
 @app.command()
 def export(
-    src: Path = typer.Argument(..., help="A checkpoint: ats pretrain's, or a run's best.pt / last.pt (--encoder: "
-                               "or a run directory).", show_default=False),
-    dst: Path = typer.Argument(..., help="The model file to write (replaced in one step); --encoder: a directory.",
-                               show_default=False),
+    src: Path = typer.Argument(..., help="A checkpoint: ats pretrain's, or a run's best.pt / last.pt, or a run "
+                               "directory (its best.pt, else last.pt).", show_default=False),
+    dst: Path = typer.Argument(..., help="The model file to write (in one step; an existing one only with "
+                               "--overwrite); --encoder: a directory.", show_default=False),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace DST (--encoder: the encoder in DST) if it "
+                                   "exists.", show_default=False),
     encoder: bool = typer.Option(False, "--encoder", help="Write only the feature network, as DST/model.safetensors "
                                  "+ DST/config.json, for --feature-net DST in another run (docs/training.md)."),
     eval_n_patches: int = typer.Option(None, "--eval-n-patches", min=0, show_default=False,
@@ -64,7 +66,7 @@ def export(
     console = OutputConsole(highlight=False, soft_wrap=True)
     err = OutputConsole(stderr=True, highlight=False, soft_wrap=True)
     if encoder:
-        _export_encoder(src, dst, console, err)
+        _export_encoder(src, dst, console, err, overwrite=overwrite)
         return
     poolings = [p for p in allowed_values()["pooling"] if p != "auto"]  # a trained model's pooling is known
     if pooling is not None and pooling not in poolings:
@@ -77,16 +79,17 @@ def export(
         done = export_checkpoint(src, dst, mpp=mpp, eval_n_patches=eval_n_patches, eval_regions=eval_regions,
                                  eval_coarse_px=eval_coarse_px, pooling=pooling,
                                  none_class=none_class, count_floor=count_floor, none_prior=none_prior,
-                                 trained_none_share=trained_none_share)
+                                 trained_none_share=trained_none_share, overwrite=overwrite)
     except ExportError as e:
         err.print(f"[red]error:[/] {escape(str(e))}")
         raise typer.Exit(1) from None
     size = dst.stat().st_size / 1e3
     settings = ", ".join(f"{k} {v}" for k, v in done.items() if k != "source") or "options as trained"
-    console.print(f"wrote {escape(str(dst))} ({size:.0f} kB) from {escape(str(src))}: {escape(settings)}")
+    source = src / done["source"] if src.is_dir() else src  # a run directory: the checkpoint taken from it
+    console.print(f"wrote {escape(str(dst))} ({size:.0f} kB) from {escape(str(source))}: {escape(settings)}")
 
 
-def _export_encoder(src: Path, dst: Path, console: OutputConsole, err: OutputConsole) -> None:
+def _export_encoder(src: Path, dst: Path, console: OutputConsole, err: OutputConsole, *, overwrite: bool) -> None:
     from rich.markup import escape
 
     from ats_cli.checkpoint import CheckpointError
@@ -94,7 +97,7 @@ def _export_encoder(src: Path, dst: Path, console: OutputConsole, err: OutputCon
     from ats_cli.nets.encoders import EncoderError
 
     try:
-        config = export_encoder(src, dst)
+        config = export_encoder(src, dst, overwrite=overwrite)
     except (CheckpointError, EncoderError, OSError) as e:
         err.print(f"[red]error:[/] {escape(str(e))}")
         raise typer.Exit(1) from None

@@ -359,6 +359,7 @@ class CsvTable:
 
     rows: list[CsvRow]
     error: Problem | None = None
+    columns: list[str] = field(default_factory=list)  # the header's (a cell of a column it lacks reads "")
 
 
 def read_csv(path: str | os.PathLike[str], *, required: Sequence[str] = ("path", "label"),
@@ -389,12 +390,12 @@ def read_csv(path: str | os.PathLike[str], *, required: Sequence[str] = ("path",
                     rows.append(_csv_row(row, name, start, reader.line_num, len(header), path.parent))
                     start = reader.line_num + 1
             except csv.Error as e:  # a NUL byte, an over-long field
-                return CsvTable(rows, Problem(name, reader.line_num, f"not valid CSV ({e})"))
+                return CsvTable(rows, Problem(name, reader.line_num, f"not valid CSV ({e})"), list(header))
     except UnicodeDecodeError as e:
         return CsvTable(rows, Problem(name, 0, f"not UTF-8 text ({e})"))
     except OSError as e:
         return CsvTable(rows, Problem(name, 0, f"cannot be read ({e.strerror or e})"))
-    return CsvTable(rows)
+    return CsvTable(rows, columns=list(header))
 
 
 def _csv_row(row: Mapping[str | None, Any], name: str, start: int, end: int, n_columns: int, base: Path) -> CsvRow:

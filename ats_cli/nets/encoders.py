@@ -155,15 +155,26 @@ def _width(backbone: nn.Module, size: tuple[int, int]) -> int:
 # ---------------------------------------------------------------- names -> recipes (resolve)
 
 
-def _split_args(arch: str) -> tuple[str, dict[str, Any]]:
+# create_model arguments that make timm read a file or fetch weights itself: timm's
+# checkpoint reader unpickles (torch.load without weights_only), and weights are ats's to
+# load (--feature-weights, read safely); so they are refused, naming the way that works
+_FILE_ARGS = ("checkpoint_path", "pretrained", "pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")
+
+
+def _split_args(arch: str, name: str | None = None) -> tuple[str, dict[str, Any]]:
     """``ARCH?k=v&k2=v2`` -> (ARCH, {k: v}); values read as JSON where they parse
-    (``1e-5``, ``true``), else kept as strings (``silu``)."""
+    (``1e-5``, ``true``), else kept as strings (``silu``). Arguments that would make timm
+    load weights itself (:data:`_FILE_ARGS`) are refused."""
     arch, _, query = arch.partition("?")
     args: dict[str, Any] = {}
     for part in filter(None, query.split("&")):
         key, eq, value = part.partition("=")
         if not eq or not key.isidentifier():
             raise EncoderError(f"--feature-net {arch}?{query}: expected ?key=value&key=value, got {part!r}")
+        if key in _FILE_ARGS:
+            raise EncoderError(f"--feature-net {name or arch + '?' + query}: ?{key} is not taken (timm would load "
+                               "weights itself, unpickling the file); give the weights with --feature-weights "
+                               "FILE (safetensors or a state dict, read without running code)")
         try:
             args[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -189,7 +200,7 @@ def _timm_recipe(name: str, arch: str) -> dict[str, Any]:
     timm = import_extra("timm", f"--feature-net {name}")
     from timm.data import resolve_data_config
 
-    arch, user_args = _split_args(arch)
+    arch, user_args = _split_args(arch, name)
     hub = _hub_id(arch)
     if hub:
         try:
@@ -244,6 +255,18 @@ def _local(name: str) -> tuple[Path, dict[str, Any]]:
         raise EncoderError(f"--feature-net {name}: {folder / CONFIG} is not an encoder written by ats export --encoder")
     if config.get("version", 0) > VERSION:
         raise EncoderError(f"--feature-net {name}: encoder format version {config['version']} is newer than this ats")
+    net = config["feature_net"]
+    if net.startswith("local:") or (":" not in net and (Path(net) / CONFIG).is_file()):
+        raise EncoderError(f"--feature-net {name}: {folder / CONFIG} names an encoder directory ({net}) as its "
+                           "network; an exported encoder names the network it was trained with (timm:ARCH, "
+                           "torchvision:ARCH or a built-in net): export it again with ats export RUN DIR --encoder")
+    from ats_cli.registry import available_nets
+
+    if net.partition(":")[0] not in _RECIPES and net not in available_nets():
+        raise EncoderError(f"--feature-net {name}: {folder / CONFIG} names the network {net!r}, which this ats does "
+                           f"not have (built in: {', '.join(available_nets())}; or timm:ARCH, torchvision:ARCH)")
+    if not isinstance(config.get("feature_kwargs"), dict):
+        raise EncoderError(f"--feature-net {name}: {folder / CONFIG} has no feature_kwargs object")
     return folder, config
 
 
@@ -308,13 +331,20 @@ def _timm_backbone(name: str, recipe: dict[str, Any], pretrained: bool = False) 
     if pretrained:  # timm's own download code (the Hugging Face hub, through its cache)
         try:
             return timm.create_model(recipe["pretrained_name"], pretrained=True, num_classes=0, **args)
+        except (TypeError, ValueError, KeyError, AssertionError) as e:
+            raise EncoderError(f"--feature-net {name}: timm cannot build {recipe['arch']} with {recipe['args']} "
+                               f"({_first_line(e)})") from None
         except OSError as e:  # huggingface_hub's errors (offline, gated, missing) are OSErrors
             raise _hub_error(name, e, "weights") from None
         except RuntimeError as e:  # e.g. weights with layer scales for a model built without them
             raise EncoderError(f"--feature-net {name}: its pretrained weights do not fit the model built with "
                                f"{recipe['args'] or 'no arguments'} ({_first_line(e)}); the model card names the "
                                "create_model arguments to give after ?") from None
-    return timm.create_model(recipe["arch"], pretrained=False, num_classes=0, **args)
+    try:
+        return timm.create_model(recipe["arch"], pretrained=False, num_classes=0, **args)
+    except (TypeError, ValueError, KeyError, AssertionError) as e:  # an argument the architecture does not take
+        raise EncoderError(f"--feature-net {name}: timm cannot build {recipe['arch']} with {recipe['args']} "
+                           f"({_first_line(e)})") from None
 
 
 def _drop_classifier(model: nn.Module) -> str:
@@ -371,20 +401,47 @@ def read_weights(path: str | os.PathLike[str], flag: str = "--feature-weights") 
     if path.suffix == ".safetensors":
         st = import_extra("safetensors.torch", f"{flag} {path}")
         try:
-            return st.load_file(str(path))
+            return _finite(st.load_file(str(path)), f"{flag} {path}")
+        except EncoderError:
+            raise
         except Exception as e:
             raise EncoderError(f"{flag} {path}: not a safetensors file ({_first_line(e)})") from None
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise EncoderError(f"{flag} {path}: not a state dict that loads with weights_only=True "
-                           f"({_first_line(e)})") from None
+        raise EncoderError(f"{flag} {path}: {_unsafe_load(e)}") from None
     for key in ("state_dict", "model"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise EncoderError(f"{flag} {path}: not a state dict (names -> tensors)")
-    return {k.removeprefix("module."): v for k, v in state.items()}
+    return _finite({k.removeprefix("module."): v for k, v in state.items()}, f"{flag} {path}")
+
+
+def _unsafe_load(e: BaseException) -> str:
+    """Why ``torch.load(weights_only=True)`` refused a weights file, in our words: PyTorch's
+    message ends by advising ``weights_only=False``, which for a file from elsewhere means
+    running whatever code it carries, the very thing the refusal prevented."""
+    text = str(e)
+    blocked = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text) or re.search(r"Unsupported operand (\d+)", text)
+    if blocked or "Weights only load failed" in text:
+        what = f" ({blocked.group(1)})" if blocked else ""
+        return (f"holds a Python object{what} where a weights file holds only tensors; refused without running "
+                "anything: give safetensors or a plain state dict")
+    lines = [line.strip() for line in text.splitlines() if line.strip() and "weights_only" not in line]
+    return f"not a PyTorch state dict ({(lines[0] if lines else type(e).__name__)[:200]})"
+
+
+def _finite(state: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """``state``, refused when a floating weight holds NaN or infinity: training from it
+    ran with loss nan to the end and exit 0, saving a model that predicts nothing."""
+    for name, value in state.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            bad = int((~torch.isfinite(value)).sum())
+            if bad:
+                raise EncoderError(f"{where}: weight {name} holds {bad} NaN/infinite value(s) of {value.numel()}; "
+                                   "the file is damaged or its training diverged")
+    return state
 
 
 def _load(module: nn.Module, state: dict[str, torch.Tensor], where: str, *, ignore: tuple[str, ...] = ()) -> None:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import glob
 import os
+import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ats_cli.data.dataset import DATASET_JSON, is_input_file, read_csv
+from ats_cli.data.dataset import DATASET_JSON, CsvRow, is_input_file, read_csv
+from ats_cli.multilabel import split_label
 
 __all__ = ["InputItem", "read_inputs_csv", "resolve_inputs"]
 
@@ -23,7 +25,8 @@ _GLOB_CHARS = "*?["
 
 @dataclass(frozen=True)
 class InputItem:
-    """One image to predict. ``label`` (a class name) comes from a dataset CSV; ``extra``
+    """One image to predict. ``label`` (a class name, a multi-label set, "" for an empty
+    cell) comes from a dataset CSV; ``extra``
     holds that CSV row's other columns (e.g. the ``digits`` boxes); ``error`` is set when
     the argument could not even be turned into an image path (it then becomes a failed row)."""
 
@@ -47,8 +50,12 @@ def resolve_inputs(specs: Iterable[str | os.PathLike[str]], *, recursive: bool =
       above, other matches only if they are image files.
 
     Problems (a missing path, an empty directory, a pattern that matches nothing, a bad
-    CSV) become items with ``error`` set rather than exceptions, so that one typo does
-    not stop the other inputs. A file reached twice is kept at its first position.
+    CSV, a FIFO or device) become items with ``error`` set rather than exceptions, so that
+    one typo does not stop the other inputs. A file reached twice is kept at its first
+    position, and predicted once: a CSV row that repeats a file with the same label adds
+    nothing (the prediction is the file's), and one that repeats it with another label is
+    a failed row naming both lines (:func:`read_inputs_csv`): which label the metrics
+    should score is the user's to say, and taking the first silently hid the conflict.
     """
     items: list[InputItem] = []
     seen: set[str] = set()
@@ -78,7 +85,24 @@ def resolve_inputs(specs: Iterable[str | os.PathLike[str]], *, recursive: bool =
     return items
 
 
+def _not_regular(path: Path) -> str | None:
+    """Why ``path`` (which exists) is neither a directory nor a regular file, or None. A FIFO
+    named ``x.png`` made predict wait forever for a writer (opening one blocks), a device
+    reads without end: they are refused by what they are, from ``stat`` (which never blocks)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None  # the reader names the problem
+    if stat.S_ISDIR(mode) or stat.S_ISREG(mode):
+        return None
+    kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+    return f"{path}: {kind}, not an image file; ats reads regular files only"
+
+
 def _expand(path: Path, *, recursive: bool, explicit: bool) -> list[InputItem]:
+    if (why := _not_regular(path)) is not None:
+        return [InputItem(path, error=why)] if explicit or is_input_file(path) or path.suffix.lower() == ".csv" else []
     if path.is_dir():
         if (path / DATASET_JSON).is_file() and (path / "test.csv").is_file():
             return read_inputs_csv(path / "test.csv")
@@ -98,8 +122,10 @@ def _expand(path: Path, *, recursive: bool, explicit: bool) -> list[InputItem]:
 def read_inputs_csv(path: str | os.PathLike[str]) -> list[InputItem]:
     """The rows of a dataset CSV (the ats dataset format, or any CSV with a ``path``
     column) as input items, read by the dataset loader's parser
-    (:func:`ats_cli.data.dataset.read_csv`); ``label`` is kept when the column exists and
-    the cell is not empty, every other column goes to ``extra``. Relative paths are
+    (:func:`ats_cli.data.dataset.read_csv`); ``label`` is the cell when the column exists
+    (an empty cell is "": the empty set of a multi-label model, no label for a single-label
+    one, :mod:`ats_cli.predict.metrics`), None without the column; every other column goes
+    to ``extra``. Relative paths are
     relative to the CSV's directory, as in the dataset format. A row that cannot be used
     is a failed item naming the CSV and line; a CSV that cannot be read (no ``path``
     column, not CSV, not UTF-8) is one failed item naming it."""
@@ -109,5 +135,21 @@ def read_inputs_csv(path: str | os.PathLike[str]) -> list[InputItem]:
         return [InputItem(path, error=str(table.error))]
     if not table.rows:
         return [InputItem(path, error=f"{path}: the CSV has no rows")]
-    return [InputItem(path, error=str(row.problem)) if row.problem is not None
-            else InputItem(row.path, label=row.label or None, extra=row.extra) for row in table.rows]
+    labelled = "label" in table.columns
+    items = []
+    first: dict[str, CsvRow] = {}  # a file's first row (its label)
+    for row in table.rows:
+        if row.problem is not None:
+            items.append(InputItem(path, error=str(row.problem)))
+            continue
+        if (why := _not_regular(row.path)) is not None:
+            items.append(InputItem(row.path, error=f"{path}:{row.line}: {why}"))
+            continue
+        seen = first.setdefault(os.path.normcase(os.path.abspath(row.path)), row)
+        if seen is not row and labelled and sorted(split_label(seen.label)) != sorted(split_label(row.label)):
+            items.append(InputItem(path, error=f"{path}:{row.line}: {row.raw_path} is listed again with label "
+                                   f"{row.label!r}, line {seen.line} gives it {seen.label!r}; one file has one "
+                                   "label: remove or correct one of the rows"))
+            continue
+        items.append(InputItem(row.path, label=row.label if labelled else None, extra=row.extra))
+    return items

@@ -37,8 +37,9 @@ class Evaluation:
 
 
 def evaluate(rows: Sequence[PredictionRow], classes: Sequence[str]) -> Evaluation | None:
-    """Accuracy and confusion matrix of the labelled, successful rows; None if there are none."""
-    scored = [r for r in rows if r.ok and r.label is not None]
+    """Accuracy and confusion matrix of the labelled, successful rows; None if there are none.
+    An empty label cell is no label here: a single-label image has one class."""
+    scored = [r for r in rows if r.ok and r.label]
     if not scored:
         return None
     classes = [str(c) for c in classes]
@@ -57,7 +58,12 @@ def evaluate_multilabel(rows: Sequence[PredictionRow], classes: Sequence[str], t
     """:func:`ats_cli.multilabel.metrics` of the labelled, successful rows of a multi-label
     model (each label a ``;``-separated set, in any order), plus ``unknown_labels``: names
     in the labels that are not the model's classes (left out; listed so they are not
-    silently lost). None without labelled rows."""
+    silently lost). None without labelled rows.
+
+    An empty label cell is a label, the empty set (no class present: a slide without any
+    of the findings), as it is in a multi-label dataset that ``ats train`` evaluates
+    (:func:`ats_cli.train.evaluate` counts every row); leaving those rows out reported
+    exact match 0% of 4 images where 4 of 8 rows were empty sets and the figure was 50%."""
     import torch
 
     scored = [r for r in rows if r.ok and r.label is not None]

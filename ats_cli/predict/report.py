@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ats_cli.multilabel import split_label
+from ats_cli.multilabel import NO_CLASS, split_label
 from ats_cli.predict.inputs import InputItem
 from ats_cli.predict.metrics import Evaluation, evaluate, evaluate_multilabel
 from ats_cli.predict.output import AttentionSaver
@@ -59,7 +59,7 @@ def print_results(console: Console, err: Console, rows: Sequence[PredictionRow],
     good = [r for r in rows if r.ok]
     failed = [r for r in rows if not r.ok]
     if good:
-        console.print(_table(good, len(good)))
+        console.print(_table(good, len(good), multilabel=threshold is not None))
     evaluation = None if threshold is not None else evaluate(rows, classes)
     if threshold is not None:
         print_multilabel(console, rows, classes, threshold)
@@ -121,8 +121,10 @@ def _short(path: Path, width: int = 60) -> str:
     return text if len(text) <= width else "..." + text[-(width - 3):]
 
 
-def _table(rows: Sequence[PredictionRow], total: int) -> Table:
-    with_labels = any(r.label is not None for r in rows)
+def _table(rows: Sequence[PredictionRow], total: int, multilabel: bool = False) -> Table:
+    """The predictions (the first :data:`MAX_ROWS_SHOWN`); ``multilabel``: an empty label
+    cell is the empty set, shown as :data:`~ats_cli.multilabel.NO_CLASS` (else no label, -)."""
+    with_labels = any(r.label is not None and (multilabel or r.label) for r in rows)
     shown = rows[:MAX_ROWS_SHOWN]
     title = "Predictions" + (f" (first {len(shown)} of {total}; all in the CSV)" if total > len(shown) else "")
     table = Table(title=title, title_justify="left")
@@ -132,10 +134,14 @@ def _table(rows: Sequence[PredictionRow], total: int) -> Table:
     if with_labels:
         table.add_column("label", justify="right")
     for r in shown:
-        cells = [_short(r.path), r.prediction, f"{max(r.probs):.3f}"]
+        cells = [_short(r.path), r.prediction or (NO_CLASS if multilabel else ""), f"{max(r.probs):.3f}"]
         if with_labels:
-            mark = "" if r.label is None else ("[green]" if _same(r.label, r.prediction) else "[red]")
-            cells.append(f"{mark}{r.label or '-'}")
+            if multilabel and r.label is not None:
+                mark, shown_label = "[green]" if _same(r.label, r.prediction) else "[red]", r.label or NO_CLASS
+            else:
+                mark = ("[green]" if _same(r.label, r.prediction) else "[red]") if r.label else ""
+                shown_label = r.label or "-"
+            cells.append(f"{mark}{shown_label}")
         table.add_row(*cells)
     return table
 

@@ -49,7 +49,11 @@ def read_annotations(path: str | os.PathLike[str], classes: Sequence[str]) -> li
             raise PretrainError(f"{path}: feature {k} has class {name!r}, not one of the dataset's "
                                 f"({', '.join(map(str, classes))})")
         geometry = feature.get("geometry") or {}
-        box = _bounding_box(geometry)
+        try:
+            box = _bounding_box(geometry)
+        except _NotFinite as e:
+            raise PretrainError(f"{path}: feature {k} ({name!r}) has a coordinate {e}: a region is a finite area "
+                                "in pixels") from None
         if box is None:
             raise PretrainError(f"{path}: feature {k} ({name!r}) is a {geometry.get('type')!r}, not a Polygon or "
                                 "MultiPolygon with coordinates: a region must be an area")
@@ -76,9 +80,15 @@ def _class_name(feature: dict) -> str | None:
     return None
 
 
+class _NotFinite(ValueError):
+    """A coordinate that is NaN or infinite (Python's json reads ``NaN`` and ``Infinity``)."""
+
+
 def _bounding_box(geometry: dict) -> list[int] | None:
     """[top, left, height, width] in whole pixels covering the geometry's outlines (the
-    first ring of each polygon); None when it is not an area with coordinates."""
+    first ring of each polygon); None when it is not an area with coordinates;
+    :class:`_NotFinite` for a NaN or infinite coordinate, which has no pixel (it made
+    ``math.floor`` raise a bare ValueError or OverflowError)."""
     kind, coords = geometry.get("type"), geometry.get("coordinates")
     if kind not in AREAS or not isinstance(coords, list):
         return None
@@ -89,6 +99,9 @@ def _bounding_box(geometry: dict) -> list[int] | None:
         return None
     if not points:
         return None
+    bad = next((v for p in points for v in p if not math.isfinite(v)), None)
+    if bad is not None:
+        raise _NotFinite(str(bad))
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     top, left = math.floor(min(ys)), math.floor(min(xs))
     return [top, left, max(1, math.ceil(max(ys)) - top), max(1, math.ceil(max(xs)) - left)]

@@ -56,5 +56,5 @@ def _json_boxes(cell: str) -> list[tuple[str, int, int, int, int]] | None:
         return None
     try:
         return [(str(c), int(r), int(k), int(h), int(w)) for c, r, k, h, w in json.loads(cell)]
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, OverflowError):  # OverflowError: int(Infinity)
         return None
