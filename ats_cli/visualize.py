@@ -355,12 +355,14 @@ def write_attention_geojson(
     preview_px = None
     if preview is not None:
         from ats_cli.data.images import ImageReadError
+        from ats_cli.render.geojson import grid_extent
         from ats_cli.render.qupath import render_preview
 
         thumb = _thumbnail(image, reading, PREVIEW_SIDE)
         if thumb is None:
             raise ImageReadError(f"{image}: cannot read a thumbnail for the preview ({out} was written)")
-        preview_px = render_preview(collection, thumb, preview, geojson_name=Path(out).name,
+        preview_px = render_preview(collection, thumb, preview, attention=record.attention,
+                                    attention_extent=grid_extent(record), geojson_name=Path(out).name,
                                     image_name=Path(image).name)
     k = max(range(len(probs)), key=probs.__getitem__)
     return GeoJSONSummary(Path(out), collection["properties"]["prediction"], probs[k], len(record.offsets),

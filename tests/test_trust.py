@@ -89,12 +89,14 @@ def no_large_views(monkeypatch):
 # ---------------------------------------------------------------------------- 4. microns per pixel
 
 
-def test_4_a_slide_claiming_1000_microns_per_pixel_is_refused_by_name_before_allocating(tmp_path, no_large_views):
+def test_4_a_slide_claiming_1000_microns_per_pixel_is_read_as_it_is_said_by_name_without_allocating(
+        tmp_path, no_large_views):
+    # no microscope's scale, so none (issue 66): read as it is, not upsampled 2000-fold or refused
     slide = _tiff(tmp_path / "huge-mpp.tif", mpp=1000.0)
     result = runner.invoke(app, ["predict", str(slide), "--model", str(SLIDES_MODEL)])
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 0, result.output
     line = next(x for x in result.output.splitlines() if "huge-mpp.tif:" in x and "µm/px" in x)
-    assert "records 1000 µm/px" in line, line
+    assert "level 0 read as it is" in line and "scale unknown" in line and "1000 µm/px" in line, line
     assert "resolution tags" in line and "0.01-100" in line, line
 
 
@@ -105,11 +107,11 @@ def test_4_a_plausible_scale_whose_view_would_exceed_the_budget_is_refused_from_
         open_input(slide, channels=3, scale=0.25, patch_size=(32, 32), mpp=0.5, max_pixels=1_000_000)
 
 
-def test_4_a_slide_claiming_a_tiny_scale_is_refused_rather_than_called_1x1_pixels(tmp_path):
+def test_4_a_slide_claiming_a_tiny_scale_is_read_as_it_is_rather_than_called_1x1_pixels(tmp_path):
     slide = _tiff(tmp_path / "tiny-mpp.tif", mpp=0.0001)
-    with pytest.raises(SlideReadError, match=r"tiny-mpp.tif: .*0.0001 µm/px.*resolution tags.*0.01-100") as e:
-        open_input(slide, channels=3, scale=0.25, patch_size=(32, 32), mpp=0.5)
-    assert "1x1" not in str(e.value)
+    opened = open_input(slide, channels=3, scale=0.25, patch_size=(32, 32), mpp=0.5)
+    assert opened.source.size == (512, 512) and tuple(opened.low.shape) == (3, 128, 128)
+    assert "scale unknown" in opened.reading and "0.0001 µm/px" in opened.reading and "0.01-100" in opened.reading
 
 
 def test_4_mpp_0_means_off_as_the_help_says(tmp_path):
@@ -150,9 +152,12 @@ def test_4_training_refuses_an_absurd_mpp_flag_by_name(tmp_path):
         settle_physical_scale(TrainConfig(mpp=1000.0), records, print)
 
 
-def test_4_training_refuses_a_slide_with_an_absurd_scale_by_name(tmp_path):
+def test_4_training_takes_a_72_dpi_slide_as_one_of_unknown_scale(tmp_path):
+    # 72 dpi (352.8 µm/px) is a tool's default, no scale (issue 66, tests/test_tiff_scale.py): the
+    # model records none, rather than one that resamples every slide it reads 700-fold
     records = [Record(_tiff(tmp_path / "dpi.tif", mpp=25_400 / 72, per_inch=True), 0, "a")]
-    with pytest.raises(SlideReadError, match=r"dpi.tif: .*352.8 µm/px.*resolution tags: 72 pixels per inch.*0.01-100"):
+    assert settle_physical_scale(TrainConfig(), records, print) is None
+    with pytest.raises(ConfigError, match=r"--patch-um 32 needs the microns per pixel"):
         settle_physical_scale(TrainConfig(patch_um=32.0), records, print)
 
 

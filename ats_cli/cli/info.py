@@ -61,6 +61,8 @@ def _show(path: Path, reader: str, max_pixels: int | None, console: Console, err
         err.print(f"[red]error:[/] {escape(text)}")
         return False
     mpp = f"{i.mpp[1]:.4g} x {i.mpp[0]:.4g} µm (x, y)" if i.mpp else "not recorded"
+    if i.scale_unknown:  # a tool's 72 dpi is no scale (ats_cli.data.tiff_meta.not_a_microscope_scale)
+        mpp = f"scale unknown, read as it is: {i.scale_unknown}"
     table = Table(show_header=True)  # the path on a line of its own: a title would wrap at the table's width
     for col in ("level", "height", "width", "downsample"):
         table.add_column(col, justify="right")

@@ -38,8 +38,8 @@ def visualize(
         "--image", show_default=False, help="RUN_DIR mode: the image whose attention to follow.")] = None,
     preview: Annotated[Path | None, typer.Option(
         "--preview", show_default=False,
-        help="With --out X.geojson: also a PNG of the file drawn over the image, as QuPath shows it after "
-             "importing it.")] = None,
+        help="With --out X.geojson: also a PNG of the file drawn over the image (the attention as a heat, the "
+             "patches boxed and numbered), readable at any slide size.")] = None,
     epochs: Annotated[str, typer.Option(
         "--epochs", help="RUN_DIR mode: 'all' or a list like 1,5,10 (at most 8 panels, evenly spaced).")] = "all",
     n_patches: NPatchesOption = None,
@@ -68,7 +68,7 @@ def visualize(
     GeoJSON that QuPath imports (File > Import objects from file): the patches and the
     attention cells as detections in level-0 pixels, with their attention, draw order and
     estimator weight as measurements (docs/slides.md). [bold]--preview slide.png[/] draws
-    that file over the image.
+    that file over the image, the model's attention as a heat layer.
 
     Exit status 2 for a bad model, run directory or option, or an --out that cannot be
     written (checked before any work); 1 for an unusable image; 130 for Ctrl-C (nothing

@@ -158,8 +158,10 @@ def open_input(path: str | os.PathLike[str], *, channels: int, scale: float,
     ``max_pixels`` is the pixel budget of :mod:`ats_cli.data.slides` (default
     ``ATS_MAX_PIXELS``, else 64 M): larger reads are refused from the file's header.
     ``mpp`` 0 means off, as ``--mpp 0`` does in training: no physical scale is matched and
-    the file is read at ``level`` as it is (the way to read a file whose metadata gives
-    an implausible scale, which matching refuses: :mod:`ats_cli.data.dataset`).
+    the file is read at ``level`` as it is. A file whose recorded pixel size is no scale (a
+    tool's 72 dpi, a value out of the plausible range:
+    :func:`~ats_cli.data.tiff_meta.not_a_microscope_scale`) is read so too, and ``reading``
+    says why.
 
     An image smaller than a patch in either dimension is refused: zero padding would make
     it run, but every patch would then be mostly padding the model never saw in training,
@@ -250,6 +252,9 @@ def describe_reading(slide: SlideReader, target: float | None) -> str:
     (``target``: the mpp asked for, the model's or ``--mpp``; None: none to match)."""
     mpps = slide.level_mpps
     level = f"level {slide.level}"
+    if mpps is None and slide.scale_unknown:  # a tool's 72 dpi: said once, as ats info says it
+        asked = "" if target is None else f" for {_um(target)}"
+        return f"{level} read as it is{asked}, its scale unknown: {slide.scale_unknown}"
     if mpps is None:
         if target is None:
             return f"{level} read as it is (the file records no microns per pixel)"
@@ -289,9 +294,9 @@ def file_facts(path: str | Path, *, reader: str | None = None, level: int | None
     pixel of ``level`` (0 by default; None when it records none or is not read lazily) and
     the (height, width) the image is read at (a photo's as its EXIF orientation turns it;
     None when the file cannot be opened: the training loader names unreadable files when it
-    reaches them). Raises :class:`~ats_cli.data.slides.SlideReadError` when the recorded
-    microns per pixel are out of the plausible range (:mod:`ats_cli.data.dataset`): a model
-    trained at it would record a scale that resamples every slide it reads by hundreds."""
+    reaches them). A pixel size that is no microscope's (a tool's 72 dpi, out of the
+    plausible range: :func:`~ats_cli.data.tiff_meta.not_a_microscope_scale`) is None here: a
+    model trained at it would record a scale that resamples every slide it reads by hundreds."""
     from ats_cli.data.dataset import is_lazy
     from ats_cli.data.slides import open_image
 
@@ -302,7 +307,7 @@ def file_facts(path: str | Path, *, reader: str | None = None, level: int | None
     except Exception:  # noqa: BLE001 - reported by name when training reads the file
         return None, None
     with slide:
-        mpps = slide.plausible_mpps()  # a scale no microscope has is refused by name (ats_cli.data.dataset.mpp_problem)
+        mpps = slide.plausible_mpps()  # None for a scale no microscope has (SlideReader.record_scale)
         lv = level or 0
         size = slide.levels[lv] if lv < len(slide.levels) else None  # a level it lacks: named when training reads it
         return (None if mpps is None or lv >= len(mpps) else mpps[lv]), size

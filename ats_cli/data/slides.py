@@ -65,6 +65,7 @@ from ats_cli.data.tiff_meta import (
     codec_problem,
     colour_samples,
     level_pages,
+    not_a_microscope_scale,
     tiff_mpp_source,
 )
 
@@ -100,6 +101,7 @@ class SlideInfo:
     downsamples: tuple[float, ...]
     mpp: tuple[float, float] | None  # microns per pixel (y, x) at level 0, when the file says
     channels: int
+    scale_unknown: str = ""  # why what the file records is no scale (SlideReader.record_scale); "": it is one
 
 
 class SlideReader:
@@ -119,6 +121,7 @@ class SlideReader:
         self.vendor = vendor
         self.mpp = mpp
         self.mpp_source = "its metadata"  # where ``mpp`` was read (a tag, a property), for messages
+        self.scale_unknown = ""  # why the pixel size the file records is not its scale (record_scale)
         self.level = 0  # level read_patches reads from (set by --level / --mpp)
         self.factor = 1.0  # pixels of that level per pixel handed out (match_mpp): 1 = read as it is
         self._out_channels = channels
@@ -201,11 +204,22 @@ class SlideReader:
         mpps = self.level_mpps
         return None if mpps is None else mpps[self.level] * self.factor
 
+    def record_scale(self, mpp: tuple[float, float] | None, source: str, per_inch: float | None = None) -> None:
+        """Take ``mpp`` (y, x µm, read from ``source``; ``per_inch``: the resolution tags'
+        density when read from them) as the file's scale, or, when it is none
+        (:func:`~ats_cli.data.tiff_meta.not_a_microscope_scale`: a tool's 72 dpi), record
+        no scale and why: the file is then read as it is, as one that records nothing, and
+        ``ats info`` and the reading note say why in one line."""
+        why = not_a_microscope_scale(mpp, source, per_inch) if mpp is not None else None
+        self.mpp, self.scale_unknown = (None, why) if why else (mpp, "")
+        self.mpp_source = source or self.mpp_source
+
     def plausible_mpps(self) -> list[float] | None:
         """:attr:`level_mpps`, once the file's microns per pixel is known to be a
         microscope's (:mod:`ats_cli.data.dataset`): the resampling factor and every
-        size after it follow from it. Raises :class:`SlideReadError` naming the value and
-        where it was read (tag, property) when it is not."""
+        size after it follow from it. The readers record no scale for one that is not
+        (:meth:`record_scale`); this guards a reader that sets ``mpp`` itself, raising
+        :class:`SlideReadError` naming the value and where it was read."""
         mpps = self.level_mpps
         if self.mpp is not None and (problem := mpp_problem((self.mpp[0] + self.mpp[1]) / 2)):
             value = (self.mpp[0] + self.mpp[1]) / 2
@@ -342,7 +356,7 @@ class SlideReader:
         return SlideInfo(
             path=str(self.path), reader=self.name, vendor=self.vendor, dimensions=self.dimensions,
             levels=tuple(self.levels), downsamples=tuple(round(d, 4) for d in self.downsamples),
-            mpp=self.mpp, channels=self.channels,
+            mpp=self.mpp, channels=self.channels, scale_unknown=self.scale_unknown,
         )
 
     def close(self) -> None:
@@ -476,9 +490,8 @@ class TiffReader(SlideReader):
         self._fd = fh.fileno() if getattr(fh, "is_file", False) and not getattr(fh, "_offset", 0) \
             and hasattr(os, "pread") else None
         vendor = "ome" if self._tif.is_ome else ("aperio" if self._tif.is_svs else "generic-tiff")
-        mpp, source = tiff_mpp_source(self._tif, pages[0])
-        super().__init__(path, [(p.imagelength, p.imagewidth) for p in pages], channels, vendor, mpp)
-        self.mpp_source = source or self.mpp_source
+        super().__init__(path, [(p.imagelength, p.imagewidth) for p in pages], channels, vendor)
+        self.record_scale(*tiff_mpp_source(self._tif, pages[0]))
         self.max_pixels = max_pixels_limit(max_pixels)
         self._probe_codec()
 
@@ -626,8 +639,9 @@ class OpenSlideReader(SlideReader):
         mx, my = props.get(openslide.PROPERTY_NAME_MPP_X), props.get(openslide.PROPERTY_NAME_MPP_Y)
         mpp = (float(my), float(mx)) if mx and my else None
         levels = [(h, w) for w, h in self._slide.level_dimensions]
-        super().__init__(path, levels, 3, props.get(openslide.PROPERTY_NAME_VENDOR, "unknown"), mpp)
-        self.mpp_source = "OpenSlide's openslide.mpp-x/y"
+        vendor = props.get(openslide.PROPERTY_NAME_VENDOR, "unknown")
+        super().__init__(path, levels, 3, vendor)
+        self.record_scale(mpp, *_openslide_source(props, vendor))
 
     @property
     def downsamples(self) -> list[float]:
@@ -646,6 +660,22 @@ class OpenSlideReader(SlideReader):
 
     def close(self):
         self._slide.close()
+
+
+def _openslide_source(props, vendor: str) -> tuple[str, float | None]:
+    """(where OpenSlide's openslide.mpp-x/y come from, the resolution tags' pixels per inch
+    when from them): a generic TIFF's are its resolution tags (per centimetre), as
+    TiffReader reads them, so a tool's 72 dpi is no scale through either reader."""
+    unit, res = props.get("tiff.ResolutionUnit"), props.get("tiff.XResolution")
+    per_unit = {"centimeter": 2.54, "inch": 1.0}.get(unit or "")
+    if vendor == "generic-tiff" and per_unit and res:
+        try:
+            per = float(res)
+        except ValueError:
+            return "OpenSlide's openslide.mpp-x/y", None
+        name = "inch" if unit == "inch" else "centimetre"
+        return f"the TIFF resolution tags, {per:.6g} pixels per {name}", per * per_unit
+    return "OpenSlide's openslide.mpp-x/y", None
 
 
 class VirtualSlideReader(SlideReader):

@@ -19,8 +19,8 @@ import re
 
 import numpy as np
 
-__all__ = ["APERIO_JP2K_YCBCR", "aperio_ycbcr_to_rgb", "codec_message", "codec_problem", "colour_samples",
-           "level_pages", "tiff_mpp", "tiff_mpp_source"]
+__all__ = ["APERIO_JP2K_YCBCR", "PRINT_DENSITIES", "aperio_ycbcr_to_rgb", "codec_message", "codec_problem",
+           "colour_samples", "level_pages", "not_a_microscope_scale", "tiff_mpp", "tiff_mpp_source"]
 
 # OME UnitsLength values in micrometres. "pixel" and "reference frame" are not lengths.
 _MICRONS = {"m": 1e6, "dm": 1e5, "cm": 1e4, "mm": 1e3, "µm": 1.0, "μm": 1.0, "um": 1.0, "nm": 1e-3, "pm": 1e-6,
@@ -32,6 +32,12 @@ _CODEC_NAMES = {5: "LZW", 6: "old-style JPEG", 7: "JPEG", 8: "Deflate", 32946: "
                 33004: "JPEG 2000", 33005: "JPEG 2000", 34712: "JPEG 2000", 34887: "LERC", 34925: "LZMA",
                 34927: "WebP", 50000: "Zstandard", 50001: "WebP", 50002: "JPEG XL", 52546: "JPEG XL"}
 APERIO_JP2K_YCBCR = 33003
+# Pixels per inch that image tools write when nobody measured anything (72: libvips, GIMP,
+# Photoshop, PNG's pHYs default; 96: Windows; 300, 600: print), and the common screen and
+# scanner settings between: a microscope's pixel is 0.1-10 µm, 2,500-250,000 per inch, and
+# a file that says 72 or 300 dpi was written by a tool that did not know its scale.
+PRINT_DENSITIES = (72, 96, 100, 120, 144, 150, 200, 240, 300, 400, 600, 720, 1200)
+DENSITY_TOLERANCE = 0.01  # libvips stores 72 dpi as 28.34 px/cm (71.98 dpi): rounding, not a measurement
 
 
 def level_pages(tif) -> tuple[object, list]:
@@ -91,39 +97,68 @@ def _ome_mpp(xml: str) -> tuple[float, float] | None:
     return sizes[0], sizes[1]
 
 
+def not_a_microscope_scale(mpp: tuple[float, float], source: str, per_inch: float | None = None) -> str | None:
+    """Why the pixel size ``mpp`` ((y, x) µm) that a file records in ``source`` is not the
+    scale the image was taken at, so that it reads as "scale unknown"; None when it can be
+    a microscope's. The one place this is decided, for every reader.
+
+    A file's resolution tags hold whatever its writer put there, and most tools write a
+    screen or print density when nobody measured anything: libvips, given a PNG, saves
+    72 dpi (28.34 px/cm), which is 352.8 µm/px. Taken as a scale it would have a 0.5 µm/px
+    model's patches resampled 700-fold, or the file refused, when the user only wants it
+    read as it is (or at the scale they state with --mpp). So tags (``per_inch``: their
+    pixels per inch, whatever the unit) at one of :data:`PRINT_DENSITIES` say nothing of
+    the scale, nor does any value outside the plausible range of
+    :func:`ats_cli.data.dataset.mpp_problem` (from tags, OME-XML, a vendor's property).
+    A scanner's own scale, e.g. 40,000 px/cm = 0.25 µm/px, is kept.
+    """
+    from ats_cli.data.dataset import mpp_problem
+
+    if per_inch is not None:
+        dpi = next((d for d in PRINT_DENSITIES if abs(per_inch / d - 1) <= DENSITY_TOLERANCE), None)
+        if dpi is not None:
+            said = "" if f"{dpi} pixels per inch" in source else f" ({dpi} dpi)"
+            return f"{source}{said}, are a screen or print density (a tool's default), not a microscope's scale"
+    value = (mpp[0] + mpp[1]) / 2
+    if problem := mpp_problem(value):
+        return f"{source}: {value:.4g} µm/px, {problem}"
+    return None
+
+
 def tiff_mpp(tif, page) -> tuple[float, float] | None:
-    """(y, x) microns per pixel of ``page`` (level 0) of ``tif``: :func:`tiff_mpp_source`
-    without the source."""
+    """(y, x) microns per pixel of ``page`` (level 0) of ``tif`` as recorded:
+    :func:`tiff_mpp_source` without the source."""
     return tiff_mpp_source(tif, page)[0]
 
 
-def tiff_mpp_source(tif, page) -> tuple[tuple[float, float] | None, str]:
-    """((y, x) microns per pixel of ``page`` (level 0) of ``tif``, where it was read):
-    from the OME-XML, else an Aperio description's ``MPP =``, else the resolution tags
-    (per inch or centimetre; libvips writes per centimetre). Per axis, since x and y may
-    differ. None when the file records no pixel size. The tags hold whatever the writer
-    put there: a tool's default of 72 dpi reads as 352.8 um/px, so the source is named
-    for the range check of :mod:`ats_cli.data.dataset` to say which value it refuses."""
+def tiff_mpp_source(tif, page) -> tuple[tuple[float, float] | None, str, float | None]:
+    """((y, x) microns per pixel of ``page`` (level 0) of ``tif``, where it was read, the
+    resolution tags' pixels per inch when read from them): from the OME-XML, else an Aperio
+    description's ``MPP =``, else the resolution tags (per inch or centimetre; libvips
+    writes per centimetre). Per axis, since x and y may differ. None when the file records
+    no pixel size. As recorded: :func:`not_a_microscope_scale` decides whether it is a
+    scale, and the source is named for the line that says why not."""
     if tif.is_ome and (mpp := _ome_mpp(tif.ome_metadata or "")):
-        return mpp, "OME-XML PhysicalSizeX/Y"
+        return mpp, "OME-XML PhysicalSizeX/Y", None
     if tif.is_svs:
         found = re.search(r"\|\s*MPP\s*=\s*([0-9.eE+-]+)", page.description or "")
         try:
             mpp = _positive(float(found.group(1))) if found else None
         except ValueError:
             mpp = None
-        return ((mpp, mpp) if mpp else None), "the Aperio description's MPP"
+        return ((mpp, mpp) if mpp else None), "the Aperio description's MPP", None
     unit, xr, yr = (page.tags.get(name) for name in ("ResolutionUnit", "XResolution", "YResolution"))
     per_unit = _PER_UNIT.get(int(unit.value) if unit else 0)  # no unit written: no physical size assumed
     if not (per_unit and xr and yr):
-        return None, ""
+        return None, "", None
     try:
         y, x = (_positive(per_unit * tag.value[1] / tag.value[0]) for tag in (yr, xr))
         per = xr.value[0] / xr.value[1]
     except (ZeroDivisionError, TypeError, IndexError):
-        return None, ""
+        return None, "", None
     name = "inch" if per_unit == _PER_UNIT[2] else "centimetre"
-    return ((y, x) if y and x else None), f"the TIFF resolution tags: {per:.6g} pixels per {name}"
+    return (((y, x) if y and x else None), f"the TIFF resolution tags, {per:.6g} pixels per {name}",
+            per * _PER_UNIT[2] / per_unit)
 
 
 def colour_samples(series, page) -> tuple[int, str | None]:

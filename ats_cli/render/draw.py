@@ -1,6 +1,6 @@
 """What the attention figures share: one log colour scale with the uniform level marked,
-the attention as an overlay, recorded boxes, pixels as matplotlib wants them, and an
-atomic save.
+the attention as an overlay, recorded boxes, numbers beside boxes that cover no other,
+pixels as matplotlib wants them, and an atomic save.
 
 Attention is coloured on a **log scale** spanning three decades below its maximum: a
 trained attention map is very peaked, and on a linear scale everything but the top cell
@@ -94,6 +94,66 @@ def frame(ax, H: int, W: int):
     ax.set_xlim(0, W)
     ax.set_ylim(H, 0)
     ax.tick_params(labelsize=7, length=2)
+
+
+def place_labels(ax, boxes: Sequence[tuple[float, float, float, float]], texts: Sequence[str], *, colour,
+                 fontsize: float = 7.5, skip: bool = False) -> list[bool]:
+    """Write ``texts[k]`` beside ``boxes[k]`` (x0, y0, x1, y1 in data units, rows growing
+    downwards) so that no label covers another or runs past the axes: for each, in order,
+    the first free spot of the box's four outer corners and its sides, then the same
+    further out with a leader line to the box. Where none is free the label goes to the
+    first spot (``skip`` False) or is left out (``skip`` True: a crowded slide's numbers
+    would otherwise pile up into an unreadable smear). Returns which were written."""
+    ax.apply_aspect()
+    box = ax.get_position()
+    fig_w, fig_h = ax.figure.get_size_inches()
+    x0, x1 = ax.get_xlim()
+    y1, y0 = ax.get_ylim()  # rows grow downwards
+    per_pt_x = (x1 - x0) / (box.width * fig_w * 72)
+    per_pt_y = (y1 - y0) / (box.height * fig_h * 72)
+    placed: list[tuple[float, float, float, float]] = []
+    written = []
+
+    def free(rect) -> bool:
+        a0, a1, b0, b1 = rect
+        inside = a0 >= x0 and a1 <= x1 and b0 >= y0 and b1 <= y1
+        return inside and all(a1 <= c0 or a0 >= c1 or b1 <= d0 or b0 >= d1 for c0, c1, d0, d1 in placed)
+
+    for (c, r, c1, r1), text in zip(boxes, texts, strict=True):
+        pw, ph = c1 - c, r1 - r
+        w = (len(text) * 0.62 * fontsize + 3) * per_pt_x
+        h = (fontsize * 1.25 + 2) * per_pt_y
+        choice = None
+        for step in range(4):
+            gx, gy = step * w * 0.6, step * h
+            # (left, top) of the label: above-left, above-right, below-left, below-right, then the sides
+            spots = [(c - gx, r - h - gy), (c + pw - w + gx, r - h - gy), (c - gx, r + ph + gy),
+                     (c + pw - w + gx, r + ph + gy), (c - w - gx, r), (c + pw + gx, r),
+                     (c - w - gx, r + ph - h), (c + pw + gx, r + ph - h)]
+            for left, upper in spots:
+                rect = (left, left + w, upper, upper + h)
+                if free(rect):
+                    choice = (rect, step)
+                    break
+            if choice:
+                break
+        if choice is None and skip:
+            written.append(False)
+            continue
+        if choice is None:
+            left, upper = c, r - h
+            choice = ((left, left + w, upper, upper + h), 0)
+        (a0, a1, b0, b1), step = choice
+        placed.append((a0, a1, b0, b1))
+        written.append(True)
+        if step:  # a leader from the label to the box's nearest corner
+            lx, ly = (a0 + a1) / 2, (b0 + b1) / 2
+            cx, cy = min(max(lx, c), c + pw), min(max(ly, r), r + ph)
+            ax.plot([lx, cx], [ly, cy], color=colour, lw=0.7, alpha=0.8, zorder=8, clip_on=True)
+        ax.text((a0 + a1) / 2, (b0 + b1) / 2, text, color=colour, fontsize=fontsize, fontweight="bold",
+                ha="center", va="center", zorder=9, clip_on=True,
+                bbox={"boxstyle": "square,pad=0.12", "fc": "black", "ec": "none", "alpha": 0.6})
+    return written
 
 
 def short_number(p: float) -> str:

@@ -25,7 +25,17 @@ from pathlib import Path
 
 import numpy as np
 
-from ats_cli.render.draw import CMAP, as_image, colorbar, digit_boxes, frame, log_norm, save, short_number
+from ats_cli.render.draw import (
+    CMAP,
+    as_image,
+    colorbar,
+    digit_boxes,
+    frame,
+    log_norm,
+    place_labels,
+    save,
+    short_number,
+)
 from ats_cli.render.records import DigitBox, PatchSite, RegionSite
 
 __all__ = ["MAX_STRIP", "AttentionFigure", "FigureResult", "draw_attention"]
@@ -328,52 +338,8 @@ def _site_boxes(ax, sites: Sequence[PatchSite], patch_size: tuple[int, int], lab
 
 
 def _place_labels(ax, sites: Sequence[PatchSite], patch_size: tuple[int, int], fontsize: float = 7.5) -> None:
-    """Number the sites #1.. beside their boxes so that no label covers another: for each
-    (largest first) the first free spot of the box's four outer corners and its sides,
-    then the same further out with a leader line; the first spot if none is free."""
+    """Number the sites #1.. beside their boxes so that no label covers another
+    (:func:`ats_cli.render.draw.place_labels`; the first spot if none is free)."""
     ph, pw = patch_size
-    ax.apply_aspect()
-    box = ax.get_position()
-    fig_w, fig_h = ax.figure.get_size_inches()
-    x0, x1 = ax.get_xlim()
-    y1, y0 = ax.get_ylim()  # rows grow downwards
-    per_pt_x = (x1 - x0) / (box.width * fig_w * 72)
-    per_pt_y = (y1 - y0) / (box.height * fig_h * 72)
-    placed: list[tuple[float, float, float, float]] = []
-
-    def free(rect) -> bool:
-        a0, a1, b0, b1 = rect
-        inside = a0 >= x0 and a1 <= x1 and b0 >= y0 and b1 <= y1
-        return inside and all(a1 <= c0 or a0 >= c1 or b1 <= d0 or b0 >= d1 for c0, c1, d0, d1 in placed)
-
-    for k, site in enumerate(sites):
-        text = f"#{k + 1}"
-        w = (len(text) * 0.62 * fontsize + 3) * per_pt_x
-        h = (fontsize * 1.25 + 2) * per_pt_y
-        r, c = site.row, site.col
-        choice = None
-        for step in range(4):
-            gx, gy = step * w * 0.6, step * h
-            # (left, top) of the label: above-left, above-right, below-left, below-right, then the sides
-            spots = [(c - gx, r - h - gy), (c + pw - w + gx, r - h - gy), (c - gx, r + ph + gy),
-                     (c + pw - w + gx, r + ph + gy), (c - w - gx, r), (c + pw + gx, r),
-                     (c - w - gx, r + ph - h), (c + pw + gx, r + ph - h)]
-            for left, upper in spots:
-                rect = (left, left + w, upper, upper + h)
-                if free(rect):
-                    choice = (rect, step)
-                    break
-            if choice:
-                break
-        if choice is None:
-            left, upper = c, r - h
-            choice = ((left, left + w, upper, upper + h), 0)
-        (a0, a1, b0, b1), step = choice
-        placed.append((a0, a1, b0, b1))
-        if step:  # a leader from the label to the box's nearest corner
-            lx, ly = (a0 + a1) / 2, (b0 + b1) / 2
-            cx, cy = min(max(lx, c), c + pw), min(max(ly, r), r + ph)
-            ax.plot([lx, cx], [ly, cy], color=BOX_COLOUR, lw=0.7, alpha=0.8, zorder=8, clip_on=True)
-        ax.text((a0 + a1) / 2, (b0 + b1) / 2, text, color=BOX_COLOUR, fontsize=fontsize, fontweight="bold",
-                ha="center", va="center", zorder=9, clip_on=True,
-                bbox={"boxstyle": "square,pad=0.12", "fc": "black", "ec": "none", "alpha": 0.6})
+    place_labels(ax, [(s.col, s.row, s.col + pw, s.row + ph) for s in sites], [f"#{k + 1}" for k in range(len(sites))],
+                 colour=BOX_COLOUR, fontsize=fontsize)

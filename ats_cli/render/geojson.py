@@ -66,6 +66,7 @@ __all__ = [
     "cell_boxes",
     "feature_collection",
     "geojson_text",
+    "grid_extent",
     "parse_boxes",
     "patch_boxes",
     "select_cells",
@@ -137,6 +138,18 @@ def region_boxes(grid: tuple[int, int], size: int, frame: LevelFrame) -> np.ndar
     draws), clipped to the image (the last row and column may run past it)."""
     rows, cols = np.divmod(np.arange(grid[0] * grid[1]), grid[1])
     return clip_boxes(patch_boxes(np.stack([rows, cols], 1) * size, (size, size), frame), frame)
+
+
+def grid_extent(record: AttentionRecord) -> tuple[float, float, float, float]:
+    """Level-0 (x0, y0, x1, y1) that ``record``'s attention map covers, cell (0, 0) at the
+    top left: :func:`cell_boxes`'s footprint, or a two-level model's region grid (whose
+    last row and column may run past the image)."""
+    frame, grid = record.frame, record.region_grid
+    if grid is not None:
+        size = record.regions[0].size * frame.downsample
+        return 0.0, 0.0, grid[1] * size, grid[0] * size
+    boxes = cell_boxes(record.attention.shape, record.low_size, record.margin, frame)
+    return float(boxes[0, 0]), float(boxes[0, 1]), float(boxes[-1, 2]), float(boxes[-1, 3])
 
 
 def _num(v: float) -> float | int:
