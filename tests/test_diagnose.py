@@ -43,6 +43,12 @@ def test_test_split_is_judged_without_a_val_split():
     assert set(warnings(rec, {"train": 0.5, "test": 0.5}, steps=5)) == {"chance"}
 
 
+def test_a_uniform_attention_on_a_run_that_learns_is_not_named():
+    """Whole photos of two kinds: any patch shows the class, a uniform attention suffices."""
+    assert warnings(_record(entropy=9.09, train_acc=1.0, val_acc=1.0), CHANCE, steps=5) == {}
+    assert set(warnings(_record(entropy=9.09, val_acc=0.55), CHANCE, steps=5)) == {"uniform"}
+
+
 def test_a_run_that_learns_gets_no_warning():
     # negative controls: the attention has moved; held-out accuracy is above chance; train at chance too
     assert warnings(_record(entropy=8.5, train_acc=0.99, val_acc=0.9), CHANCE, steps=5) == {}
