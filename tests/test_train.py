@@ -518,3 +518,19 @@ def test_best_pt_breaks_a_tie_in_accuracy_by_the_later_epoch():
     assert max(with_val, key=selection_score)["epoch"] == 1
     with_val[0]["val_acc"] = 0.8
     assert max(with_val, key=selection_score)["epoch"] == 4
+
+
+@pytest.mark.parametrize(("name", "content", "kind"), [
+    ("notes.txt", b"my notes\n", "a text file"),
+    ("dataset.json", b'{"classes": ["a", "b"]}\n', "a JSON file"),
+    ("photo.png", b"\x89PNG\r\n\x1a\n" + bytes(64), "a PNG image"),
+    ("empty.pt", b"", "an empty file"),
+], ids=["text", "json", "png", "empty"])
+def test_a_file_that_is_plainly_not_a_checkpoint_is_named_with_what_it_is(tmp_path, name, content, kind):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}: not an ats checkpoint ({kind})"), message
+    assert "best.pt" in message and "Python object" not in message and "cannot be read" not in message
