@@ -231,7 +231,7 @@ def test_bad_files_are_named_and_the_others_predicted(setup, tmp_path):
     assert f"{corrupt}: cannot decode image" in err
     assert f"{tiny}: is 40x12 pixels" in err and "smaller than the model's 16x16 patch" in err
     assert f"{colour}: has 3 channels, the model expects 1" in err
-    assert f"{missing}: no such file or directory" in err
+    assert f"{missing}: does not exist" in err
     assert "2 predicted, 4 failed" in result.output
 
 

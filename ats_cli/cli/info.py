@@ -48,6 +48,9 @@ def info(
 
 def _show(path: Path, reader: str, max_pixels: int | None, console: Console, err: Console) -> bool:
     """Print one file's table; False (after one error line naming it) if it cannot be read."""
+    if not path.exists():  # before the readers, whose word for it is "file not found"
+        err.print(f"[red]error:[/] {escape(str(path))}: does not exist")
+        return False
     from ats_cli.data.slides import open_image
 
     try:

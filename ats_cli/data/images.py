@@ -166,7 +166,7 @@ def decode_pil(path: str | os.PathLike[str], max_pixels: int | None = None) -> n
     decoding; every failure is an :class:`ImageReadError` naming the file."""
     path = Path(path)
     if not path.exists():
-        raise ImageReadError(path, "file not found")
+        raise ImageReadError(path, "does not exist")
     if path.is_dir():
         raise ImageReadError(path, "is a directory, not an image file")
     try:
