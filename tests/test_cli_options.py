@@ -179,6 +179,33 @@ def test_cli_definition_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_info_on_an_image_and_doctor_leave_heavy_packages_unimported(tmp_path):
+    """`ats info x.png` took 7 s, all but one of them importing torch through the slide
+    readers; `ats doctor` imported torchvision (4 s) for its version. info on an ordinary
+    image imports neither torch nor anything heavy; doctor needs torch, not torchvision."""
+    from PIL import Image
+
+    image = tmp_path / "x.png"
+    Image.new("L", (30, 20)).save(image)
+    heavy = ("torch", "torchvision", "matplotlib", "timm", "skimage", "scipy")
+    code = ("import sys\n"
+            "from typer.testing import CliRunner\n"
+            "from ats_cli.cli import app\n"
+            f"out = CliRunner().invoke(app, ['info', {str(image)!r}])\n"
+            "assert out.exit_code == 0 and '20 │    30' in out.output, out.output\n"
+            f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({heavy!r})))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout
+    code = ("import sys\n"
+            "from typer.testing import CliRunner\n"
+            "from ats_cli.cli import app\n"
+            "out = CliRunner().invoke(app, ['doctor'])\n"
+            "assert out.exit_code == 0 and 'torchvision' in out.output, out.output\n"
+            "print('torchvision' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False", done.stdout
+
+
 def test_an_extension_file_adds_its_flag_value(tmp_path):
     """Adding a pooling is adding a file: its name becomes a --pooling value (help and
     validation) without touching config.py, and the model builds it from the spec."""

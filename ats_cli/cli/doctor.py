@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import platform
 
 import typer
@@ -27,7 +28,12 @@ def doctor(
     table.add_row("torch", f"{torch.__version__} (CUDA {cuda}), {torch.get_num_threads()} threads")
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     table.add_row("GPUs", ", ".join(gpus) or "none visible")
-    for name in ("torchvision", "openslide", "tifffile", "PIL"):
+    try:  # its version only: importing it (its models, its C ops) took 4 s of the doctor's start, for a package
+        # ats loads only for a --feature-net torchvision:ARCH (ats_cli/nets/encoders.py), which says so if it fails
+        table.add_row("torchvision", importlib.metadata.version("torchvision"))
+    except importlib.metadata.PackageNotFoundError:
+        table.add_row("torchvision", "not installed (needed only for --feature-net torchvision:ARCH)")
+    for name in ("openslide", "tifffile", "PIL"):
         try:
             module = __import__(name)
             version = getattr(module, "__version__", "?")
