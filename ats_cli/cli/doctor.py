@@ -43,6 +43,10 @@ def doctor(
         except Exception as exc:  # noqa: BLE001 - report, don't crash: this is the diagnostic tool
             table.add_row(name, f"[red]unavailable[/red] ({type(exc).__name__}: {exc})")
     for device, line in native.status(try_build=build).items():
+        if "on first use" in line and native.is_built(device == "cuda"):
+            # status() speaks of this process, which has not loaded the kernel yet; the cache
+            # line below says it is built, and the first use loads that build in milliseconds
+            line = "native kernel (built; loaded on first use)"
         table.add_row(f"patches on {device}", line)
     for cuda in (False, True) if torch.cuda.is_available() else (False,):
         state = ("built" if native.is_built(cuda)
