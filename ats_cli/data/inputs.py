@@ -309,7 +309,7 @@ def check_patches_fit(records: Sequence[Record], patch_size: tuple[int, int], *,
 
 # ----------------------------- the view cache: slides' low-res views, made once per run
 VIEW_CACHE_ENV = "ATS_VIEW_CACHE"
-VIEW_CACHE_FORMAT = 2  # bump when what is stored changes: old entries then simply stop matching
+VIEW_CACHE_FORMAT = 3  # bump when what is stored changes: old entries then simply stop matching (3: alpha on white)
 DIGEST_BYTES = 64 << 10  # read from each end of a file for its content digest
 
 
