@@ -227,3 +227,4 @@ def test_a_path_that_does_not_exist_is_said_to_not_exist(tmp_path):
         Image.new("RGB", (8, 8)).save(photos / name / "a.png")
     result = ats("train", photos, "--out", tmp_path / "run", env={"COLUMNS": "1000"})
     assert f"run `ats make-dataset from-folder {photos} DATA` first" in result.output, result.output
+    assert not (tmp_path / "run").exists()  # refused before a run directory is made
