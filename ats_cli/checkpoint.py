@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +97,9 @@ def _foreign_kind(path: Path) -> str | None:
         head = f.read(4096)
     if not head:
         return "an empty file"
-    if head.startswith(b"PK") or head[0] == 0x80:
+    if head.startswith(b"PK"):
+        return _foreign_zip(path)
+    if head[0] == 0x80:
         return None
     for magic, name in _IMAGE_MAGIC:
         if head.startswith(magic):
@@ -109,7 +112,22 @@ def _foreign_kind(path: Path) -> str | None:
         if text is not None:
             first = text.lstrip()[:1]
             return "a JSON file" if first in ("{", "[") else "a text file"
-    return None
+    return "a binary file of another kind: torch.save writes a zip archive or a pickle"
+
+
+def _foreign_zip(path: Path) -> str | None:
+    """A zip archive that torch.save did not write (it writes ``NAME/data.pkl``): a NumPy
+    .npz, or another archive, named with its first members; None for a torch one."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError):
+        return None  # let torch.load say what is wrong with it
+    if any(n.endswith("data.pkl") for n in names):
+        return None
+    kind = "a NumPy .npz archive" if names and all(n.endswith(".npy") for n in names) else "a zip archive"
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return f"{kind} of {shown}" if names else f"{kind}, empty"
 
 
 def _load_problem(e: Exception) -> str:

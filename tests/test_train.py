@@ -526,7 +526,9 @@ def test_best_pt_breaks_a_tie_in_accuracy_by_the_later_epoch():
     ("dataset.json", b'{"classes": ["a", "b"]}\n', "a JSON file"),
     ("photo.png", b"\x89PNG\r\n\x1a\n" + bytes(64), "a PNG image"),
     ("empty.pt", b"", "an empty file"),
-], ids=["text", "json", "png", "empty"])
+    ("noise.bin", bytes(range(1, 256)) * 4,
+     "a binary file of another kind: torch.save writes a zip archive or a pickle"),
+], ids=["text", "json", "png", "empty", "binary"])
 def test_a_file_that_is_plainly_not_a_checkpoint_is_named_with_what_it_is(tmp_path, name, content, kind):
     path = tmp_path / name
     path.write_bytes(content)
@@ -546,3 +548,12 @@ def test_a_patch_larger_than_the_images_is_refused_before_anything_is_prepared(t
     assert "smaller than the 48x48 patch (and 5 more" in message and "give --patch-size 32 or less" in message
     assert not any("prepared" in line for line in prepared), prepared
     assert not list(data.rglob("*.npy")) and not (data / ".ats-prepared").exists()
+
+
+def test_a_numpy_archive_given_as_a_model_is_named_for_what_it_is(tmp_path):
+    path = tmp_path / "digits.npz"
+    np.savez(path, x_train=np.zeros(3), y_train=np.zeros(3))
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path)
+    assert str(err.value).startswith(f"{path}: not an ats checkpoint (a NumPy .npz archive of x_train.npy, "
+                                     "y_train.npy)"), str(err.value)
