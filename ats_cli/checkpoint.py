@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,10 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.devi
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: model file not found")
+    kind = _foreign_kind(path)
+    if kind:
+        raise CheckpointError(f"{path}: not an ats checkpoint ({kind}); a checkpoint is the best.pt or last.pt "
+                              "that ats train writes in its run folder")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # torch raises many types for foreign or corrupt files
@@ -75,6 +80,54 @@ def _check_spec_version(path: Path, spec: dict[str, Any]) -> None:
                               "upgrade ats")
     raise CheckpointError(f"{path}: model spec version {version!r} was written by a pre-release ats; this ats reads "
                           f"spec version {SPEC_VERSION} only: retrain the model or convert its checkpoint")
+
+
+_IMAGE_MAGIC = ((b"\x89PNG", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"),
+                (b"II+\x00", "BigTIFF"), (b"MM\x00+", "BigTIFF"), (b"GIF8", "GIF"), (b"BM", "BMP"))
+
+
+def _foreign_kind(path: Path) -> str | None:
+    """What ``path`` plainly is when it is not a checkpoint ("a text file", "a PNG image"),
+    from its first bytes; None when it may be one. Without this a notes file or a
+    dataset.json reached ``torch.load``, whose refusal quotes a pickle opcode ("101",
+    "Python object (123)") that tells a user nothing about the file they gave. torch.save
+    writes a zip archive ("PK") or, in the legacy format, a pickle (first byte 0x80):
+    those go on to ``torch.load``, which reads only tensors and plain values."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if not head:
+        return "an empty file"
+    if head.startswith(b"PK"):
+        return _foreign_zip(path)
+    if head[0] == 0x80:
+        return None
+    for magic, name in _IMAGE_MAGIC:
+        if head.startswith(magic):
+            return f"a {name} image"
+    if b"\x00" not in head:
+        try:
+            text = head.decode("utf-8")
+        except UnicodeDecodeError as e:
+            text = head[:e.start].decode("utf-8") if e.start > len(head) - 4 else None  # a cut multi-byte char
+        if text is not None:
+            first = text.lstrip()[:1]
+            return "a JSON file" if first in ("{", "[") else "a text file"
+    return "a binary file of another kind: torch.save writes a zip archive or a pickle"
+
+
+def _foreign_zip(path: Path) -> str | None:
+    """A zip archive that torch.save did not write (it writes ``NAME/data.pkl``): a NumPy
+    .npz, or another archive, named with its first members; None for a torch one."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError):
+        return None  # let torch.load say what is wrong with it
+    if any(n.endswith("data.pkl") for n in names):
+        return None
+    kind = "a NumPy .npz archive" if names and all(n.endswith(".npy") for n in names) else "a zip archive"
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return f"{kind} of {shown}" if names else f"{kind}, empty"
 
 
 def _load_problem(e: Exception) -> str:

@@ -55,7 +55,15 @@ from ats_cli.core.model import exploration
 from ats_cli.core.source import to_device
 from ats_cli.data.dataset import load_dataset
 from ats_cli.data.images import ImageReadError
-from ats_cli.data.inputs import Batch, ImageDataset, collate, readable, single_thread_worker, view_cache_for
+from ats_cli.data.inputs import (
+    Batch,
+    ImageDataset,
+    check_patches_fit,
+    collate,
+    readable,
+    single_thread_worker,
+    view_cache_for,
+)
 from ats_cli.diagnose import chance_accuracy, uniform_entropy
 from ats_cli.diagnose import warnings as degenerate_warnings
 from ats_cli.inference import predict_probs
@@ -647,6 +655,10 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
     reading = {"channels": facts.channels, "scale": view_scale(cfg, settled.mpp),  # a two-level model's: coarse
                "patch_size": (cfg.patch_size, cfg.patch_size), "view_cache": cache, **cfg.input_options()}
     from ats_cli.data.prepared import prepare_for_run  # ordinary images: decoded once, then read by patch
+
+    # a patch larger than an image: one line now, not after decoding the whole dataset
+    check_patches_fit([r for split in data.splits.values() for r in split], reading["patch_size"],
+                      reader=reading["reader"], level=reading["level"])
 
     # a validation split, when the dataset has one, chooses best.pt (selection_score)
     held_out = ("val", "test") if data.splits.get("val") else ("test",)

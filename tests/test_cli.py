@@ -210,3 +210,21 @@ def test_doctor_reports_versions_and_the_patch_path(monkeypatch):
     assert result.exit_code == 0, result.output
     assert re.search(rf"│ ats +│ {re.escape(__version__)} ", result.output)
     assert "torch" in result.output and "patches on cpu" in result.output
+
+
+def test_a_path_that_does_not_exist_is_said_to_not_exist(tmp_path):
+    """train DATA, predict, info and visualize name a missing path as missing, not as "not a
+    directory" or "file not found"; class folders without dataset.json name the next step."""
+    nowhere, photo = tmp_path / "nowhere", tmp_path / "nowhere.png"
+    result = ats("train", nowhere, "--out", tmp_path / "run", env={"COLUMNS": "1000"})
+    assert result.exit_code != 0 and f"{nowhere}: does not exist" in result.output, result.output
+    for args in (["info", photo], ["visualize", tmp_path, "--image", photo, "--out", tmp_path / "v.png"]):
+        result = ats(*args, env={"COLUMNS": "1000"})
+        assert result.exit_code != 0 and f"{photo}: does not exist" in result.output, result.output
+    photos = tmp_path / "photos"
+    for name in ("cat", "dog"):
+        (photos / name).mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(photos / name / "a.png")
+    result = ats("train", photos, "--out", tmp_path / "run", env={"COLUMNS": "1000"})
+    assert f"run `ats make-dataset from-folder {photos} DATA` first" in result.output, result.output
+    assert not (tmp_path / "run").exists()  # refused before a run directory is made

@@ -128,8 +128,9 @@ def test_reading_options_are_the_training_fields_in_every_command(name):
     train, predict, visualize = (_params(c)[name] for c in ("train", "predict", "visualize"))
     assert train.opts == predict.opts == visualize.opts == [flag]
     assert predict.help == visualize.help
-    types = {re.search(r"<(\w+)", _option_line(_help_lines(c), flag))[1] for c in ("train", "predict", "visualize")}
-    assert len(types) == 1, types  # <int>, <int range> [x>=0]: the same type
+    lines = [_option_line(_help_lines(c), flag) for c in ("train", "predict", "visualize")]
+    types = {re.search(rf"{flag}\s+(\S+)", line)[1] for line in lines}
+    assert len(types) == 1, types  # N, N [x>=0]: the same type
     body = train.help.split(" \\[default: ")[0]
     assert predict.help.startswith(body + " \\[default: the model's training setting, else ")
     assert predict.default is visualize.default is None
@@ -178,6 +179,33 @@ def test_cli_definition_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_info_on_an_image_and_doctor_leave_heavy_packages_unimported(tmp_path):
+    """`ats info x.png` took 7 s, all but one of them importing torch through the slide
+    readers; `ats doctor` imported torchvision (4 s) for its version. info on an ordinary
+    image imports neither torch nor anything heavy; doctor needs torch, not torchvision."""
+    from PIL import Image
+
+    image = tmp_path / "x.png"
+    Image.new("L", (30, 20)).save(image)
+    heavy = ("torch", "torchvision", "matplotlib", "timm", "skimage", "scipy")
+    code = ("import sys\n"
+            "from typer.testing import CliRunner\n"
+            "from ats_cli.cli import app\n"
+            f"out = CliRunner().invoke(app, ['info', {str(image)!r}])\n"
+            "assert out.exit_code == 0 and '20 │    30' in out.output, out.output\n"
+            f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({heavy!r})))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout
+    code = ("import sys\n"
+            "from typer.testing import CliRunner\n"
+            "from ats_cli.cli import app\n"
+            "out = CliRunner().invoke(app, ['doctor'])\n"
+            "assert out.exit_code == 0 and 'torchvision' in out.output, out.output\n"
+            "print('torchvision' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False", done.stdout
+
+
 def test_an_extension_file_adds_its_flag_value(tmp_path):
     """Adding a pooling is adding a file: its name becomes a --pooling value (help and
     validation) without touching config.py, and the model builds it from the spec."""
@@ -213,3 +241,21 @@ def test_an_extension_file_adds_its_flag_value(tmp_path):
     )
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("command", ["train", "predict", "visualize", "make-dataset megapixel-mnist"])
+@pytest.mark.parametrize("columns", [80, 120])
+def test_help_fills_its_lines_and_shows_no_bool_beside_a_flag(command, columns):
+    """The description is wrapped to the terminal, not cut where the docstring's source
+    lines end ("What the flags leave to the data" alone on an 80-column line), and a flag
+    (--overwrite, --replace/--no-replace, --help) shows no "<bool>" value it does not take."""
+    result = CliRunner().invoke(app, [*command.split(), "--help"], env={"COLUMNS": str(columns)})
+    assert result.exit_code == 0, result.output
+    assert "<bool>" not in result.output
+    text = result.output.split("╭")[0].splitlines()
+    for line, after in zip(text, text[1:], strict=False):
+        if line.strip() and after.strip() and "Usage:" not in line:  # a line with more of its paragraph after it
+            fits = len(line.rstrip()) + 1 + len(after.split()[0]) <= columns - 2  # the next word would have fit
+            assert not fits, f"cut short at {columns} columns: {line!r}"
+    options = result.output.split("╭─ Options")[1]
+    assert re.search(r"--overwrite\s{2,}\S", options) or command != "train"

@@ -259,3 +259,24 @@ def test_from_folder_cli(tmp_path: Path) -> None:
     again = runner.invoke(make_dataset_app, ["from-folder", str(src), str(tmp_path / "out")])
     assert again.exit_code == 1
     assert "already exists" in again.output
+
+
+def test_a_folder_that_is_not_a_dataset_is_one_line_saying_what_it_is_and_the_next_step(tmp_path):
+    with pytest.raises(DatasetError) as err:
+        load_dataset(tmp_path / "nowhere")
+    assert str(err.value) == f"{tmp_path / 'nowhere'}: does not exist"
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello\n")
+    with pytest.raises(DatasetError) as err:
+        load_dataset(notes)
+    assert str(err.value).startswith(f"{notes}: is a file, not a dataset folder")
+    photos = tmp_path / "photos"
+    _png(photos / "cat" / "a.png")
+    _png(photos / "dog" / "b.png")
+    with pytest.raises(DatasetError) as err:
+        load_dataset(photos)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"{photos}: has class folders (cat, dog) but no dataset.json")
+    assert f"ats make-dataset from-folder {photos} DATA" in message
+    with pytest.raises(DatasetError, match="does not exist"):
+        dataset_from_folder(tmp_path / "nowhere", tmp_path / "out")

@@ -193,6 +193,18 @@ def test_config_validation(overrides: dict, message: str) -> None:
         make_config("small", **overrides)
 
 
+def test_the_val_split_scales_with_the_training_images_asked_for() -> None:
+    """--n-train 16 --n-test 8 made 1,000 val images: the val split follows the preset's
+    share of the training images (0.2 in paper) unless --n-val is given."""
+    assert make_config("paper", n_train=16, n_test=8).n_val == 3
+    assert make_config("paper", n_train=2).n_val == 1
+    assert make_config("paper", n_train=10_000).n_val == 2000
+    assert make_config("paper", n_test=8).n_val == 1000  # the paper's training set, the paper's val
+    assert make_config("paper", n_train=16, n_val=0).n_val == 0
+    assert make_config("paper", n_train=16, n_val=40).n_val == 40
+    assert make_config("small", n_train=16).n_val == 0  # a preset without a val split still has none
+
+
 def test_unknown_preset() -> None:
     with pytest.raises(ValueError, match="unknown preset 'huge'"):
         make_config("huge")

@@ -109,3 +109,17 @@ def test_ats_doctor_names_the_cache_and_whether_it_is_built(fake_compiler, monke
     native.build(cuda=False)
     result = CliRunner().invoke(app, ["doctor"])
     assert f"{native.build_dir(False)} (built)" in result.output
+
+
+def test_ats_doctor_does_not_call_a_built_kernel_built_on_first_use(fake_compiler, monkeypatch):
+    """doctor said "native kernel, built on first use" beside "kernel cache (cpu) ... (built)"."""
+    monkeypatch.delenv("ATS_NATIVE", raising=False)
+    monkeypatch.setattr(native, "_modules", {})  # a process that has not used the kernel yet
+    result = CliRunner().invoke(app, ["doctor"], env={"COLUMNS": "1000"})
+    assert "native kernel, built on first use" in result.output and "not built yet" in result.output
+    native.build(cuda=False)
+    result = CliRunner().invoke(app, ["doctor"], env={"COLUMNS": "1000"})
+    assert result.exit_code == 0, result.output
+    assert f"{native.build_dir(False)} (built)" in result.output
+    (line,) = [x for x in result.output.splitlines() if "patches on cpu" in x]
+    assert "built on first use" not in line and "native kernel (built; loaded on first use)" in line, line

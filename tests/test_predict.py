@@ -219,20 +219,70 @@ def test_bad_files_are_named_and_the_others_predicted(setup, tmp_path):
     corrupt = tmp_path / "imgs" / "corrupt.png"
     corrupt.write_bytes(b"\x89PNG\r\n\x1a\n this is not really a png")
     tiny = png(tmp_path / "tiny.png", 3, size=(40, 12))  # 12 rows < the 16-pixel patch
-    colour = png(tmp_path / "colour.png", 4, mode="RGB")  # a grayscale model
     missing = tmp_path / "nope.png"
     out = tmp_path / "p.csv"
-    result = run(images[0], corrupt, tiny, colour, missing, images[1], "--model", model, "--out", out)
+    result = run(images[0], corrupt, tiny, missing, images[1], "--model", model, "--out", out)
     assert result.exit_code == 1, result.output
     _, rows = read_csv(out)
     assert [r["path"] for r in rows] == [str(images[0]), str(images[1])]  # failures are not in the CSV
     err = result.stderr
-    assert "4 input(s) failed" in err
+    assert "3 input(s) failed" in err
     assert f"{corrupt}: cannot decode image" in err
     assert f"{tiny}: is 40x12 pixels" in err and "smaller than the model's 16x16 patch" in err
-    assert f"{colour}: has 3 channels, the model expects 1" in err
-    assert f"{missing}: no such file or directory" in err
-    assert "2 predicted, 4 failed" in result.output
+    assert f"{missing}: does not exist" in err
+    assert "2 predicted, 3 failed" in result.output
+
+
+@pytest.fixture
+def said(monkeypatch):
+    """A process that has logged no conversion yet (each is logged once per process)."""
+    import ats_cli.data.images as images_mod
+    monkeypatch.setattr(images_mod, "_SAID", set(), raising=False)
+
+
+def _probs(out: Path) -> list[str]:
+    return [v for r in read_csv(out)[1] for k, v in r.items() if k.startswith("prob_")]
+
+
+def test_a_colour_or_transparent_image_is_read_as_its_gray_or_flattened_file_and_said_once(setup, tmp_path,
+                                                                                             said, caplog):
+    """A gray model given a colour PNG predicts what it predicts for the gray PNG PIL saves
+    from it; an RGB model given a gray or a transparent PNG predicts what it predicts for
+    the RGB file a viewer shows (gray copied, transparency on white). Each conversion is
+    logged once, however many files need it."""
+    model, _ = setup
+    colours = [png(tmp_path / f"colour{i}.png", 4 + i, mode="RGB") for i in range(2)]
+    gray = tmp_path / "gray.png"
+    Image.open(colours[0]).convert("L").save(gray)
+    outs = {}
+    for name, image in (("colour", colours[0]), ("gray", gray)):
+        result = run(image, colours[1], "--model", model, "--out", tmp_path / f"{name}.csv")
+        assert result.exit_code == 0, result.output
+        outs[name] = _probs(tmp_path / f"{name}.csv")
+    assert outs["colour"] == outs["gray"]
+    said = [r.getMessage() for r in caplog.records if "converted to gray" in r.getMessage()]
+    assert len(said) == 1 and str(colours[0]) in said[0], said
+
+    rgb_model = tmp_path / "rgb.pt"
+    torch.manual_seed(0)
+    spec = model_spec(TrainConfig(patch_size=16, scale=0.25, n_patches=4, feature_width=8), n_classes=3, channels=3)
+    save_checkpoint(rgb_model, spec=spec, classes=CLASSES, model=create_model(spec))
+    rng = np.random.default_rng(7)
+    rgba = rng.integers(0, 256, (128, 128, 4), dtype=np.uint8)
+    rgba[:64, :, 3] = 0  # the top half transparent, over colours no viewer shows
+    Image.fromarray(rgba, "RGBA").save(tmp_path / "cut.png")
+    alpha = rgba[..., 3:].astype(np.uint16)
+    flat = ((rgba[..., :3] * alpha + 255 * (255 - alpha) + 127) // 255).astype(np.uint8)
+    Image.fromarray(flat, "RGB").save(tmp_path / "flat.png")
+    Image.open(gray).convert("RGB").save(tmp_path / "gray3.png")
+    for a, b in (("cut.png", "flat.png"), ("gray.png", "gray3.png")):
+        for name in (a, b):
+            result = run(tmp_path / name, "--model", rgb_model, "--out", tmp_path / f"{name}.csv")
+            assert result.exit_code == 0, result.output
+        assert _probs(tmp_path / f"{a}.csv") == _probs(tmp_path / f"{b}.csv"), (a, b)
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("composited on white" in m for m in messages) == 1
+    assert sum("gray in each channel" in m for m in messages) == 1
 
 
 def test_open_input_refuses_images_smaller_than_a_patch(tmp_path):

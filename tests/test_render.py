@@ -91,7 +91,46 @@ def test_the_evolution_figure_opens(tmp_path):
     size = draw_evolution(EvolutionFigure("x.png", (90, 90), rng.random((1, 30, 30)), (0, 90, 90, 0), panels,
                                           run_name="run", boxes=[DigitBox("7", 10, 10, 20, 20)]), tmp_path / "e.png")
     with Image.open(tmp_path / "e.png") as im:
-        assert im.size == size and im.width > im.height
+        assert im.size == size
+
+
+def _shares(a: float, b: float) -> np.ndarray:
+    """A 20x20 map with two objects, A (up left) and B (down right), in the ratio a:b; the
+    rest holds next to nothing."""
+    m = np.full((20, 20), 1e-7)
+    m[2:4, 2:4], m[14:16, 14:16] = a, b
+    return m / m.sum()
+
+
+def test_the_evolution_figure_shows_what_changes_between_epochs(tmp_path):
+    """Epochs whose maps differ only in how they share the attention between two objects (A
+    going from a fifth to four fifths) looked alike on the shared log scale. Under the later epoch the figure
+    draws the change: red where the attention grew, blue where it shrank, at those places."""
+    boxes = [DigitBox("7", 20, 20, 20, 20)]  # object A, in full-res pixels (10 per cell)
+    panels = [EpochPanel(1, _shares(1.0, 4.0)), EpochPanel(2, _shares(4.0, 1.0))]
+    out = tmp_path / "e.png"
+    draw_evolution(EvolutionFigure("x.png", (200, 200), np.zeros((1, 50, 50)), (0, 200, 200, 0), panels,
+                                   boxes=boxes), out, dpi=60)
+    rgb = np.asarray(Image.open(out).convert("RGB")).astype(int)
+    rgb = rgb[:, : int(rgb.shape[1] * 0.8)]  # the panels, not the colour bars on the right
+    r, g, b = rgb[..., 0], rgb[..., 1], rgb[..., 2]
+    blue = (b > r + 50) & (b > 70)  # the diverging scale's "less": no colour of the attention scale is blue
+    red = (r > g + 60) & (r > b + 40)  # its "more" (and the box drawn around A)
+    assert blue.sum() > 20 and red.sum() > 20, (blue.sum(), red.sum())
+    ys, xs = np.nonzero(blue)
+    by, bx = ys.mean(), xs.mean()
+    ys, xs = np.nonzero(red)
+    assert xs.mean() < bx and ys.mean() < by  # A (gaining) up and left of B (losing), as in the maps
+
+
+def test_the_share_of_attention_on_the_recorded_objects_and_the_entropy():
+    from ats_cli.render.evolution import entropy, on_objects
+
+    m = _shares(4.0, 1.0)
+    share = on_objects(m, (0, 200, 200, 0), [DigitBox("7", 20, 20, 20, 20)])
+    assert share == pytest.approx(m[2:4, 2:4].sum())
+    assert on_objects(m, (0, 200, 200, 0), []) is None
+    assert entropy(np.full((4, 4), 1 / 16)) == pytest.approx(np.log(16))
 
 
 def test_the_preview_draws_the_collection(tmp_path):

@@ -19,6 +19,7 @@ from ats_cli.checkpoint import CheckpointError, load_checkpoint, load_model
 from ats_cli.cli import app
 from ats_cli.config import ConfigError, resolve_config
 from ats_cli.data.dataset import write_dataset
+from ats_cli.data.images import ImageReadError
 from ats_cli.train import TrainingInterrupted, train
 
 cli_train = importlib.import_module("ats_cli.cli.train")  # the module; the package exports the command
@@ -518,3 +519,41 @@ def test_best_pt_breaks_a_tie_in_accuracy_by_the_later_epoch():
     assert max(with_val, key=selection_score)["epoch"] == 1
     with_val[0]["val_acc"] = 0.8
     assert max(with_val, key=selection_score)["epoch"] == 4
+
+
+@pytest.mark.parametrize(("name", "content", "kind"), [
+    ("notes.txt", b"my notes\n", "a text file"),
+    ("dataset.json", b'{"classes": ["a", "b"]}\n', "a JSON file"),
+    ("photo.png", b"\x89PNG\r\n\x1a\n" + bytes(64), "a PNG image"),
+    ("empty.pt", b"", "an empty file"),
+    ("noise.bin", bytes(range(1, 256)) * 4,
+     "a binary file of another kind: torch.save writes a zip archive or a pickle"),
+], ids=["text", "json", "png", "empty", "binary"])
+def test_a_file_that_is_plainly_not_a_checkpoint_is_named_with_what_it_is(tmp_path, name, content, kind):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}: not an ats checkpoint ({kind})"), message
+    assert "best.pt" in message and "Python object" not in message and "cannot be read" not in message
+
+
+def test_a_patch_larger_than_the_images_is_refused_before_anything_is_prepared(tmp_path):
+    data = _write_squares_dataset(tmp_path / "data", n_train=4, n_test=2, size=32, box=8)
+    prepared = []
+    with pytest.raises(ImageReadError) as err:
+        train(_cfg(data, tmp_path / "run", patch_size=48), log=prepared.append)
+    message = str(err.value)
+    assert "smaller than the 48x48 patch (and 5 more" in message and "give --patch-size 32 or less" in message
+    assert not any("prepared" in line for line in prepared), prepared
+    assert not list(data.rglob("*.npy")) and not (data / ".ats-prepared").exists()
+
+
+def test_a_numpy_archive_given_as_a_model_is_named_for_what_it_is(tmp_path):
+    path = tmp_path / "digits.npz"
+    np.savez(path, x_train=np.zeros(3), y_train=np.zeros(3))
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path)
+    assert str(err.value).startswith(f"{path}: not an ats checkpoint (a NumPy .npz archive of x_train.npy, "
+                                     "y_train.npy)"), str(err.value)

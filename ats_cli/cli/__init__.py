@@ -81,6 +81,9 @@ from ats_cli.cli import train as _train  # noqa: E402
 from ats_cli.cli import visualize as _visualize  # noqa: E402
 
 _ = (_from_folder, _selfcheck, _train, _predict, _visualize, _doctor, _info, _benchmark, _pretrain, _export)
+from ats_cli.cli.options import use_help_command  # noqa: E402
+
+use_help_command(app, make_dataset_app)  # help reflowed to the terminal, no <bool> beside flags
 
 
 def main() -> None:

@@ -63,8 +63,9 @@ def megapixel_mnist(
     n_test: Annotated[int | None, typer.Option("--n-test", help="Test images (paper: 1000).")] = None,
     n_val: Annotated[int | None, typer.Option(
         "--n-val", help="Validation images, each with noise patterns of its own (none in train or test): "
-        "ats train then keeps best.pt by them and the test split stays untouched by any choice (paper: 1000; "
-        "small: 0, and best.pt is then chosen on test). See docs/datasets.md.")] = None,
+        "ats train then keeps best.pt by them and the test split stays untouched by any choice (paper: 1000, or "
+        "0.2 x --n-train when that is given; small: 0, and best.pt is then chosen on test). See "
+        "docs/datasets.md.")] = None,
     width: Annotated[int | None, typer.Option(help="Canvas width in pixels (paper: 1500).")] = None,
     height: Annotated[int | None, typer.Option(help="Canvas height in pixels (paper: 1500).")] = None,
     n_digits: Annotated[int | None, typer.Option("--n-digits", help="Digits per image (5).")] = None,

@@ -19,10 +19,12 @@ from dataclasses import Field, fields
 from typing import Annotated, Any
 
 import typer
+from typer.core import TyperCommand
 
 from ats_cli.config import DATA_DEFAULTS, TrainConfig
 
-__all__ = ["config_flags", "config_help", "config_option", "tissue_setting", "ReaderOption", "LevelOption",
+__all__ = ["HelpCommand", "reflow", "use_help_command", "config_flags", "config_help", "config_option",
+           "tissue_setting", "ReaderOption", "LevelOption",
            "MppOption", "TissueOption", "MaxPixelsOption", "NPatchesOption", "DEVICE_OPTION", "SEED_OPTION"]
 
 FIELDS: dict[str, Field] = {f.name: f for f in fields(TrainConfig)}
@@ -150,3 +152,65 @@ MaxPixelsOption = Annotated[int | None, typer.Option(
     help="The most pixels decoded at once from one input: a whole PNG/JPEG, the slide level the low-res view is "
          "made from, one TIFF strip or tile; larger inputs are refused by name, before decoding \\[default: "
          "ATS_MAX_PIXELS, else 64000000 (8000 x 8000), which keeps memory under about 1.5 GB].")]
+
+
+def reflow(text: str | None) -> str | None:
+    """A docstring as ``--help`` should show it: each paragraph (blank-line separated) one
+    line, which rich then wraps at the terminal's width. Typer's rich mode keeps a
+    docstring's single line breaks, so the breaks of the source (at 90 columns) showed as
+    lines cut mid-sentence at 80 columns and ragged ones at 120. A paragraph that opens with
+    ``\\b`` (click's "keep as written") is kept."""
+    if not text:
+        return text
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(p if p.startswith("\b") else " ".join(line.strip() for line in p.splitlines())
+                       for p in paragraphs)
+
+
+# The value an option takes, as --help shows it: one short word, so the help text keeps most
+# of an 80-column terminal (Typer's "<int range>" beside "[x>=1]" left it 17 columns).
+METAVARS = {"int": "N", "float": "X", "str": "TEXT", "Path": "PATH"}
+
+
+def _metavar(option: Any) -> str | None:
+    """:data:`METAVARS`' word for ``option``'s type; None (Typer's own) for a choice, whose
+    values it lists, and for any type not listed."""
+    desc = getattr(option, "type_descriptor", None)
+    if desc is None or desc.is_choice or desc.is_list or desc.is_tuple:
+        return None
+    if desc.is_path:
+        return "PATH"
+    name = desc.ranged_type_name if desc.is_ranged else option.bare_type()
+    return METAVARS.get(str(name), None)
+
+
+class HelpCommand(TyperCommand):
+    """Every ``ats`` command's class: its help reflowed (:func:`reflow`), no type shown
+    beside a flag (``--overwrite``, ``--replace/--no-replace``: Typer showed ``<bool>``, a
+    value the flag does not take) and a one-word one beside an option that takes a value
+    (:data:`METAVARS`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.help = reflow(self.help)
+        for param in self.params:
+            if param.metavar is not None or getattr(param, "param_type_name", "") != "option":
+                continue
+            if getattr(param, "is_flag", False):
+                param.metavar = ""
+            else:
+                param.metavar = _metavar(param)
+
+    def get_help_option(self, ctx: Any) -> Any:
+        option = super().get_help_option(ctx)
+        if option is not None and option.metavar is None:
+            option.metavar = ""
+        return option
+
+
+def use_help_command(*apps: typer.Typer) -> None:
+    """Make :class:`HelpCommand` the class of every command registered on ``apps``."""
+    for app in apps:
+        for info in app.registered_commands:
+            if info.cls in (None, TyperCommand):
+                info.cls = HelpCommand

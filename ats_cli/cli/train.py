@@ -70,7 +70,7 @@ def train(
 
     from ats_cli import runtime
     from ats_cli.config import ConfigError, resolve_config
-    from ats_cli.data.dataset import DatasetError
+    from ats_cli.data.dataset import DatasetError, check_dataset_root
     from ats_cli.runtime import stop_signals_interrupt
     from ats_cli.train import TrainingInterrupted
     from ats_cli.train import train as run_training
@@ -92,6 +92,11 @@ def train(
     except (ConfigError, ValueError) as e:
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
+    try:  # a DATA that is no dataset folder (missing, a file, class folders): one line, no run directory made
+        check_dataset_root(Path(cfg.data).expanduser())
+    except DatasetError as e:
+        console.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)
+        raise typer.Exit(1) from None
     if ctx.is_main:  # one run per directory, one writer at a time (ats_cli/runtime.py)
         try:
             moved = runtime.prepare_run(cfg.out, resume=resume is not None, overwrite=overwrite)

@@ -94,6 +94,9 @@ def visualize(
         raise usage(str(e)) from None
     reading = {"reader": reader, "level": level, "mpp": mpp, "tissue": tissue_setting(tissue_mask),
                "max_pixels": max_pixels}
+    for given in (target, image):
+        if given is not None and not given.exists():
+            raise usage(f"{given}: does not exist")
     evolution = target.is_dir()
     if evolution and image is None:
         raise usage(f"{target} is a directory: give --image IMAGE to draw its attention across epochs "

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 import math
 import os
@@ -109,6 +110,9 @@ class DatasetError(ValueError):
         more = len(self.problems) - MAX_SHOWN
         tail = f"\n  ... and {more} more" if more > 0 else ""
         noun = "problem" if len(self.problems) == 1 else "problems"
+        if len(self.problems) == 1 and self.problems[0].file == str(self.root) and not self.problems[0].line:
+            super().__init__(str(self.problems[0]))  # the folder itself is wrong: one line says so
+            return
         super().__init__(f"dataset {self.root}: {len(self.problems)} {noun}:\n{shown}{tail}")
 
 
@@ -267,6 +271,41 @@ def _split_names(root: Path, meta: Mapping[str, Any], problems: list[Problem]) -
     return list(listed)
 
 
+def check_dataset_root(root: Path) -> None:
+    """Refuse in one line a ``root`` that cannot be a dataset folder, saying what it is and
+    the next step: it does not exist (not "not a directory", which sends a user looking for
+    a file in its place), it is a file, or it is a folder of class folders with no
+    ``dataset.json``, the layout a new user has first, which ``ats make-dataset
+    from-folder`` turns into a dataset."""
+    if not root.exists():
+        raise DatasetError(root, [Problem(str(root), 0, "does not exist")])
+    if not root.is_dir():
+        raise DatasetError(root, [Problem(str(root), 0, f"is a file, not a dataset folder (a folder with "
+                                                        f"{DATASET_JSON}, train.csv and test.csv)")])
+    if (root / DATASET_JSON).exists() or any((root / f"{s}.csv").exists() for s in KNOWN_SPLITS):
+        return  # a dataset with a piece missing: the loader lists what
+    classes = _class_folders(root)
+    if classes:
+        shown = ", ".join(classes[:3]) + (", ..." if len(classes) > 3 else "")
+        raise DatasetError(root, [Problem(str(root), 0, f"has class folders ({shown}) but no {DATASET_JSON}: run "
+                                                        f"`ats make-dataset from-folder {root} DATA` first, then "
+                                                        "use DATA")])
+
+
+def _class_folders(root: Path, look: int = 200) -> list[str]:
+    """The sub-folders of ``root`` that hold image files directly, looking at no more than
+    ``look`` entries of each (a folder of 100k slides is not listed whole for a hint)."""
+    found = []
+    for sub in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        try:
+            with os.scandir(sub) as entries:
+                if any(e.is_file() and backend(e.name) is not None for e in itertools.islice(entries, look)):
+                    found.append(sub.name)
+        except OSError:
+            continue
+    return found
+
+
 def load_dataset(root: str | os.PathLike[str], *, check_files: bool = True) -> Dataset:
     """Read and validate the dataset in ``root``.
 
@@ -278,8 +317,7 @@ def load_dataset(root: str | os.PathLike[str], *, check_files: bool = True) -> D
     """
     root = Path(root).expanduser().resolve()
     problems: list[Problem] = []
-    if not root.is_dir():
-        raise DatasetError(root, [Problem(str(root), 0, "not a directory")])
+    check_dataset_root(root)
     meta = _read_meta(root, problems)
     if meta is None:
         raise DatasetError(root, problems)

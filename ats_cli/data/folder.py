@@ -154,7 +154,8 @@ def dataset_from_folder(
     if test_fraction == 0:
         raise ValueError("test_fraction must be > 0: the format requires a test split")
     if not src.is_dir():
-        raise DatasetError(src, [Problem(str(src), 0, "not a directory")])
+        what = "is a file, not a folder of class folders" if src.exists() else "does not exist"
+        raise DatasetError(src, [Problem(str(src), 0, what)])
     if out == src or src in out.parents:
         raise DatasetError(src, [Problem(str(out), 0, "the output directory must not be inside the source tree "
                                          "(it would be read as a class folder)")])

@@ -28,6 +28,7 @@ preview of the same photo). A directory given as an image is named as a director
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -41,19 +42,21 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["DEFAULT_MAX_PIXELS", "PIL_MODES", "ImageReadError", "decode_pil", "max_pixels_limit", "open_pil",
-           "over_budget", "pil_channels", "read_image", "resize_in_bands"]
+           "over_budget", "pil_channels", "read_image", "resize_in_bands", "to_model_pixels"]
 
 # The most pixels decoded at once from one input. 64 M (8000 x 8000) keeps the peak memory
 # of ats predict / info / visualize on any input near 1.5 GB (figures: docs/runs-and-inputs.md).
 # PIL holds RGB in 4 bytes a pixel while it decodes.
 DEFAULT_MAX_PIXELS = 64_000_000
+log = logging.getLogger(__name__)
 MAX_PIXELS_ENV = "ATS_MAX_PIXELS"
 BAND_BYTES = 64 << 20  # float32 bytes converted at once by resize_in_bands
 _PIL_GUARD = threading.Lock()  # Image.MAX_IMAGE_PIXELS is process-wide
 
 # The one PIL mode table: what an image of each mode is converted to before use. Models
-# take gray (1 channel) or RGB (3), so alpha is dropped (a transparent background would
-# be a fourth channel the model never saw) and palette, CMYK, YCbCr, ... become RGB; a
+# take gray (1 channel) or RGB (3), so alpha is flattened onto white (a transparent
+# background would be a fourth channel the model never saw: :func:`to_model_pixels`) and
+# palette, CMYK, YCbCr, ... become RGB; a
 # mode not listed becomes RGB too. None: refused, since 16/32-bit samples have no one
 # right 8-bit mapping (clip, or scale from which range?): the user converts them knowingly.
 PIL_MODES: dict[str, str | None] = {
@@ -159,31 +162,94 @@ def pil_size(path: str | os.PathLike[str], max_pixels: int | None = None) -> tup
     return (w, h) if turned else (h, w)
 
 
-def decode_pil(path: str | os.PathLike[str], max_pixels: int | None = None) -> np.ndarray:
-    """The one PIL decoder: ``path`` as a uint8 array [H, W, C] with C = 1 (gray) or 3
-    (RGB), converted by :data:`PIL_MODES`. An image of more than ``max_pixels`` pixels
+_SAID: set[str] = set()  # the conversions already logged in this process
+_SAID_LOCK = threading.Lock()
+
+
+def _say_once(kind: str, message: str) -> None:
+    """Log ``message`` the first time this process makes a ``kind`` of conversion: a
+    dataset of 10,000 RGBA scans gets one line, not 10,000."""
+    with _SAID_LOCK:
+        if kind in _SAID:
+            return
+        _SAID.add(kind)
+    log.warning("ats: %s", message)
+
+
+def _has_alpha(im: Image.Image) -> bool:
+    return im.mode in ("RGBA", "RGBa", "LA", "La", "PA") or (im.mode in ("P", "L", "RGB") and "transparency" in im.info)
+
+
+def to_model_pixels(im: Image.Image, path: str | os.PathLike[str], channels: int | None = None) -> np.ndarray:
+    """The one place where an image's channels become a model's: ``im`` (loaded, upright) as
+    uint8 [H, W, C], C = ``channels`` (1 or 3) or, when None, the file's own (gray stays 1,
+    anything else 3). The same function serves training, prediction and visualize, so a
+    model sees a file's pixels the same way in all three. Each conversion is logged once
+    per process (it is not silent, and a cohort does not repeat it).
+
+    The decisions, and why:
+
+    - transparency (RGBA, LA, a palette or gray PNG with a transparent colour) is
+      composited on white, not dropped. The colour stored under a transparent pixel is
+      whatever the writing program left there, most often black: dropping alpha shows the
+      model a black background no viewer shows (a cut-out scan on black reads as dense
+      tissue or ink). White is the background of a brightfield slide and of a page; an
+      opaque image is unchanged, and says nothing.
+    - gray -> RGB (an RGB model given a gray image) copies the gray into the three planes:
+      what a viewer shows, and it loses nothing.
+    - RGB -> gray (a gray model given a colour image) takes the luma PIL's ``L`` mode gives
+      (ITU-R 601: 0.299 R + 0.587 G + 0.114 B), so a colour file reads as the gray file a
+      user would save from it; a colour image whose three planes are equal is read exactly.
+    """
+    native = _CHANNELS[_target_mode(path, im.mode)]  # gray stays gray; any other mode is colour
+    if _has_alpha(im):
+        rgba = np.asarray(im if im.mode == "RGBA" else im.convert("RGBA"))
+        if (rgba[..., 3] < 255).any():
+            _say_once("alpha", f"transparent pixels are composited on white (first: {path})")
+        flat = np.empty(rgba.shape[:2] + (3,), np.uint8)
+        for r0 in range(0, rgba.shape[0], 256):  # in bands: uint16 temporaries of a band only
+            band = rgba[r0:r0 + 256].astype(np.uint16)
+            alpha = band[..., 3:]
+            flat[r0:r0 + 256] = (band[..., :3] * alpha + 255 * (255 - alpha) + 127) // 255
+        del rgba
+        im = Image.fromarray(flat)  # RGB; a gray source's three planes are equal, so its L below is exact
+    want = channels or native
+    if want == 3 and native == 1:
+        _say_once("gray->rgb", f"gray images are given to this RGB model with the gray in each channel "
+                               f"(first: {path})")
+    elif want == 1 and native == 3:
+        _say_once("rgb->gray", f"colour images are converted to gray (luma: 0.299 R + 0.587 G + 0.114 B) "
+                               f"for this 1-channel model (first: {path})")
+    arr = np.array(im if im.mode == ("L" if want == 1 else "RGB") else im.convert("L" if want == 1 else "RGB"))
+    return arr[:, :, None] if arr.ndim == 2 else arr
+
+
+def decode_pil(path: str | os.PathLike[str], max_pixels: int | None = None,
+               channels: int | None = None) -> np.ndarray:
+    """The one PIL decoder: ``path`` as a uint8 array [H, W, C] with C = ``channels`` or,
+    when None, 1 (gray) or 3 (RGB), converted by :data:`PIL_MODES` and
+    :func:`to_model_pixels`. An image of more than ``max_pixels`` pixels
     (:func:`max_pixels_limit`) or of a refused mode is refused from its header, before
     decoding; every failure is an :class:`ImageReadError` naming the file."""
     path = Path(path)
     if not path.exists():
-        raise ImageReadError(path, "file not found")
+        raise ImageReadError(path, "does not exist")
     if path.is_dir():
         raise ImageReadError(path, "is a directory, not an image file")
     try:
         with open_pil(path, max_pixels) as im:
-            target = _target_mode(path, im.mode)  # a refused mode is refused before decoding
+            _target_mode(path, im.mode)  # a refused mode is refused before decoding
             frames = getattr(im, "n_frames", 1)
             if frames > 1 and im.format not in SINGLE_IMAGE_FORMATS:
                 raise ImageReadError(path, f"has {frames} frames (an animation or a multi-page file); ats reads one "
                                      "image per file: save the frame you mean as its own image")
             im.load()
             shown = ImageOps.exif_transpose(im)  # as a photo viewer shows it (module docstring)
-            arr = np.array(shown if shown.mode == target else shown.convert(target))  # a writable copy
+            return to_model_pixels(shown, path, channels)  # a writable copy
     except ImageReadError:
         raise
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise ImageReadError(path, f"cannot decode image ({type(e).__name__}: {e})") from e
-    return arr[:, :, None] if arr.ndim == 2 else arr
 
 
 def resize_in_bands(rows: Callable[[int, int], torch.Tensor], shape: tuple[int, int, int], size: tuple[int, int],
@@ -221,23 +287,12 @@ def read_image(path: str | os.PathLike[str], channels: int | None = None, *,
                max_pixels: int | None = None) -> torch.Tensor:
     """Read ``path`` as a uint8 tensor [C, H, W].
 
-    ``channels`` (1 or 3) is what the model expects. Grayscale and RGB are converted
-    into each other on purpose only when the conversion loses nothing a user would miss
-    (gray -> RGB replicates; RGB whose three planes are equal -> gray); a colour image
-    given to a grayscale model is an error rather than a silent conversion, since the
-    model never saw colour. Alpha is dropped. An image of more than ``max_pixels`` pixels
-    (:func:`max_pixels_limit`) is refused from its header, before decoding.
+    ``channels`` (1 or 3) is what the model expects: gray, colour and transparency are
+    converted to it by :func:`to_model_pixels` (which says why, and logs each conversion
+    once). An image of more than ``max_pixels`` pixels (:func:`max_pixels_limit`) is
+    refused from its header, before decoding.
     """
     import torch
 
-    arr = decode_pil(path, max_pixels)
-    if channels is not None and arr.shape[2] != channels:
-        if channels == 3 and arr.shape[2] == 1:
-            arr = np.repeat(arr, 3, axis=2)
-        elif channels == 1 and arr.shape[2] == 3 and (arr[..., 0] == arr[..., 1]).all() and (
-            arr[..., 1] == arr[..., 2]
-        ).all():
-            arr = arr[..., :1]
-        else:
-            raise ImageReadError(path, f"has {arr.shape[2]} channels, the model expects {channels}")
+    arr = decode_pil(path, max_pixels, channels)
     return torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))

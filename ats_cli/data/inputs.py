@@ -113,7 +113,8 @@ if TYPE_CHECKING:
     from ats_cli.data.slides import SlideReader
 
 __all__ = ["OpenedImage", "open_input", "batch_sources", "batch_support", "batch_views", "describe_reading",
-           "announce_readings", "file_facts", "ViewCache", "view_cache_for", "VIEW_CACHE_ENV", "VIEW_CACHE_FORMAT",
+           "announce_readings", "check_patches_fit", "file_facts", "ViewCache", "view_cache_for", "VIEW_CACHE_ENV",
+           "VIEW_CACHE_FORMAT",
            "ImageDataset", "Batch", "Unreadable", "collate", "readable", "single_thread_worker"]
 
 
@@ -313,9 +314,36 @@ def file_facts(path: str | Path, *, reader: str | None = None, level: int | None
         return (None if mpps is None or lv >= len(mpps) else mpps[lv]), size
 
 
+def check_patches_fit(records: Sequence[Record], patch_size: tuple[int, int], *, reader: str | None = None,
+                      level: int | None = None) -> None:
+    """Refuse, from the headers alone, ordinary images smaller than a patch, before training
+    decodes the dataset: :func:`open_input` refuses each such image when it reads it, which
+    training reaches only after preparing (decoding) every image. The message names the
+    first, how many there are, and the largest ``--patch-size`` every image takes. Slides
+    and TIFFs read lazily are left to :func:`open_input`: the level and scale they are read
+    at are settled from more than the header."""
+    ph, pw = patch_size
+    small: list[tuple[Path, tuple[int, int]]] = []
+    fits = None
+    for rec in records:
+        if is_lazy(rec.path, reader, level, None):
+            continue
+        size = pil_size(rec.path)  # None: unreadable, named when training reaches it
+        if size is None:
+            continue
+        fits = min(size) if fits is None else min(fits, *size)
+        if size[0] < ph or size[1] < pw:
+            small.append((rec.path, size))
+    if small:
+        (path, (h, w)), more = small[0], len(small) - 1
+        others = f" (and {more} more of the dataset's images)" if more else ""
+        raise ImageReadError(path, f"is {w}x{h} pixels (width x height), smaller than the {pw}x{ph} patch{others}: "
+                             f"give --patch-size {fits} or less (checked before preparing the dataset)")
+
+
 # ----------------------------- the view cache: slides' low-res views, made once per run
 VIEW_CACHE_ENV = "ATS_VIEW_CACHE"
-VIEW_CACHE_FORMAT = 2  # bump when what is stored changes: old entries then simply stop matching
+VIEW_CACHE_FORMAT = 3  # bump when what is stored changes: old entries then simply stop matching (3: alpha on white)
 DIGEST_BYTES = 64 << 10  # read from each end of a file for its content digest
 
 

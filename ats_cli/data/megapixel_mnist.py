@@ -228,6 +228,10 @@ PRESETS: dict[str, MegapixelMNISTConfig] = {
 def make_config(preset: str = "paper", **overrides: Any) -> MegapixelMNISTConfig:
     """The preset's parameters with every non-``None`` override applied, validated.
 
+    ``n_val`` not given with an ``n_train`` other than the preset's: the preset's share of
+    val images to train images (paper: 0.2), at least one; the preset's own (paper: 1,000)
+    when ``n_train`` is not changed.
+
     ``noise`` may be a comma-separated string or a list of family names; it is stored as
     ``"a,b"``. ``noise_overlap=None`` keeps the per-family default (it cannot be
     overridden back to ``None``, which is the presets' value anyway).
@@ -241,7 +245,13 @@ def make_config(preset: str = "paper", **overrides: Any) -> MegapixelMNISTConfig
     values = {k: v for k, v in overrides.items() if v is not None}
     if "noise" in values:
         values["noise"] = ",".join(parse_families(values["noise"]))
-    config = replace(PRESETS[preset], **values)
+    base = PRESETS[preset]
+    if "n_val" not in values and values.get("n_train", base.n_train) != base.n_train and base.n_val:
+        # a val split in the preset's proportion to the training images asked for (paper:
+        # 0.2, 1,000 for 5,000), at least one: --n-train 16 asks for a quick set, and a
+        # fixed 1,000 val images would be most of its time and disk
+        values["n_val"] = max(1, round(values["n_train"] * base.n_val / base.n_train))
+    config = replace(base, **values)
     config.validate()
     return config
 

@@ -81,7 +81,7 @@ def resolve_inputs(specs: Iterable[str | os.PathLike[str]], *, recursive: bool =
             for item in found:
                 add(item)
         else:
-            add(InputItem(path, error=f"{path}: no such file or directory"))
+            add(InputItem(path, error=f"{path}: does not exist"))
     return items
 
 
