@@ -83,7 +83,10 @@ stamp, so a file is done exactly when its entry matches it (:meth:`PreparedStore
 a rerun after a kill skips what is done and redoes nothing else. One preparer per store
 at a time (an OS lock on ``.lock`` in the store, dropped by the OS however the holder
 ends): a second one waits, then finds the work done. Under that lock the temporary files
-of a killed preparer are swept.
+of a killed preparer are swept. The workers neither inherit the lock nor outlive their
+preparer, and a lock left held by leftovers of a dead preparer is taken over
+(:mod:`ats_cli.locks`), so a ``kill -9`` at any moment leaves nothing that blocks the next
+preparation.
 
 A file's digest is taken before it is decoded and its stat compared before and after,
 so an entry never pairs one version's pixels with another version's stamp: a file that
@@ -126,6 +129,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ats_cli import locks
 from ats_cli.core.source import low_res_size
 from ats_cli.data.dataset import LAZY_BACKENDS, backend
 from ats_cli.data.images import ImageReadError, max_pixels_limit, over_budget, read_image
@@ -556,20 +560,67 @@ class PrepareReport:
                 f"{self.entry_bytes / 2**20:.1f} MiB, {ratio:.2f}x the source files")
 
 
+LOCK_POLL_S = 0.25  # how often a waiting preparer looks at the lock (and at its holder)
+
+
 @contextlib.contextmanager
 def preparer_lock(folder: Path, log: Callable[[str], None]) -> Iterator[None]:
-    """Hold the store's preparer lock; when another process holds it, say so and wait."""
+    """Hold the store's preparer lock; when another process holds it, say so and wait.
+
+    The lock file records its holder (:mod:`ats_cli.locks`). Waiting polls rather than
+    blocks, so that a holder that dies is noticed: a lock still held when its recorded
+    holder is gone (held by processes that inherited it, such as the orphaned workers of
+    a preparer killed by an older version) is taken over with one line saying so, as is
+    the record a killed preparer left behind. No forked worker inherits the lock."""
     folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        if fcntl is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+    path = folder / ".lock"
+    waiting, suspect = False, None
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        if fcntl is None:
+            break
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = locks.read_record(fd)
+            # seen twice, LOCK_POLL_S apart: a new holder writes its record just after locking
+            if locks.owner_gone(holder) and holder == suspect:
+                log(f"taking over the preparation lock {path}: its holder, pid {holder.get('pid')}, is gone "
+                    "(processes it left behind still hold the old lock file)")
+                with contextlib.suppress(OSError):
+                    if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                        path.unlink()
+                os.close(fd)
+                continue
+            os.close(fd)
+            suspect = holder
+            if not waiting and not locks.owner_gone(holder):
                 log(f"waiting for another preparation of {folder} to finish")
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                waiting = True
+            time.sleep(LOCK_POLL_S)
+            continue
+        except BaseException:
+            os.close(fd)
+            raise
+        try:  # the file locked must still be the one named .lock (a takeover removes the old one)
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    locks.held(fd)
+    try:
+        previous = locks.read_record(fd)
+        if previous and locks.owner_gone(previous):
+            log(f"taking over the preparation lock {path} of pid {previous.get('pid')}, which stopped without "
+                "releasing it; its unfinished files are swept")
+        locks.write_record(fd)
         yield
     finally:
+        locks.released(fd)
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)  # released on purpose: nobody to take it over from
         os.close(fd)  # drops the lock
 
 
@@ -616,7 +667,8 @@ def _run(store: PreparedStore, pending: list[str], workers: int,
             yield prepare_one(store, source, min_free)
         return
     ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-    pool = ProcessPoolExecutor(max_workers=min(workers, len(pending)), mp_context=ctx, initializer=_worker_init)
+    pool = ProcessPoolExecutor(max_workers=min(workers, len(pending)), mp_context=ctx, initializer=_worker_init,
+                               initargs=(os.getpid(),))
     try:
         yield from pool.map(prepare_one, [store] * len(pending), pending, [min_free] * len(pending),
                             chunksize=max(1, min(16, len(pending) // (4 * workers))))
@@ -624,9 +676,12 @@ def _run(store: PreparedStore, pending: list[str], workers: int,
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _worker_init() -> None:
+def _worker_init(parent: int) -> None:
     """One thread per preparing process (the work is per image), and Ctrl-C goes to the
-    parent alone, which stops the pool: finished entries are kept."""
+    parent alone, which stops the pool: finished entries are kept. A worker dies with
+    its parent (:func:`ats_cli.locks.die_with_parent`): after a kill -9 of the preparer
+    no orphan goes on, and none holds the store's lock (that is closed at the fork)."""
+    locks.die_with_parent(parent)
     import torch
 
     torch.set_num_threads(1)
