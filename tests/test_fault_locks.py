@@ -15,10 +15,15 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+from PIL import Image
 from typer.testing import CliRunner
 
 from ats_cli.cli import app
+from ats_cli.data.inputs import open_input
+from ats_cli.data.prepared import PreparedStore, prepare, read_entry
 from ats_cli.runtime import LOCK_NAME, RunLock
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -184,3 +189,81 @@ def test_kill_9_at_random_moments_then_a_preparation_completes_with_the_same_con
     kills = int(os.environ.get("ATS_KILL_LOOP", "2"))
     results = kill_prepare.kill_loop(kill_prepare.make_dataset(tmp_path / "data"), kills, seed=1, say=print)
     assert len(results) == kills and all(r["same_content"] for r in results)
+
+
+# ---------------------------------------------------------------------------- case 6: the prepared cache
+
+
+def _pgm(path: Path, seed: int, size: int = 64) -> Path:
+    """A gray PGM of noise: uncompressed, so every rewrite keeps the file's size."""
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(1, 256, (size, size), dtype=np.uint8)).save(path)
+    return path
+
+
+def _coarse_stamp(path):
+    """file_stamp on a file system with 1-second timestamps (ext3, many network mounts)."""
+    st = os.stat(path)
+    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns // 10**9 * 10**9,
+            "ctime_ns": st.st_ctime_ns // 10**9 * 10**9}
+
+
+def test_an_image_rewritten_within_its_stamps_second_is_not_served_from_the_old_entry(tmp_path, monkeypatch):
+    import ats_cli.data.prepared as prepared_mod
+
+    monkeypatch.setattr(prepared_mod, "file_stamp", _coarse_stamp)
+    source = tmp_path / "img.pgm"
+    store = prepared_mod.PreparedStore(tmp_path / "store", tmp_path, channels=1, scale=0.25)
+    for _ in range(5):  # the rewrite must land in the second the entry was stamped in
+        time.sleep(1.02 - time.time() % 1)
+        _pgm(source, seed=0)
+        stamp = _coarse_stamp(source)
+        assert prepare(store, [str(source)], log=lambda s: None).prepared == 1
+        _pgm(source, seed=1)  # the same size, other pixels
+        os.utime(source, ns=(stamp["mtime_ns"], stamp["mtime_ns"]))  # the old mtime, a whole second
+        if _coarse_stamp(source) == stamp:
+            break
+    else:
+        pytest.skip("could not rewrite the file within one second")
+    now = open_input(str(source), channels=1, scale=0.25, patch_size=(8, 8))
+    served = store.open_input(str(source), patch_size=(8, 8))  # before: the old entry, the old view
+    assert served is None or torch.equal(served.low, now.low)
+    report = prepare(store, [str(source)], log=lambda s: None)
+    assert report.prepared == 1, report.line()
+    served = store.open_input(str(source), patch_size=(8, 8))
+    assert served is not None and torch.equal(served.low, now.low)
+
+
+def _flip_view_value(entry: Path) -> None:
+    """Flip one bit of the first stored float of an entry's view."""
+    header, fd, _ = read_entry(entry)
+    os.close(fd)
+    n = int(np.prod(header["view"]))
+    at = int(header["view_at"]) + -(-n // 8) + 2  # past the bit mask: inside the first value
+    data = bytearray(entry.read_bytes())
+    data[at] ^= 0x10
+    entry.write_bytes(bytes(data))
+
+
+def test_a_flipped_bit_in_a_stored_view_is_detected_said_and_the_entry_rebuilt(tmp_path, capsys):
+    source = str(_pgm(tmp_path / "img.pgm", seed=3))
+    store = PreparedStore(tmp_path / "store", tmp_path, channels=1, scale=0.25)
+    logged: list[str] = []
+    prepare(store, [source], log=logged.append)
+    truth = open_input(source, channels=1, scale=0.25, patch_size=(8, 8)).low
+    entry = store.entry_path(source)
+
+    _flip_view_value(entry)  # met by a read: the file is read instead, said once, made again by the next preparation
+    served = store.open_input(source, patch_size=(8, 8))  # before: a view with one wrong value
+    assert served is None or torch.equal(served.low, truth)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{source}: its prepared copy is damaged" in err, err
+    report = prepare(store, [source], log=logged.append)
+    assert report.prepared == 1 and torch.equal(store.open_input(source, patch_size=(8, 8)).low, truth)
+
+    _flip_view_value(entry)  # met by a preparation: said in one line and made again
+    logged.clear()
+    report = prepare(store, [source], log=logged.append)
+    assert report.prepared == 1, report.line()
+    assert len(logged) == 1 and "its prepared copy is damaged" in logged[0], logged
+    assert torch.equal(store.open_input(source, patch_size=(8, 8)).low, truth)
