@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tifffile
 import torch
 from PIL import Image
 from typer.testing import CliRunner
@@ -267,3 +268,60 @@ def test_a_flipped_bit_in_a_stored_view_is_detected_said_and_the_entry_rebuilt(t
     assert report.prepared == 1, report.line()
     assert len(logged) == 1 and "its prepared copy is damaged" in logged[0], logged
     assert torch.equal(store.open_input(source, patch_size=(8, 8)).low, truth)
+
+
+# ---------------------------------------------------------------------------- case 4: the slide view cache
+
+SLIDE_READ = {"channels": 3, "scale": 1 / 8, "patch_size": (16, 16)}
+
+
+def _tiled_tiff(path: Path, pixels: np.ndarray) -> None:
+    """An uncompressed tiled TIFF: another image of the same size is a file of the same size."""
+    tifffile.imwrite(path, pixels, tile=(64, 64), photometric="rgb", compression=None)
+
+
+def test_a_slide_rewritten_in_place_with_its_size_and_mtime_kept_gets_a_new_view(tmp_path):
+    from ats_cli.data.inputs import ViewCache
+
+    path = tmp_path / "slide.tif"
+    before = np.random.default_rng(0).integers(0, 256, (512, 512, 3), dtype=np.uint8)
+    _tiled_tiff(path, before)
+    time.sleep(0.1)  # an older file: its stat proves it (ats_cli.io.settled)
+    st = path.stat()
+    cache = ViewCache(tmp_path / "views")
+    old = open_input(path, **SLIDE_READ, view_cache=cache)
+    assert len(list((tmp_path / "views").glob("*.npz"))) == 1
+    after = before.copy()
+    after[128:384, 128:384] = 255 - after[128:384, 128:384]  # the middle tiles: not the file's first or last 64 KiB
+    _tiled_tiff(path, after)  # in place: the same inode
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns, path.stat().st_ino) == (st.st_size, st.st_mtime_ns,
+                                                                                  st.st_ino)
+    new = open_input(path, **SLIDE_READ, view_cache=cache)  # before: the old view, from the cache
+    truth = open_input(path, **SLIDE_READ)
+    assert torch.equal(new.low, truth.low) and not torch.equal(new.low, old.low)
+
+
+def test_a_flipped_bit_in_a_cached_view_is_detected_said_and_the_view_made_again(tmp_path, capsys):
+    from ats_cli.data.inputs import ViewCache
+
+    path = tmp_path / "slide.tif"
+    _tiled_tiff(path, np.random.default_rng(1).integers(0, 256, (512, 512, 3), dtype=np.uint8))
+    time.sleep(0.1)
+    cache = ViewCache(tmp_path / "views")
+    truth = open_input(path, **SLIDE_READ).low
+    open_input(path, **SLIDE_READ, view_cache=cache)
+    (entry,) = (tmp_path / "views").glob("*.npz")
+    with np.load(entry) as z:
+        low = z["low"]
+    data = bytearray(entry.read_bytes())
+    at = data.find(low.tobytes()[:64]) + 7  # a byte of the stored view
+    data[at] ^= 0x10
+    entry.write_bytes(bytes(data))
+    capsys.readouterr()
+    got = open_input(path, **SLIDE_READ, view_cache=cache).low
+    assert torch.equal(got, truth)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{path}: its cached view {entry} is damaged" in err, err
+    assert torch.equal(open_input(path, **SLIDE_READ, view_cache=cache).low, truth)  # made again, whole
+    assert capsys.readouterr().err == ""
