@@ -391,9 +391,9 @@ class ViewCache:
                     or mask.dtype != bool:
                 raise ValueError(f"arrays {low.dtype} {low.shape}, {mask.dtype} {mask.shape} where uint8 "
                                  f"{(*size, slide.channels)}, bool {size} were expected")
-        except FileNotFoundError:  # not made yet
+        except OSError:  # not made yet, or a folder that cannot be read: made (the store says why not)
             low = None
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as e:  # damaged: said, made again
+        except (ValueError, KeyError, zipfile.BadZipFile, EOFError) as e:  # damaged: said, made again
             self._damaged(slide, path, e)
             low = None
         if low is None:
@@ -403,6 +403,8 @@ class ViewCache:
             # the last change would also name a same-size rewrite within that tick
             if settled(stamped, st.st_mtime_ns, st.st_ctime_ns):
                 self._store(path, low, mask)
+            elif self.writable:
+                self.probe()  # not stored this time, but a folder that cannot take it is said now
         return _as_view(low), torch.from_numpy(np.array(mask, dtype=bool))
 
 
