@@ -30,7 +30,7 @@ from PIL import Image
 ATS = [sys.executable, "-m", "ats_cli"]
 PREFIX = struct.Struct("<8sQQ")
 FINISH_S = 120  # a preparation after a kill must finish within this (it takes a few seconds)
-VOLATILE = ("mtime_ns", "ctime_ns", "stamped_ns")  # when it was stamped, not what was prepared
+VOLATILE = ("mtime_ns", "ctime_ns", "stamped_ns", "header_crc")  # when it was stamped (and the CRC over it)
 
 
 def make_dataset(root: Path, n: int = 24, size: int = 768) -> Path:
