@@ -20,7 +20,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["atomic_path", "atomic_write_bytes", "atomic_write_text", "check_writable", "sweep_temporaries"]
+__all__ = ["atomic_path", "atomic_write_bytes", "atomic_write_text", "check_writable", "sweep_temporaries", "settled",
+           "COARSE_SETTLE_NS", "FINE_SETTLE_NS"]
 
 
 @contextlib.contextmanager
@@ -88,3 +89,25 @@ def check_writable(path: str | os.PathLike[str]) -> None:
             fh.write(b"\0")
     finally:  # a full disk creates the probe, then refuses its byte: nothing is left behind either way
         probe.unlink(missing_ok=True)
+
+
+COARSE_SETTLE_NS = 2_000_000_000  # whole-second timestamps (ext3, FAT's 2 s, many network file systems)
+FINE_SETTLE_NS = 50_000_000  # sub-second timestamps: set from a clock that ticks every 1-10 ms
+
+
+def settled(stamped_ns: int, mtime_ns: int, ctime_ns: int) -> bool:
+    """Whether a file's (size, mtime, ctime), read at ``stamped_ns`` (``time.time_ns()``
+    taken just before the stat), prove the file unchanged for as long as they stay the same.
+
+    Why not always: a file system keeps times at its own resolution, and a rewrite within
+    the same tick as the stamp, keeping the size, leaves size, mtime and ctime all as they
+    were (ctime cannot be restored by a user, but it cannot move within a tick either).
+    Any change later than one tick after the file's last change moves ctime past it, so
+    a stamp taken at least a tick after that change is proof; one taken sooner is not,
+    and the caller then compares content (git's "racily clean" rule). The tick is read
+    from the times themselves: whole seconds (both on a 1 s or 2 s file system, or
+    an mtime restored to a whole second) take :data:`COARSE_SETTLE_NS`, others
+    :data:`FINE_SETTLE_NS`. A file just written (a dataset generated a moment ago) is
+    therefore checked by content once, then proven by its times."""
+    coarse = mtime_ns % 1_000_000_000 == 0 or ctime_ns % 1_000_000_000 == 0
+    return stamped_ns - max(mtime_ns, ctime_ns) >= (COARSE_SETTLE_NS if coarse else FINE_SETTLE_NS)

@@ -44,7 +44,9 @@ epoch journal). ``ats train --out RUN`` writes ``config.json``, ``settled.json``
   runs. The OS drops that lock when the process ends, however it ends (kill -9
   included), so a lock file left behind by a dead process is stale and the next writer
   takes it over; the lock of a live writer refuses every other writer with its pid and
-  host. Where the file system has no locks, the pid alone decides (same host only).
+  host. No forked worker holds it (:mod:`ats_cli.locks`), and a lock still held after
+  its recorded writer died (by processes that inherited it) is taken over too. Where
+  the file system has no locks, the pid alone decides (same host only).
 * **An epoch's record is atomic.** At the end of an epoch the checkpoints are written
   first (``epochs/epoch_NNN.pt``, ``best.pt``, then ``last.pt``, which marks the epoch
   done) and the ``metrics.jsonl`` line last; ``--resume`` rewrites ``metrics.jsonl``
@@ -89,6 +91,7 @@ import torch
 import torch.distributed as dist
 
 from ats_cli.io import atomic_write_text
+from ats_cli.locks import held, owner_gone, released
 
 try:
     import fcntl
@@ -98,7 +101,7 @@ except ImportError:  # pragma: no cover - not POSIX
 __all__ = ["resolve_device", "peak_memory_mb", "reset_peak_memory", "stop_signals_interrupt", "Deferred",
            "deferred_interrupts", "Dist", "from_env", "process_group", "shard_batches", "all_reduce",
            "broadcast_buffers", "from_main", "launch_command", "launch", "run_launched", "check_devices",
-           "exit_worker", "LOCK_NAME", "RESUMABLE", "RunDirError", "RunLock", "append_metrics",
+           "exit_worker", "interrupted_line", "LOCK_NAME", "RESUMABLE", "RunDirError", "RunLock", "append_metrics",
            "check_run_data", "check_training_set", "claim", "failed_save", "holds_run", "make_dirs", "move_aside",
            "prepare_run", "resumable", "resume_state", "rewrite_metrics", "run_data_identity", "settings_changed",
            "training_set_identity"]
@@ -522,6 +525,7 @@ class RunLock:
             self.run.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise RunDirError(f"{self.run}: cannot create the run directory ({e.strerror or e})") from None
+        suspect = None
         for _ in range(20):
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
@@ -530,7 +534,21 @@ class RunLock:
             try:
                 if not self._lock(fd):
                     holder = self._read(fd)
-                    raise self._busy(holder)
+                    if not owner_gone(holder):
+                        raise self._busy(holder)
+                    if holder != suspect:  # seen twice, a moment apart: a new writer records itself just after locking
+                        suspect = holder
+                        os.close(fd)
+                        time.sleep(0.25)
+                        continue
+                    # held, but not by its recorded owner, which is gone: by processes that
+                    # inherited it (ats_cli.locks); a new lock file leaves them holding nothing
+                    self.took_over = holder
+                    with contextlib.suppress(OSError):
+                        if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                            self.path.unlink()
+                    os.close(fd)
+                    continue
                 # the file locked must still be the one named LOCK_NAME: a releasing writer
                 # unlinks it before closing, and its inode must not be mistaken for the lock
                 try:
@@ -549,7 +567,10 @@ class RunLock:
                 with contextlib.suppress(OSError):
                     os.close(fd)
                 raise
-            self._fd = fd
+            self._fd = held(fd)  # closed in every forked child: a worker never holds the run
+            if self.took_over:
+                print(f"{self.run}: took over its lock {self.path} from {_holder_text(self.took_over)}, which is no "
+                      "longer running", file=sys.stderr, flush=True)
             return self
         raise RunDirError(f"{self.run}: could not take the lock {self.path} (it keeps changing hands)")
 
@@ -577,6 +598,7 @@ class RunLock:
         with contextlib.suppress(OSError):
             if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
                 self.path.unlink()
+        released(self._fd)
         with contextlib.suppress(OSError):
             os.close(self._fd)  # drops the OS lock
         self._fd = None
@@ -726,6 +748,18 @@ def failed_save(run: str | os.PathLike[str], epoch: int, e: OSError) -> RunDirEr
     fix = f"continue with --resume {run}" if resumable(run) else "start it again with --overwrite"
     return RunDirError(f"{run}: cannot save epoch {epoch} ({e.strerror or e}); make room or fix the directory, "
                        f"then {fix}")
+
+
+def interrupted_line(run: str | os.PathLike[str]) -> str:
+    """The one line for a training run stopped (Ctrl-C, SIGTERM) between the phases that
+    save their own position: it names a saved state only if one exists, since a run
+    stopped before its first epoch's end (while preparing, say) has none."""
+    states = resumable(run)
+    if not states:
+        return (f"interrupted before the first epoch was saved: {run} holds no state to resume; start the run again "
+                "(the same command)")
+    return (f"interrupted; the last state saved is {states[0]} (written whole or not at all); continue with "
+            "--resume")
 
 
 def training_set_identity(records: Iterable[Any], root: str | os.PathLike[str]) -> dict[str, Any]:

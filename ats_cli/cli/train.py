@@ -137,8 +137,9 @@ def train(
             raise typer.Exit(130) from None
         except KeyboardInterrupt:  # between the phases that save their own position (an epoch's end)
             if ctx.is_main:
-                console.print(f"[yellow]interrupted; the last state saved is {cfg.out}/last.pt (written whole or "
-                              "not at all); continue with --resume")
+                from ats_cli.runtime import interrupted_line
+
+                console.print(f"[yellow]{interrupted_line(cfg.out)}")
             raise typer.Exit(130) from None
         except (DatasetError, ValueError, FileNotFoundError) as e:  # on any rank: it may be the only one
             where = f" (rank {ctx.rank})" if ctx.enabled else ""

@@ -64,14 +64,30 @@ shared by several people's runs; a run directory is the run's own.
 What: one ``.npz`` per (file, what was asked) with the view as uint8 [h, w, C] (what
 ``SlideReader.low_res`` returns, so the float view is recomputed bit for bit) and the
 tissue mask as bool [h, w]; loaded with ``allow_pickle=False``: nothing but arrays is ever
-read back. Its name is a hash of the file's resolved path, size, modification time (ns)
-and content digest (:func:`content_digest`: its first and last 64 KiB) and of the
-reader, level, channels, pixel budget and scale: a slide rewritten or touched gets a new
-entry, and so does a slide replaced by another of the same size whose modification time
-was kept (``cp -p``, ``rsync -t``, an archive unpacked), which size and time alone took
-for the old one; old entries are never read again (delete the folder to reclaim
+read back. Its name is a hash of the file's resolved path, size, modification time (ns),
+inode change time (ns) and content digest (:func:`content_digest`: its first and last
+64 KiB) and of the reader, level, channels, pixel budget and scale: a slide rewritten or
+touched gets a new entry, and so does a slide replaced by another of the same size whose
+modification time was kept (``cp -p``, ``rsync -t``, an archive unpacked), or edited in
+place with its size and mtime restored (an uncompressed TIFF's middle tiles: neither its
+first nor last 64 KiB change): the kernel sets the change time on every write and no
+user can set it back. Old entries are never read again (delete the folder to reclaim
 the space; it is rebuilt on the next epoch). Written atomically (:mod:`ats_cli.io`), so a
 worker killed mid-write or two writing the same entry leave a whole file or none.
+
+Why the change time and not a digest of the content: a digest of the whole file reads a
+slide of gigabytes at every epoch (more than the view it saves); one of the tiles read
+for the view costs that read, which is what the cache removes; a sampled digest misses
+an edit between its samples. The change time proves a file unchanged once it was read
+at least one timestamp tick after the file last changed (:func:`ats_cli.io.settled`: a
+file system with 1-second times keeps all three times through a same-size rewrite
+within that second); a view made sooner is used but not stored, and is made again (and
+stored) at the next read: at most one more view per slide written just before its read.
+A copy of the data (``cp -a``, ``rsync``) sets new change times: its views are made again
+once, never served stale.
+
+Checksums: each array of an entry carries the zip format's CRC-32, checked as it is read;
+an entry that fails it (or is not the arrays asked for) is said in one line and made again.
 
 A folder that cannot be written (not a directory, read-only, a full disk) is one line of
 warning, once per process, and the run goes on computing views without storing them: the
@@ -94,6 +110,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -107,7 +124,7 @@ from torch.utils.data import Dataset as TorchDataset
 from ats_cli.core.source import PatchSource, TensorSource, low_res_size
 from ats_cli.data.dataset import Record, is_lazy
 from ats_cli.data.images import ImageReadError, pil_size, read_image, resize_in_bands
-from ats_cli.io import atomic_path
+from ats_cli.io import atomic_path, settled
 
 if TYPE_CHECKING:
     from ats_cli.data.slides import SlideReader
@@ -369,12 +386,12 @@ class ViewCache:
         self.folder = Path(folder)
         self.writable = True  # False after a write failed: computed, not stored (module docstring)
 
-    def key(self, slide, scale: float) -> str:
-        """The entry's name: the file as it is now (path, size, mtime, content digest) and
-        what is asked of it."""
-        st = os.stat(slide.path)
+    def key(self, slide, scale: float, st: os.stat_result | None = None) -> str:
+        """The entry's name: the file as it is now (path, size, mtime, ctime, content
+        digest; ``st``: its stat, taken by the caller) and what is asked of it."""
+        st = os.stat(slide.path) if st is None else st
         what = {"format": VIEW_CACHE_FORMAT, "path": str(Path(slide.path).resolve()), "bytes": st.st_size,
-                "mtime_ns": st.st_mtime_ns, "content": content_digest(slide.path),
+                "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "content": content_digest(slide.path),
                 "reader": slide.name, "level": slide.level, "size": list(slide.size),
                 "channels": slide.channels, "max_pixels": slide.max_pixels, "scale": repr(float(scale)),
                 "resampled": repr(float(getattr(slide, "factor", 1.0))),  # --mpp: the level's resampling
@@ -402,6 +419,10 @@ class ViewCache:
               f"{VIEW_CACHE_ENV}=off)",
               file=sys.stderr, flush=True)
 
+    def _damaged(self, slide, path: Path, e: BaseException) -> None:
+        print(f"warning: {slide.path}: its cached view {path} is damaged ({type(e).__name__}: {e}); made again "
+              "from the file", file=sys.stderr, flush=True)
+
     def _store(self, path: Path, low: np.ndarray, mask: np.ndarray) -> None:
         """Write one entry; a folder that cannot take it is warned about once and left
         alone from then on (module docstring)."""
@@ -420,21 +441,32 @@ class ViewCache:
         from ats_cli.core.source import low_res_size
         from ats_cli.data.slides import tissue_mask
 
-        path = self.folder / f"{self.key(slide, scale)}.npz"
+        stamped = time.time_ns()  # before the stat: io.settled measures from here
+        st = os.stat(slide.path)
+        path = self.folder / f"{self.key(slide, scale, st)}.npz"
         size = tuple(low_res_size(slide.size, scale))
         low = mask = None
         try:
-            with np.load(path, allow_pickle=False) as z:
+            with np.load(path, allow_pickle=False) as z:  # each array's zip CRC-32 is checked as it is read
                 low, mask = z["low"], z["mask"]
             if low.dtype != np.uint8 or low.shape != (*size, slide.channels) or mask.shape != size \
                     or mask.dtype != bool:
-                low = None
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError):  # missing or damaged: recompute
+                raise ValueError(f"arrays {low.dtype} {low.shape}, {mask.dtype} {mask.shape} where uint8 "
+                                 f"{(*size, slide.channels)}, bool {size} were expected")
+        except OSError:  # not made yet, or a folder that cannot be read: made (the store says why not)
+            low = None
+        except (ValueError, KeyError, zipfile.BadZipFile, EOFError) as e:  # damaged: said, made again
+            self._damaged(slide, path, e)
             low = None
         if low is None:
             low = slide.low_res(size)
             mask = tissue_mask(_as_view(low)).numpy()
-            self._store(path, low, mask)
+            # stored only when the stat proves the file: one taken within a timestamp tick of
+            # the last change would also name a same-size rewrite within that tick
+            if settled(stamped, st.st_mtime_ns, st.st_ctime_ns):
+                self._store(path, low, mask)
+            elif self.writable:
+                self.probe()  # not stored this time, but a folder that cannot take it is said now
         return _as_view(low), torch.from_numpy(np.array(mask, dtype=bool))
 
 

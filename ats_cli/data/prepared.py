@@ -75,6 +75,19 @@ entry is re-stamped instead of decoded again. An entry also records the Pillow a
 versions that decoded and resized it (:func:`made_by`): after an upgrade, reading the
 source might give other bits, so older entries are prepared again.
 
+The stat proves the file unchanged only when it was taken at least one timestamp tick
+after the file last changed (:func:`ats_cli.io.settled`; ``stamped_ns`` in the header): on
+a file system with 1-second times an image rewritten within the second it was prepared
+in, at the same size, keeps size, mtime and ctime. Such an entry is used only when the
+source's digest matches (one read of the file, no decode), and the next preparation
+re-stamps it once its times have settled.
+
+Checksums: the header carries the CRC-32 of its own JSON, of the view and of the tile
+index; each tile is a zlib stream with its own Adler-32. A damaged entry (a flipped bit
+on disk) is never served: met by a read, it is said in one line and removed, and the
+image is read from its file (the same result); met by a preparation, it is said and
+made again.
+
 **Preparing.** Every ordinary image of a dataset decoded once, its view made once, written
 as an entry, in parallel processes.
 
@@ -83,7 +96,10 @@ stamp, so a file is done exactly when its entry matches it (:meth:`PreparedStore
 a rerun after a kill skips what is done and redoes nothing else. One preparer per store
 at a time (an OS lock on ``.lock`` in the store, dropped by the OS however the holder
 ends): a second one waits, then finds the work done. Under that lock the temporary files
-of a killed preparer are swept.
+of a killed preparer are swept. The workers neither inherit the lock nor outlive their
+preparer, and a lock left held by leftovers of a dead preparer is taken over
+(:mod:`ats_cli.locks`), so a ``kill -9`` at any moment leaves nothing that blocks the next
+preparation.
 
 A file's digest is taken before it is decoded and its stat compared before and after,
 so an entry never pairs one version's pixels with another version's stamp: a file that
@@ -115,6 +131,7 @@ import shutil
 import signal
 import stat
 import struct
+import sys
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -126,18 +143,21 @@ from typing import Any
 import numpy as np
 import torch
 
+from ats_cli import locks
 from ats_cli.core.source import low_res_size
 from ats_cli.data.dataset import LAZY_BACKENDS, backend
 from ats_cli.data.images import ImageReadError, max_pixels_limit, over_budget, read_image
 from ats_cli.data.inputs import OpenedImage, low_res_view
 from ats_cli.io import atomic_path, sweep_temporaries
+from ats_cli.io import settled as _settled
 
 try:
     import fcntl
 except ImportError:  # pragma: no cover - Windows: one preparer is then the user's care
     fcntl = None
 
-__all__ = ["TILE", "EntryError", "PreparedSource", "entry_source", "entry_view", "read_entry", "restamp_entry",
+__all__ = ["TILE", "EntryError", "EntryDamaged", "PreparedSource", "entry_source", "entry_view", "read_entry",
+           "restamp_entry", "verify_entry", "check_index", "settled", "source_digest",
            "write_entry", "ENV", "FOLDER", "FORMAT", "PreparedStore", "file_stamp", "made_by", "store_folder",
            "MIN_FREE_BYTES", "PrepareReport", "prepare", "prepare_one", "preparer_lock", "prepare_for_run"]
 
@@ -151,6 +171,11 @@ MAX_HEADER = 1 << 20  # a larger "header" is damage, not an entry
 
 class EntryError(ValueError):
     """A prepared entry that cannot be read as one (missing, damaged, another format)."""
+
+
+class EntryDamaged(EntryError):
+    """A prepared entry whose bytes are not what was written: a checksum that does not
+    match, or parts that do not fit together. Said in one line, and the entry made again."""
 
 
 @dataclass(frozen=True)
@@ -175,6 +200,7 @@ class PreparedSource:
     data_at: int
     inode: int
     mtime_ns: int
+    index_crc: int = -1
 
     @property
     def size(self) -> tuple[int, int]:
@@ -199,7 +225,11 @@ class PreparedSource:
             if (st.st_ino, st.st_mtime_ns) != (self.inode, self.mtime_ns):
                 raise ImageReadError(self.source, f"its prepared copy {self.entry} was replaced while in use "
                                      "(the file changed); rerun")
-            index = np.frombuffer(os.pread(fd, 8 * (-(-H // T) * tx_n + 1), self.index_at), dtype="<i8").tolist()
+            raw_index = os.pread(fd, 8 * (-(-H // T) * tx_n + 1), self.index_at)
+            if zlib.crc32(raw_index) != self.index_crc:
+                raise ImageReadError(self.source, f"its prepared copy {self.entry} is damaged (its tile index does "
+                                     "not match its checksum); delete it and rerun (it is prepared again)")
+            index = np.frombuffer(raw_index, dtype="<i8").tolist()
             # which non-empty tiles each patch covers, and where: (patch, tile, rows, cols in both)
             cuts = []
             for k, (r0, c0) in enumerate(offsets.tolist()):
@@ -283,8 +313,9 @@ def write_entry(path: str | os.PathLike[str], image: torch.Tensor, view: torch.T
         index_at = fh.tell()
         fh.write(index.tobytes())
         header = {**stamp, "channels": C, "height": H, "width": W, "tile": TILE, "view": list(view.shape),
-                  "view_at": PREFIX.size, "view_len": len(view_bytes), "data_at": data_at, "index_at": index_at}
-        text = json.dumps(header, sort_keys=True).encode()
+                  "view_at": PREFIX.size, "view_len": len(view_bytes), "data_at": data_at, "index_at": index_at,
+                  "view_crc": zlib.crc32(view_bytes), "index_crc": zlib.crc32(index.tobytes())}
+        text = _header_text(header)
         header_at = fh.tell()
         fh.write(text)
         fh.seek(0)
@@ -308,10 +339,18 @@ def read_entry(path: str | os.PathLike[str]) -> tuple[dict, int, os.stat_result]
         header = json.loads(os.pread(fd, length, at))
         if not isinstance(header, dict):
             raise EntryError(f"{path}: not a whole prepared entry")
+        if header.pop("header_crc", None) != zlib.crc32(json.dumps(header, sort_keys=True).encode()):
+            raise EntryDamaged(f"{path}: its header does not match its checksum")
     except (EntryError, ValueError, OSError) as e:
         os.close(fd)
         raise e if isinstance(e, EntryError) else EntryError(f"{path}: {e}") from None
     return header, fd, st
+
+
+def _header_text(header: dict) -> bytes:
+    """The header as stored: its JSON with the CRC-32 of its canonical JSON (``header_crc``)."""
+    canonical = json.dumps(header, sort_keys=True).encode()
+    return json.dumps({**header, "header_crc": zlib.crc32(canonical)}, sort_keys=True).encode()
 
 
 def _sparse(view: np.ndarray) -> bytes:
@@ -327,14 +366,41 @@ def entry_view(path: Path, header: dict, fd: int) -> torch.Tensor:
     shape = tuple(int(s) for s in header["view"])
     n = int(np.prod(shape))
     data = os.pread(fd, int(header["view_len"]), int(header["view_at"]))
+    if zlib.crc32(data) != header.get("view_crc"):
+        raise EntryDamaged(f"{path}: its view does not match its checksum")
     packed = np.frombuffer(data, dtype=np.uint8, count=min(len(data), -(-n // 8)))
     keep = np.unpackbits(packed, count=n).view(bool) if len(packed) * 8 >= n else None
     values = np.frombuffer(data, dtype=np.uint8, offset=len(packed))
     if keep is None or len(values) != 4 * int(np.count_nonzero(keep)):
-        raise EntryError(f"{path}: its view is damaged")
+        raise EntryDamaged(f"{path}: its view is damaged")
     out = np.zeros(n, dtype=np.float32)
     out[keep] = values.view(np.float32)
     return torch.from_numpy(out.reshape(shape))
+
+
+def check_index(path: Path, header: dict, fd: int) -> None:
+    """Raise :class:`EntryDamaged` unless the tile index of an open entry matches its checksum."""
+    T = int(header["tile"])
+    n = -(-int(header["height"]) // T) * -(-int(header["width"]) // T) + 1
+    if zlib.crc32(os.pread(fd, 8 * n, int(header["index_at"]))) != header.get("index_crc"):
+        raise EntryDamaged(f"{path}: its tile index does not match its checksum")
+
+
+def verify_entry(path: Path) -> dict:
+    """The header of the entry at ``path`` once its header, view and tile index match
+    their checksums (the tiles carry zlib's own, checked as they are decoded).
+    :class:`EntryDamaged` when they do not, :class:`EntryError` when there is no entry."""
+    header, fd, _ = read_entry(path)
+    try:
+        entry_view(path, header, fd)
+        check_index(path, header, fd)
+    except (KeyError, ValueError, TypeError, OSError) as e:
+        if isinstance(e, EntryError):
+            raise
+        raise EntryDamaged(f"{path}: {e}") from None
+    finally:
+        os.close(fd)
+    return header
 
 
 def entry_source(path: Path, header: dict, st: os.stat_result) -> PreparedSource:
@@ -342,7 +408,7 @@ def entry_source(path: Path, header: dict, st: os.stat_result) -> PreparedSource
     return PreparedSource(entry=str(path), source=str(header["source"]), height=int(header["height"]),
                           width=int(header["width"]), n_channels=int(header["channels"]), tile=int(header["tile"]),
                           index_at=int(header["index_at"]), data_at=int(header["data_at"]), inode=st.st_ino,
-                          mtime_ns=st.st_mtime_ns)
+                          mtime_ns=st.st_mtime_ns, index_crc=int(header["index_crc"]))
 
 
 def restamp_entry(path: str | os.PathLike[str], stamp: dict) -> None:
@@ -352,7 +418,7 @@ def restamp_entry(path: str | os.PathLike[str], stamp: dict) -> None:
     header, fd, _ = read_entry(path)
     try:
         header.update(stamp)
-        text = json.dumps(header, sort_keys=True).encode()
+        text = _header_text(header)
         _, header_at, _ = PREFIX.unpack(os.pread(fd, PREFIX.size, 0))
         with atomic_path(path) as tmp, open(tmp, "wb") as fh:
             fh.write(PREFIX.pack(MAGIC, header_at, len(text)))
@@ -371,7 +437,7 @@ def restamp_entry(path: str | os.PathLike[str], stamp: dict) -> None:
 # ---------------------------------- the store: where entries live, when one may be used
 ENV = "ATS_PREPARED"
 FOLDER = ".ats-prepared"
-FORMAT = 1  # bump when what an entry holds changes: old entries then stop matching
+FORMAT = 2  # bump when what an entry holds changes: old entries then stop matching
 
 
 def made_by() -> str:
@@ -389,6 +455,22 @@ def file_stamp(path: str | os.PathLike[str]) -> dict:
     """What identifies a source file's content at read time: size, mtime_ns, ctime_ns."""
     st = os.stat(path)
     return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
+
+
+def settled(header: dict) -> bool:
+    """Whether an entry's stamp proves its source unchanged while the stamp still matches
+    (:func:`ats_cli.io.settled`: taken at least a timestamp tick after the source last
+    changed); an entry whose stamp does not is used only once the source's digest matches."""
+    try:
+        return _settled(int(header["stamped_ns"]), int(header["mtime_ns"]), int(header["ctime_ns"]))
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
+def source_digest(source: str | os.PathLike[str]) -> str:
+    """BLAKE2b of a source file's bytes (streamed: memory does not grow with the file)."""
+    with open(source, "rb") as fh:
+        return hashlib.file_digest(fh, "blake2b").hexdigest()
 
 
 def store_folder(root: str | os.PathLike[str]) -> tuple[Path | None, str]:
@@ -461,16 +543,29 @@ class PreparedStore:
         return backend(source) not in LAZY_BACKENDS
 
     def is_fresh(self, source: str | os.PathLike[str]) -> bool:
-        """Whether ``source`` has an entry that matches the file as it is now."""
+        """Whether ``source`` has a whole entry that matches the file as it is now."""
+        return self.check(source)[0] != "stale"
+
+    def check(self, source: str | os.PathLike[str]) -> tuple[str, str | None]:
+        """(state, damage) of the entry of ``source``. state: "fresh" (whole, by its
+        checksums, and its settled stamp matches the file: :func:`settled`), "verified"
+        (whole, the stamp matches but is too recent to prove it, and the file's digest
+        matches), else "stale". ``damage`` says what is wrong with an entry that exists
+        but is not what was written, else None."""
         try:
-            header, fd, _ = read_entry(self.entry_path(source))
+            header = verify_entry(self.entry_path(source))
+        except EntryDamaged as e:
+            return "stale", str(e)
         except EntryError:
-            return False
-        os.close(fd)
+            return "stale", None
         try:
-            return self._matches(header, file_stamp(source))
+            if not self._matches(header, file_stamp(source)):
+                return "stale", None
+            if settled(header):
+                return "fresh", None
+            return ("verified" if source_digest(source) == header.get("digest") else "stale"), None
         except OSError:
-            return False
+            return "stale", None
 
     def _matches(self, header: dict, stamp: dict) -> bool:
         return self.same_making(header) and all(header.get(k) == v for k, v in stamp.items())
@@ -495,11 +590,16 @@ class PreparedStore:
         try:
             stamp = file_stamp(source)
             header, fd, st = read_entry(path)
+        except EntryDamaged as e:
+            _damaged(source, path, e)
+            return None
         except (OSError, EntryError):
             return None
         try:
             if not self._matches(header, stamp):
                 return None
+            if not settled(header) and source_digest(source) != header.get("digest"):
+                return None  # rewritten within the stamp's tick: the times cannot tell, the bytes do
             source_ = entry_source(path, header, st)
             H, W = source_.size
             limit = max_pixels_limit(self.max_pixels)
@@ -508,9 +608,12 @@ class PreparedStore:
             if header["view"] != [self.channels, *low_res_size((H, W), self.scale)] or header["tile"] != TILE:
                 return None
             view = entry_view(path, header, fd)
+            check_index(path, header, fd)
         except (EntryError, KeyError, ValueError, TypeError, OSError) as e:
             if isinstance(e, ImageReadError):
                 raise
+            if isinstance(e, EntryDamaged):
+                _damaged(source, path, e)
             return None
         finally:
             os.close(fd)
@@ -524,6 +627,15 @@ class PreparedStore:
 
             support = tissue_mask(view)
         return OpenedImage(low=view, source=source_, support=support)
+
+
+def _damaged(source: str | os.PathLike[str], path: Path, e: EntryError) -> None:
+    """One line for a damaged entry met while reading, which is then removed: the image
+    is read from its file (the same result) and the next preparation makes it again."""
+    with contextlib.suppress(OSError):
+        path.unlink()
+    print(f"warning: {source}: its prepared copy is damaged ({e}); read from the file instead, and made again by "
+          "the next preparation", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------- preparing
@@ -556,20 +668,67 @@ class PrepareReport:
                 f"{self.entry_bytes / 2**20:.1f} MiB, {ratio:.2f}x the source files")
 
 
+LOCK_POLL_S = 0.25  # how often a waiting preparer looks at the lock (and at its holder)
+
+
 @contextlib.contextmanager
 def preparer_lock(folder: Path, log: Callable[[str], None]) -> Iterator[None]:
-    """Hold the store's preparer lock; when another process holds it, say so and wait."""
+    """Hold the store's preparer lock; when another process holds it, say so and wait.
+
+    The lock file records its holder (:mod:`ats_cli.locks`). Waiting polls rather than
+    blocks, so that a holder that dies is noticed: a lock still held when its recorded
+    holder is gone (held by processes that inherited it, such as the orphaned workers of
+    a preparer killed by an older version) is taken over with one line saying so, as is
+    the record a killed preparer left behind. No forked worker inherits the lock."""
     folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        if fcntl is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+    path = folder / ".lock"
+    waiting, suspect = False, None
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        if fcntl is None:
+            break
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = locks.read_record(fd)
+            # seen twice, LOCK_POLL_S apart: a new holder writes its record just after locking
+            if locks.owner_gone(holder) and holder == suspect:
+                log(f"taking over the preparation lock {path}: its holder, pid {holder.get('pid')}, is gone "
+                    "(processes it left behind still hold the old lock file)")
+                with contextlib.suppress(OSError):
+                    if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                        path.unlink()
+                os.close(fd)
+                continue
+            os.close(fd)
+            suspect = holder
+            if not waiting and not locks.owner_gone(holder):
                 log(f"waiting for another preparation of {folder} to finish")
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                waiting = True
+            time.sleep(LOCK_POLL_S)
+            continue
+        except BaseException:
+            os.close(fd)
+            raise
+        try:  # the file locked must still be the one named .lock (a takeover removes the old one)
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    locks.held(fd)
+    try:
+        previous = locks.read_record(fd)
+        if previous and locks.owner_gone(previous):
+            log(f"taking over the preparation lock {path} of pid {previous.get('pid')}, which stopped without "
+                "releasing it; its unfinished files are swept")
+        locks.write_record(fd)
         yield
     finally:
+        locks.released(fd)
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)  # released on purpose: nobody to take it over from
         os.close(fd)  # drops the lock
 
 
@@ -586,7 +745,16 @@ def prepare(store: PreparedStore, sources: Iterable[str | os.PathLike[str]], *, 
     report = PrepareReport(store.folder, total=len(files))
     with preparer_lock(store.folder, log):
         sweep_temporaries(store.folder)
-        pending = [s for s in files if not store.is_fresh(s)]
+        pending = []
+        for s in files:
+            state, damage = store.check(s)
+            if damage:  # removed, so that it is made again, never re-stamped
+                log(f"{s}: its prepared copy is damaged ({damage}); preparing it again")
+                store.entry_path(s).unlink(missing_ok=True)
+            if state == "verified":  # proven by content: stamped anew, so reads need not digest it
+                _restamp_if_settled(store, s)
+            elif state == "stale":
+                pending.append(s)
         report.fresh = len(files) - len(pending)
         if progress:
             progress(report.fresh, report.total)
@@ -616,7 +784,8 @@ def _run(store: PreparedStore, pending: list[str], workers: int,
             yield prepare_one(store, source, min_free)
         return
     ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-    pool = ProcessPoolExecutor(max_workers=min(workers, len(pending)), mp_context=ctx, initializer=_worker_init)
+    pool = ProcessPoolExecutor(max_workers=min(workers, len(pending)), mp_context=ctx, initializer=_worker_init,
+                               initargs=(os.getpid(),))
     try:
         yield from pool.map(prepare_one, [store] * len(pending), pending, [min_free] * len(pending),
                             chunksize=max(1, min(16, len(pending) // (4 * workers))))
@@ -624,13 +793,29 @@ def _run(store: PreparedStore, pending: list[str], workers: int,
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _worker_init() -> None:
+def _worker_init(parent: int) -> None:
     """One thread per preparing process (the work is per image), and Ctrl-C goes to the
-    parent alone, which stops the pool: finished entries are kept."""
+    parent alone, which stops the pool: finished entries are kept. A worker dies with
+    its parent (:func:`ats_cli.locks.die_with_parent`): after a kill -9 of the preparer
+    no orphan goes on, and none holds the store's lock (that is closed at the fork)."""
+    locks.die_with_parent(parent)
     import torch
 
     torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _restamp_if_settled(store: PreparedStore, source: str) -> None:
+    """Re-stamp the verified entry of ``source`` when a stamp taken now would be settled
+    (left as it is otherwise: rewriting it would prove nothing more)."""
+    with contextlib.suppress(OSError, EntryError):
+        stamped = time.time_ns()
+        stamp = file_stamp(source)
+        if _settled(stamped, stamp["mtime_ns"], stamp["ctime_ns"]):
+            header, fd, _ = read_entry(store.entry_path(source))
+            os.close(fd)
+            if all(header.get(k) == v for k, v in stamp.items()):
+                restamp_entry(store.entry_path(source), {**stamp, "stamped_ns": stamped})
 
 
 def prepare_one(store: PreparedStore, source: str, min_free: int = MIN_FREE_BYTES) -> tuple[str, str, str]:
@@ -638,16 +823,15 @@ def prepare_one(store: PreparedStore, source: str, min_free: int = MIN_FREE_BYTE
     A source that cannot be read is "failed"; a store that cannot be written raises OSError."""
     path = store.entry_path(source)
     try:
+        stamped = time.time_ns()  # before the stat: settled() measures from here
         before = file_stamp(source)
-        with open(source, "rb") as fh:
-            digest = hashlib.file_digest(fh, "blake2b").hexdigest()
+        digest = source_digest(source)
     except OSError as e:
         return source, "failed", e.strerror or str(e)
-    with contextlib.suppress(EntryError):  # same content, new stat (copied, touched): keep the pixels
-        header, fd, _ = read_entry(path)
-        os.close(fd)
+    with contextlib.suppress(EntryError):  # same content, new or unsettled stamp (copied, touched): keep the pixels
+        header = verify_entry(path)
         if header.get("digest") == digest and store.same_making(header):
-            restamp_entry(path, before)
+            restamp_entry(path, {**before, "stamped_ns": stamped})
             return source, "restamped", ""
     if shutil.disk_usage(store.folder).free < min_free:
         return source, "no room", ""
@@ -662,8 +846,8 @@ def prepare_one(store: PreparedStore, source: str, min_free: int = MIN_FREE_BYTE
         changed = True
     if changed:
         return source, "failed", "changed while being prepared"
-    write_entry(path, image, view, {**before, "digest": digest, "made_by": store.made_by, "scale": repr(store.scale),
-                                    "source": source})
+    write_entry(path, image, view, {**before, "stamped_ns": stamped, "digest": digest, "made_by": store.made_by,
+                                    "scale": repr(store.scale), "source": source})
     return source, "prepared", ""
 
 
