@@ -135,6 +135,11 @@ class TrainConfig:
     rarity_cap: float = _key(-1.0, "With --rarity-prior: cells at least this unusual (r >= cap) start alike, so "
                              "that a large weight does not hand all the mass to the single most unusual cell; 0 = no "
                              "cap; -1 = auto: 4.5 with --levels 2, else none", METHOD_PANEL, means="auto")
+    # each drawn patch's own logits against its image's label (ATSModel.patch_nll says why)
+    patch_loss: float = _key(-1.0, "Weight of the per-patch loss: each drawn patch classified alone against its "
+                             "image's label, so that the few patches showing a small object teach the feature net "
+                             "at full strength; 0 = off (the thesis); -1 = auto: 1 for photographs (no tissue mask, "
+                             "no black background), else off", METHOD_PANEL, means="auto")
     # multiplies the L2-normalised features (1 = the paper; see ATSModel)
     feature_scale: float = _key(10.0, "Multiplies the L2-normalised features; >1 lets the classifier become "
                                 "confident sooner (docs/training.md; 1 = the paper)", METHOD_PANEL)
@@ -275,8 +280,8 @@ class TrainConfig:
         problems = []
         positive = ("epochs", "lr", "feature_scale")
         problems += [f"{k} must be > 0 (got {getattr(self, k)})" for k in positive if not getattr(self, k) > 0]
-        non_negative = ("batch_size", "entropy", "weight_decay", "clip_norm", "warmup_epochs", "level", "mpp",
-                        "feature_lr", "n_patches", "patch_size", "scale", "patch_um",
+        non_negative = ("batch_size", "entropy", "weight_decay", "clip_norm", "warmup_epochs",
+                        "level", "mpp", "feature_lr", "n_patches", "patch_size", "scale", "patch_um",
                         "low_res_um")  # 0: from the data
         problems += [f"{k} must be >= 0" for k in non_negative if getattr(self, k) < 0]
         if self.feature_lr != 1 and self.method == "cnn":
@@ -292,6 +297,8 @@ class TrainConfig:
             problems.append(f"pooling {self.pooling}: method {self.method} does not pool by attention sampling")
         if self.position_features == "on" and self.method in ("cnn", "deepmil"):
             problems.append(f"position_features on: method {self.method} does not pool sampled patches")
+        if self.patch_loss < 0 and self.patch_loss != -1:
+            problems.append(f"patch_loss must be >= 0, or -1 for auto (got {self.patch_loss})")
         if self.rarity_prior < 0 and self.rarity_prior != -1:
             problems.append(f"rarity_prior must be >= 0, or -1 for auto (got {self.rarity_prior})")
         if self.rarity_cap not in (0, -1) and not self.rarity_cap > 1:
@@ -401,7 +408,8 @@ def resolve_config(file: str | Path | None = None, **overrides: Any) -> TrainCon
 # what n_patches, patch_size and scale become when neither the user nor the dataset says: the paper's Megapixel MNIST
 DATA_DEFAULTS: dict[str, Any] = {"n_patches": 10, "patch_size": 50, "scale": 0.12}
 AUTO_MIN_BRIGHTNESS = 0.15  # --min-brightness auto on a black background (docs/training.md)
-AUTO_RARITY_PRIOR = 2.0  # --rarity-prior auto on slides (docs/training.md)
+AUTO_RARITY_PRIOR = 2.0  # --rarity-prior auto on slides and photographs (docs/training.md)
+AUTO_PATCH_LOSS = 1.0  # --patch-loss auto on photographs (_patch_loss)
 GAIN_LATE_START = 0.5  # --patch-gain late: the gain trains from this fraction of --epochs (_patch_gain says why)
 # --levels 2: --rarity-prior (on slides), --rarity-cap and --region-temperature auto (and
 # --patch-gain late: _patch_gain). Where a two-level model's coarse attention starts decides
@@ -440,6 +448,7 @@ class DataFacts:
     sizes: tuple[str, ...] = ()  # the first 3 distinct sizes of the training images as read ("HxW [at MPP µm/px]")
     n_sizes: int = 0  # how many distinct ones there are; 0: not read
     pixels: int = 0  # the largest training image's pixels, H x W as its header says; 0: not read
+    long_side: int = 0  # the median of the training images' long sides (headers); 0: not read (sizes_for)
     # the largest height and the largest width among them (a step's views are padded to them); 0: not read
     frame_h: int = 0
     frame_w: int = 0
@@ -503,6 +512,7 @@ def settle(flags: TrainConfig, facts: DataFacts) -> tuple[Settled, list[Reason]]
     decide("augment", *_augment(flags, facts))
     decide("rarity_prior", *_rarity_prior(flags, facts))
     decide("rarity_cap", *_rarity_cap(flags, out["rarity_prior"]))
+    decide("patch_loss", *_patch_loss(flags, facts))
     if flags.levels == 2:
         decide("region_temperature", *_region_temperature(flags))
     decide("patch_gain", *_patch_gain(flags, facts))
@@ -559,6 +569,8 @@ def _size(key: str, flags: TrainConfig, facts: DataFacts, mpp: float | None) -> 
         value, why = given, "given"
     elif key in facts.hints:
         value, why = type(DATA_DEFAULTS[key])(facts.hints[key]), "dataset.json hint"
+    elif facts.long_side:
+        value, why = sizes_for(facts.long_side)[key]
     else:
         value, why = DATA_DEFAULTS[key], "default (the paper's Megapixel MNIST)"
     if mpp is not None and key == "patch_size":
@@ -566,6 +578,36 @@ def _size(key: str, flags: TrainConfig, facts: DataFacts, mpp: float | None) -> 
     if mpp is not None and key == "scale":
         why += f"; a low-res pixel is {_um(mpp / value)}"
     return value, why
+
+
+# where neither the user nor the dataset says (sizes_for): a 180-pixel low-res view, the paper's
+# (1500 px at 0.12, thesis 3.4.1); patches of 1/16 of the long side, within 32-128 px; 32 of them
+VIEW_SIDE, PATCH_SHARE, PATCH_MIN, PATCH_MAX, AUTO_N_PATCHES = 180, 16, 32, 128, 32
+
+
+def sizes_for(long_side: int) -> dict[str, tuple[Any, str]]:
+    """n_patches, patch_size and scale, each with its reason, for images whose long side is
+    typically ``long_side`` pixels, where neither the user nor the dataset says.
+
+    The view: 180 pixels on the long side, what the paper's attention net reads (its cost
+    grows with the view). The patches: what they cover decides whether training starts at
+    all. The attention starts near uniform, so at first the share of the image the drawn
+    patches cover is the share of small objects they show, and the feature net learns the
+    objects only from those (ats_cli.diagnose; ATSModel.patch_nll). On a small-object task
+    on real photos (40-60 px objects in 500-1400 px photos, benchmarks/real_pixels.py), 10
+    patches of 1/30 of the side (the paper's 50 of 1500; 1.6% of the image) stayed at
+    chance for 6 epochs, where 32 patches of 64 px (20% of an 800-px image) learned the
+    classes by the 5th. So: patches of 1/16 of the side, rounded to 8 pixels, from 32
+    (smaller shows too little to classify) to 128 (a CPU step grows with the patch's area),
+    and 32 of them: 32/16² = 12.5% of a square image. ``ats info`` prints the same values
+    for a file or a folder, and ``ats train`` settles them."""
+    scale = min(1.0, round(VIEW_SIDE / long_side, 4))
+    patch = min(long_side, int(min(PATCH_MAX, max(PATCH_MIN, 8 * round(long_side / PATCH_SHARE / 8)))))
+    typical = f"the training images' typical long side is {long_side} px"
+    return {"n_patches": (AUTO_N_PATCHES, f"{AUTO_N_PATCHES} patches of 1/{PATCH_SHARE} of the side cover "
+                                          f"{AUTO_N_PATCHES / PATCH_SHARE ** 2:.1%} of a square image"),
+            "patch_size": (patch, f"{typical}: 1/{PATCH_SHARE} of it (within {PATCH_MIN}-{PATCH_MAX})"),
+            "scale": (scale, f"{typical}: a {round(long_side * scale)}-px low-res view, as the paper's 180 of 1500")}
 
 
 def _from_microns(key: str, microns: float, given: float, mpp: float | None) -> tuple[int | float, str]:
@@ -594,10 +636,16 @@ def _from_microns(key: str, microns: float, given: float, mpp: float | None) -> 
 
 AUTO_BATCH = 32  # --batch-size auto for images of one size
 AUTO_VIEW_PIXELS = 8_000_000  # --batch-size auto: at most this many low-res view pixels a step
+# --batch-size auto on a small dataset: at least this many steps an epoch (in batches of at
+# least MIN_STEP_BATCH). At 32 a step, 144 training images make 5 steps an epoch, 75 in 15
+# epochs; on a small-object task on real photos the attention left uniform after ~80 steps
+# (benchmarks/real_pixels.py): a small dataset must not also train in few steps.
+AUTO_MIN_STEPS, MIN_STEP_BATCH = 16, 4
 
 
 def _batch_size(flags: TrainConfig, facts: DataFacts, scale: float) -> tuple[int, str]:
-    """AUTO_BATCH (the thesis's 32 at the paper spec), unless the views are large: the
+    """AUTO_BATCH (the thesis's 32 at the paper spec), unless the dataset is small (at least
+    AUTO_MIN_STEPS steps an epoch) or the views are large: the
     attention net's activations grow with the view, a CPU step at 1/64 of a 100k slide
     (1,562² views, two levels or one) held ~0.6 GB a slide (benchmarks/slides.md, "Two
     levels"), so 32 of them would need ~20 GB; at most AUTO_VIEW_PIXELS view pixels a step
@@ -629,8 +677,12 @@ def _batch_size(flags: TrainConfig, facts: DataFacts, scale: float) -> tuple[int
                 f"height and width" + (f" ({facts.frame_h}x{facts.frame_w})" if facts.frame_h else ""))
     view = frame * scale * scale
     fits = int(AUTO_VIEW_PIXELS // view) if view else AUTO_BATCH
-    if fits >= AUTO_BATCH:
+    steps = max(MIN_STEP_BATCH, facts.files // AUTO_MIN_STEPS) if facts.files else AUTO_BATCH
+    if min(fits, steps) >= AUTO_BATCH:
         return AUTO_BATCH, what
+    if steps < fits:
+        return steps, (f"{what}; {facts.files} training images: {AUTO_MIN_STEPS} steps an epoch (a small dataset "
+                       "would otherwise train in a few steps)")
     return max(1, fits), (f"{what}, its low-res view {view / 1e6:.2g} M pixels: at most "
                           f"{AUTO_VIEW_PIXELS / 1e6:g} M a step (memory)")
 
@@ -714,7 +766,37 @@ def _rarity_prior(flags: TrainConfig, facts: DataFacts) -> tuple[float, str]:
                                        "holding unusual cells"
     if facts.slides:
         return AUTO_RARITY_PRIOR, f"{_looked(facts)}; the attention starts on the unusual cells"
-    return 0.0, _looked(facts)
+    if _photos(facts):
+        return AUTO_RARITY_PRIOR, f"{_looked(facts)}, no black background: the attention starts on the cells " \
+                                  "unusual in their image, where small objects stand out"
+    return 0.0, _looked(facts) + ("; a black background: the brightness support finds the objects"
+                                  if facts.probed else "")
+
+
+def _photos(facts: DataFacts) -> bool:
+    """Images looked at that are neither slides (a tissue mask) nor on a black canvas (the
+    brightness support, :func:`_min_brightness`): photographs, where the few objects that
+    decide a label are lost among thousands of cells of texture, and nothing else brings the
+    first draws to them. Measured on a small-object task on real photos (benchmarks/
+    first_steps.py): 1-3% of a uniform attention's patches touched an object; with the rarity
+    prior and the per-patch loss (:func:`_patch_loss`) the attention left uniform and the
+    classes were learned, where without them it stayed uniform at chance."""
+    return bool(facts.probed) and not facts.slides and facts.dark <= 0.5
+
+
+def _patch_loss(flags: TrainConfig, facts: DataFacts) -> tuple[float, str]:
+    """--patch-loss auto: AUTO_PATCH_LOSS on photographs (:func:`_photos` says why;
+    ATSModel.patch_nll what it does), else off: on a black canvas and on slides the support
+    and the tissue mask already bring most draws to the objects, and their figures were
+    made without it."""
+    if flags.patch_loss != -1:
+        return flags.patch_loss, "given"
+    if _baseline(flags):
+        return 0.0, _baseline(flags)
+    if _photos(facts):
+        return AUTO_PATCH_LOSS, "photographs: each drawn patch also learns its image's label, so the few patches " \
+                                "that show a small object teach the feature net at full strength"
+    return 0.0, _looked(facts) + ("" if facts.slides or not facts.probed else "; a black background")
 
 
 def _rarity_cap(flags: TrainConfig, prior: float) -> tuple[float, str]:
@@ -782,7 +864,8 @@ def _patch_gain(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
 
 def looks_at_images(flags: TrainConfig) -> bool:
     """Whether settling ``flags`` needs the look at the first training images."""
-    auto = flags.min_brightness == -1 or flags.rarity_prior == -1 or "auto" in (flags.augment, flags.patch_gain)
+    auto = flags.min_brightness == -1 or flags.rarity_prior == -1 or flags.patch_loss == -1 or \
+        "auto" in (flags.augment, flags.patch_gain)
     return auto and flags.method == "ats"
 
 
@@ -982,6 +1065,10 @@ def eval_view_scale(cfg: TrainConfig, mpp: float | None) -> float:
     return levels_spec(cfg, mpp).get("eval_coarse_scale") or view_scale(cfg, mpp)
 
 
+def _median(values: list[int]) -> int:
+    return sorted(values)[len(values) // 2] if values else 0
+
+
 def gather_facts(flags: TrainConfig, data: Dataset, *, view_cache: Any = None) -> DataFacts:
     """Read what :func:`settle` needs from ``data``, once: the hints, the microns per pixel
     of every training file (headers only) and, when a value is left to the images, the
@@ -1006,6 +1093,7 @@ def gather_facts(flags: TrainConfig, data: Dataset, *, view_cache: Any = None) -
                       pretrained=pretrained_source(flags.feature_net, flags.feature_weights),
                       sizes=tuple(shapes[:3]), n_sizes=len(shapes),
                       pixels=max((s[0] * s[1] for _, s in headers if s), default=0),
+                      long_side=_median([max(s) for _, s in headers if s]),
                       frame_h=max((s[0] for _, s in headers if s), default=0),
                       frame_w=max((s[1] for _, s in headers if s), default=0),
                       multilabel=bool(data.multilabel))

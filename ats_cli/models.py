@@ -102,6 +102,8 @@ def model_spec(cfg: TrainConfig, *, n_classes: int, channels: int, mpp: float | 
         "estimator": cfg.estimator,
         "entropy_weight": cfg.entropy,
         "feature_scale": cfg.feature_scale,
+        # present only when on, so that the spec of a model without it is what it always was
+        **({"patch_loss": float(cfg.patch_loss)} if cfg.patch_loss > 0 and cfg.method == "ats" else {}),
         **extension_specs(cfg),
         **levels_spec(cfg, mpp),
         # how inputs were read in training: predict and visualize read them alike by default
@@ -168,6 +170,7 @@ def _sampling_settings(spec: dict[str, Any]) -> dict[str, Any]:
         gain=spec["gain"],
         # the feature side's options; "attention" is the attention net's (_ats)
         position={k: v for k, v in spec["position"].items() if k != "attention"} if spec.get("position") else None,
+        patch_loss=spec.get("patch_loss", 0.0),
     )
 
 

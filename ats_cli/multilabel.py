@@ -100,6 +100,12 @@ def loss(model: Any, out: Any, target: torch.Tensor) -> torch.Tensor:
     from ats_cli.core.model import exploration
 
     bce = F.binary_cross_entropy_with_logits(out.logits.float(), target.float(), reduction="none").sum(-1).mean()
+    patch_weight = float(getattr(model, "patch_weight", 0.0))
+    if patch_weight and getattr(out, "patch_logits", None) is not None:  # ATSModel.patch_nll, per class
+        n = out.patch_logits.shape[1]
+        bce = bce + patch_weight * F.binary_cross_entropy_with_logits(
+            out.patch_logits.flatten(0, 1).float(), target.float().repeat_interleave(n, 0),
+            reduction="none").sum(-1).mean()
     weight = float(getattr(model, "entropy_weight", 0.0))
     return bce - weight * exploration(out).mean() if weight else bce
 

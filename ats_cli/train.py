@@ -51,7 +51,6 @@ from ats_cli.config import (
     settle,
     view_scale,
 )
-from ats_cli.core.model import exploration
 from ats_cli.core.source import to_device
 from ats_cli.data.dataset import load_dataset
 from ats_cli.data.images import ImageReadError
@@ -273,7 +272,8 @@ class RunningSums:
     float64 additions in the same order as adding Python floats step by step, so the
     figures are bit for bit what reading every step gave (and a resumed run's too)."""
 
-    # bonus: lambda x the exploration term, so the classification loss is loss + bonus;
+    # bonus: the classification loss minus the loss (the exploration bonus, less the per-patch
+    # loss), so the classification loss is loss + bonus;
     # uniform: ats_cli.diagnose.uniform_entropy (a run that learns nothing says so)
     KEYS = ("loss", "correct", "ent", "n", "bonus", "uniform")
 
@@ -348,7 +348,7 @@ def train_step(net: torch.nn.Module, model: torch.nn.Module, opt: torch.optim.Op
     opt.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()  # DDP averages the gradients over the ranks here
     sums.add(loss, correct(out.logits, labels), out.entropy, labels,
-             bonus=float(getattr(model, "entropy_weight", 0.0)) * exploration(out).mean(), uniform=uniform_entropy(out))
+             bonus=label_nll(model, out, labels) - loss, uniform=uniform_entropy(out))
     if clip_norm:
         scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
@@ -360,6 +360,19 @@ def step_loss(model: Any, out: Any, labels: torch.Tensor) -> torch.Tensor:
     """The training loss of a batch: :func:`ats_cli.multilabel.loss` for multi-hot ``labels`` (float [B,
     classes]), else the model's own (class indices [B])."""
     return multilabel_loss(model, out, labels) if labels.is_floating_point() else model.loss(out, labels)
+
+
+@torch.no_grad()
+def label_nll(model: Any, out: Any, labels: torch.Tensor) -> torch.Tensor:
+    """The batch's classification loss alone, what the held-out losses are: :func:`step_loss`
+    without the exploration bonus and the per-patch loss (``train_ce`` in the epoch record)."""
+    if labels.is_floating_point():
+        import torch.nn.functional as F
+
+        return F.binary_cross_entropy_with_logits(out.logits.float(), labels.float(), reduction="none").sum(-1).mean()
+    pooling = getattr(model, "pooling", None)
+    return pooling.nll(out.logits, labels) if pooling is not None else \
+        torch.nn.functional.cross_entropy(out.logits.float(), labels)
 
 
 def correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

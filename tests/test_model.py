@@ -245,3 +245,39 @@ def test_the_output_carries_the_estimator_weights_and_each_draws_contribution(kw
         assert torch.allclose(torch.einsum("bn,bnc->bc", out.weights, values).log(), out.logits, atol=1e-5)
         size = values.sum(-1)
     assert torch.allclose(out.contributions, out.weights.double() * size.double(), atol=1e-6)
+
+
+def test_the_patch_loss_teaches_the_features_and_leaves_the_estimate_and_the_attention_as_they_were():
+    """--patch-loss adds each drawn patch's own cross-entropy against its image's label
+    (ATSModel.patch_nll): its value is that mean; the forward pass (logits, attention,
+    draws) is the same with or without it, and so is the attention net's gradient, so the
+    sampled estimate and its unbiased gradients are untouched; the feature net's gradient
+    changes. Negative control: the entropy weight, a term that does reach the attention,
+    changes the attention net's gradient in the same comparison."""
+    images = torch.randint(0, 256, (4, 1, 64, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    target = torch.tensor([0, 1, 2, 0])
+
+    def grads(**kw):
+        torch.manual_seed(0)
+        model = make_model(**kw)
+        with torch.no_grad():  # a non-uniform attention, so that the attention net's whole gradient is in play
+            model.attention_net.score.weight.normal_(0, 0.5)
+        low = low_res_view(images, model.scale)
+        out = model(low, images, generator=torch.Generator().manual_seed(3))
+        loss = model.loss(out, target)
+        loss.backward()
+        att = torch.cat([p.grad.flatten() for p in model.attention_net.parameters()])
+        feat = torch.cat([p.grad.flatten() for p in model.feature_net.parameters()])
+        return out, loss, att, feat
+
+    out0, loss0, att0, feat0 = grads()
+    out1, loss1, att1, feat1 = grads(patch_loss=1.0)
+    torch.testing.assert_close(out1.logits, out0.logits)
+    torch.testing.assert_close(out1.attention, out0.attention)
+    assert torch.equal(out1.indices, out0.indices)
+    expected = torch.nn.functional.cross_entropy(out0.patch_logits.flatten(0, 1), target.repeat_interleave(4))
+    torch.testing.assert_close(loss1 - loss0, expected)
+    torch.testing.assert_close(att1, att0)  # the attention learns from the estimate alone
+    assert not torch.allclose(feat1, feat0)  # the features learn from each patch too
+    _, _, att_entropy, _ = grads(entropy_weight=0.5)  # negative control: a term that reaches the attention
+    assert not torch.allclose(att_entropy, att0)

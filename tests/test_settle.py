@@ -33,8 +33,8 @@ from ats_cli.config import (
 from ats_cli.data.dataset import load_dataset, write_dataset
 
 SETTLED = ("n_patches", "patch_size", "scale", "batch_size", "eval_n_patches", "min_brightness", "augment",
-           "rarity_prior", "rarity_cap", "patch_gain", "feature_train", "position_features", "pooling", "none_class",
-           "count_floor", "eval_count_floor")
+           "rarity_prior", "rarity_cap", "patch_loss", "patch_gain", "feature_train", "position_features", "pooling",
+           "none_class", "count_floor", "eval_count_floor")
 MNIST = DataFacts(hints={"n_patches": 10, "patch_size": 50, "scale": 0.12}, channels=1, files=40, probed=16, dark=0.9)
 SLIDES = DataFacts(hints={"n_patches": 12, "patch_size": 64, "scale": 1 / 32}, channels=3, files=12,
                    mpps=(0.5,) * 12, mpps_agree=True, probed=12, masked=12)
@@ -85,6 +85,18 @@ def test_sizes_come_from_the_dataset_hints_then_the_papers_defaults():
     bare, reasons = settle(TrainConfig(), DataFacts())
     assert tuple(getattr(bare.config, k) for k in DATA_DEFAULTS) == tuple(DATA_DEFAULTS.values())
     assert _why(reasons)["scale"] == "scale 0.12: default (the paper's Megapixel MNIST)"
+
+
+def test_sizes_without_a_hint_follow_the_images_size_in_the_papers_proportions():
+    """No flag, no hint: a 180-px view, as the paper's 1500-px Megapixel MNIST (0.12), and 32
+    patches of 1/16 of the typical long side; ats info prints the same (sizes_for)."""
+    for side, (patch, scale) in {1500: (96, 0.12), 1284: (80, 0.1402), 800: (48, 0.225), 6000: (128, 0.03),
+                                 100: (32, 1.0), 20: (20, 1.0)}.items():
+        settled, reasons = settle(TrainConfig(), DataFacts(long_side=side))
+        assert (settled.config.n_patches, settled.config.patch_size, settled.config.scale) == (32, patch, scale), side
+        assert f"typical long side is {side} px" in _why(reasons)["scale"]
+    # a flag or a hint still wins
+    assert settle(TrainConfig(scale=0.5), DataFacts(long_side=800))[0].config.scale == 0.5
 
 
 def test_eval_n_patches_auto_is_twice_the_training_count():
@@ -161,8 +173,21 @@ def test_batch_size_auto_keeps_a_steps_views_bounded():
     assert "low-res view 2.4 M pixels: at most 8 M a step" in _why(reasons)["batch_size"]
     assert settle(TrainConfig(scale=1 / 64), big)[0].config.batch_size == 3  # one level at the same scale
     assert settle(TrainConfig(**two, batch_size=4), big)[0].config.batch_size == 4
-    small = replace(SLIDES, sizes=("3072x3072 at 0.5 µm/px",), n_sizes=1, pixels=3072 ** 2)
+    small = replace(SLIDES, sizes=("3072x3072 at 0.5 µm/px",), n_sizes=1, pixels=3072 ** 2, files=1000)
     assert settle(TrainConfig(), small)[0].config.batch_size == 32
+
+
+def test_batch_size_auto_gives_a_small_dataset_steps():
+    """A small dataset trains at least AUTO_MIN_STEPS steps an epoch, in batches of at least
+    MIN_STEP_BATCH; a large one the usual 32 (negative control); the view bound still wins."""
+    photos = replace(SLIDES, sizes=("800x800",), n_sizes=1, pixels=800 ** 2)
+    for files, batch in ((144, 9), (40, 4), (512, 32), (5000, 32)):
+        settled, reasons = settle(TrainConfig(), replace(photos, files=files))
+        assert settled.config.batch_size == batch, files
+    assert "144 training images: 16 steps an epoch" in _why(settle(TrainConfig(), replace(photos, files=144))[1])[
+        "batch_size"]
+    big = replace(SLIDES, sizes=("100000x100000 at 0.5 µm/px",), n_sizes=1, pixels=100_000 ** 2, files=144)
+    assert settle(TrainConfig(scale=1 / 64), big)[0].config.batch_size == 3
 
 
 def test_position_features_auto_follows_the_datasets_hint():
@@ -226,7 +251,7 @@ def test_the_facts_are_read_from_the_first_training_images(tmp_path):
     tissue = gather_facts(TrainConfig(tissue_mask="on"), load_dataset(tmp_path / "light"))  # as slides are read
     assert tissue.masked == 4 and tissue.slides
     # nothing left to the images: they are not looked at
-    given = TrainConfig(min_brightness=0.0, rarity_prior=0.0, augment="none", patch_gain="off")
+    given = TrainConfig(min_brightness=0.0, rarity_prior=0.0, patch_loss=0.0, augment="none", patch_gain="off")
     assert gather_facts(given, load_dataset(tmp_path / "light")).probed == 0
 
 
@@ -235,12 +260,13 @@ def test_batch_size_auto_batches_images_of_different_sizes(tmp_path):
     mixed sizes settles on the default batch like one of a single size, bounded by the
     padded view (the largest height times the largest width); two levels and the
     baselines, which stack views of one size only, still take one image per step."""
-    same = gather_facts(TrainConfig(), _pngs(tmp_path / "same", background=200))
+    same = replace(gather_facts(TrainConfig(), _pngs(tmp_path / "same", background=200)), files=1000)
     assert (same.n_sizes, same.sizes) == (1, ("64x64",))
     settled, reasons = settle(TrainConfig(), same)
     assert settled.config.batch_size == 32
     assert _why(reasons)["batch_size"] == "batch_size 32: every training image is 64x64"
-    mixed = gather_facts(TrainConfig(), _pngs(tmp_path / "mixed", background=200, sides=(64, 80, 64, 96)))
+    mixed = replace(gather_facts(TrainConfig(), _pngs(tmp_path / "mixed", background=200, sides=(64, 80, 64, 96))),
+                    files=1000)  # a large dataset: its batch is not cut for steps (test_..._small_dataset_steps)
     assert (mixed.n_sizes, mixed.sizes, mixed.frame_h, mixed.frame_w) == (3, ("64x64", "64x80", "64x96"), 64, 96)
     settled, reasons = settle(TrainConfig(), mixed)
     assert settled.config.batch_size == 32
@@ -273,7 +299,7 @@ def test_a_mixed_size_dataset_trains_with_the_defaults(tmp_path):
                                       "--n-patches", "2", "--feature-width", "4", "--attention-width", "4",
                                       "--workers", "0", "--no-prepare"])
     assert result.exit_code == 0, result.output
-    assert json.loads((run / "config.json").read_text())["batch_size"] == 32  # the 4 images, padded, in one step
+    assert json.loads((run / "config.json").read_text())["batch_size"] == 4  # the 4 images, padded, in one step
 
 
 def test_an_exif_rotated_photo_counts_at_the_size_it_is_read(tmp_path):

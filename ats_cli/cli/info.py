@@ -1,4 +1,6 @@
-"""`ats info PATH`: which reader opens a file and what it sees (dimensions, levels, mpp, vendor)."""
+"""`ats info PATH`: which reader opens a file and what it sees (dimensions, levels, mpp,
+vendor), and the --scale, --patch-size and --n-patches `ats train` would settle for images
+of its size (a folder: of its images' typical size, ats_cli.config.sizes_for)."""
 
 from __future__ import annotations
 
@@ -17,11 +19,13 @@ from ats_cli.cli.options import MaxPixelsOption, config_option
 
 @app.command()
 def info(
-    paths: list[Path] = typer.Argument(..., help="Image or slide files."),
+    paths: list[Path] = typer.Argument(..., help="Image or slide files, or folders of them (class folders too)."),
     reader: str = config_option("reader", "auto", check=True),
     max_pixels: MaxPixelsOption = None,
 ) -> None:
-    """Show the reader, dimensions, pyramid levels, microns per pixel and vendor of each file.
+    """Show the reader, dimensions, pyramid levels, microns per pixel and vendor of each file,
+    and the --scale, --patch-size and --n-patches ats train would settle for it. A folder: a
+    line for its images (sizes, the typical long side) and the settings for all of them.
 
     Keeps going past unreadable files (each is reported on one line, by name, with the
     problem) and exits 1 at the end, with the count, if any failed; Ctrl-C stops with 130.
@@ -38,7 +42,8 @@ def info(
     failed = done = 0
     try:
         for path in paths:
-            failed += not _show(path, reader, max_pixels, console, err)
+            failed += not (_show_folder(path, console, err) if path.is_dir() else
+                           _show(path, reader, max_pixels, console, err))
             done += 1
     except KeyboardInterrupt:
         err.print(f"[yellow]interrupted[/] after {done} of {len(paths)} file(s)")
@@ -73,6 +78,40 @@ def _show(path: Path, reader: str, max_pixels: int | None, console: Console, err
     console.print(f"[bold]{escape(str(path))}[/]")
     console.print(f"reader: {i.reader}   vendor: {i.vendor}   channels: {i.channels}   mpp: {mpp}")
     console.print(table)
+    _suggest(max(i.levels[0]), console)
+    return True
+
+
+def _suggest(long_side: int, console: Console) -> None:
+    """The sizes ``ats train`` settles for images of this long side, when neither a flag nor
+    the dataset's hints give them (one rule: :func:`ats_cli.config.sizes_for`)."""
+    from ats_cli.config import sizes_for
+
+    sizes = sizes_for(long_side)
+    flags = " ".join(f"--{k.replace('_', '-')} {v:g}" for k, (v, _) in sizes.items())
+    console.print(f"ats train would settle: {flags}")
+    for key, (value, why) in sizes.items():
+        console.print(f"  {key} {value:g}: {escape(why)}")
+
+
+def _show_folder(folder: Path, console: Console, err: Console) -> bool:
+    """A folder's images (recursively, as ``make-dataset from-folder`` finds them): how many,
+    their sizes from the headers, and the settings for their typical long side."""
+    from ats_cli.data.dataset import INPUT_SUFFIXES
+    from ats_cli.data.images import pil_size
+
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in INPUT_SUFFIXES)
+    shapes = [s for s in (pil_size(p) for p in files) if s]
+    if not shapes:
+        err.print(f"[red]error:[/] {escape(str(folder))}: no image whose size can be read (of {len(files)} file(s))")
+        return False
+    sides = sorted(max(s) for s in shapes)
+    distinct = len(set(shapes))
+    console.print(f"[bold]{escape(str(folder))}[/]")
+    console.print(f"{len(shapes)} image(s) in {distinct} size(s), long side {sides[0]}-{sides[-1]} px, typically "
+                  f"{sides[len(sides) // 2]} px" + (f" ({len(files) - len(shapes)} unreadable)"
+                                                   if len(files) > len(shapes) else ""))
+    _suggest(sides[len(sides) // 2], console)
     return True
 
 
@@ -93,7 +132,8 @@ def _image_info(path: Path, max_pixels: int | None) -> SimpleNamespace:
 
     arr = decode_pil(path, max_pixels)
     h, w, c = arr.shape
-    return SimpleNamespace(reader="pillow", vendor="image", channels=c, mpp=None, levels=((h, w),), downsamples=(1.0,))
+    return SimpleNamespace(reader="pillow", vendor="image", channels=c, mpp=None, levels=((h, w),), downsamples=(1.0,),
+                           scale_unknown="")
 
 
 def _slide_info(path: Path, reader: str, max_pixels: int | None) -> Any:
