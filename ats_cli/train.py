@@ -63,7 +63,7 @@ from ats_cli.data.inputs import (
     single_thread_worker,
     view_cache_for,
 )
-from ats_cli.diagnose import chance_accuracy, uniform_entropy
+from ats_cli.diagnose import attention_learns, attention_moved, chance_accuracy, uniform_entropy
 from ats_cli.diagnose import warnings as degenerate_warnings
 from ats_cli.inference import predict_probs
 from ats_cli.io import atomic_path, atomic_write_text
@@ -275,7 +275,7 @@ class RunningSums:
     # bonus: the classification loss minus the loss (the exploration bonus, less the per-patch
     # loss), so the classification loss is loss + bonus;
     # uniform: ats_cli.diagnose.uniform_entropy (a run that learns nothing says so)
-    KEYS = ("loss", "correct", "ent", "n", "bonus", "uniform")
+    KEYS = ("loss", "correct", "ent", "n", "bonus", "uniform", "moved")
 
     def __init__(self, running: dict[str, float], device: torch.device, *, distributed: bool = False):
         self.running = running
@@ -288,7 +288,8 @@ class RunningSums:
         self.staged: torch.Tensor | None = None
 
     def add(self, loss: torch.Tensor, correct: torch.Tensor, entropy: torch.Tensor, labels: torch.Tensor,
-            bonus: torch.Tensor | None = None, uniform: torch.Tensor | None = None) -> None:
+            bonus: torch.Tensor | None = None, uniform: torch.Tensor | None = None,
+            moved: torch.Tensor | None = None) -> None:
         """Stage one step's statistics (all processes' under torch.distributed), without
         waiting; :meth:`commit` adds them once the step is counted, so that a Ctrl-C in
         between leaves sums and position in agreement (the step is redone on resume)."""
@@ -298,7 +299,8 @@ class RunningSums:
                             entropy.detach().sum().double(),
                             torch.full((), float(n), dtype=torch.float64, device=self.sums.device),
                             zero if bonus is None else bonus.detach().double() * n,
-                            zero if uniform is None else uniform.detach().sum().double().to(zero.device)])
+                            zero if uniform is None else uniform.detach().sum().double().to(zero.device),
+                            zero if moved is None else moved.detach().sum().double().to(zero.device)])
         if self.distributed:
             dist.all_reduce(step)  # on the device: queued like any kernel
         self.staged = step
@@ -348,7 +350,8 @@ def train_step(net: torch.nn.Module, model: torch.nn.Module, opt: torch.optim.Op
     opt.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()  # DDP averages the gradients over the ranks here
     sums.add(loss, correct(out.logits, labels), out.entropy, labels,
-             bonus=label_nll(model, out, labels) - loss, uniform=uniform_entropy(out))
+             bonus=label_nll(model, out, labels) - loss, uniform=uniform_entropy(out),
+             moved=attention_moved(model, out))
     if clip_norm:
         scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
@@ -757,7 +760,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
         done = start_done if epoch == start_epoch else 0  # images of this epoch already trained on
         acc = running if (epoch == start_epoch and running) else {"loss": 0.0, "correct": 0.0, "ent": 0.0,
                                                                      "n": 0.0, "bonus": 0.0, "uniform": 0.0,
-                                                                     "time": 0.0}
+                                                                     "moved": 0.0, "time": 0.0}
         pos = Position(epoch, step=done // global_batch, done=done, running=acc)
         reset_peak_memory(device)
         train_one_epoch(cfg, ctx, device, net, opt, scaler, train_set, order, pos, save=save_position,
@@ -791,6 +794,8 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
             "train_ce": (acc["loss"] + acc.get("bonus", 0.0)) / acc["n"],
             "entropy": acc["ent"] / acc["n"],
             "entropy_uniform": acc.get("uniform", 0.0) / acc["n"],  # ats_cli.diagnose
+            # KL (nats) from where the attention started; None where it cannot learn
+            "attention_moved": acc.get("moved", 0.0) / acc["n"] if attention_learns(model) else None,
             "samples": int(acc["n"]),
             "samples_per_s": acc["n"] / max(acc["time"], 1e-9),  # all processes together
             "ms_per_sample": 1000 * acc["time"] / acc["n"],

@@ -10,13 +10,13 @@ import torch
 
 from ats_cli.core.model import ATSModel
 from ats_cli.core.source import low_res_view
-from ats_cli.diagnose import chance_accuracy, uniform_entropy, warnings
+from ats_cli.diagnose import attention_moved, chance_accuracy, uniform_entropy, warnings
 from ats_cli.nets import create
 
 
 def _record(**kw):
     base = {"epoch": 3, "train_acc": 0.55, "val_acc": 0.52, "test_acc": 0.5, "entropy": 6.0,
-            "entropy_uniform": 9.1}
+            "entropy_uniform": 9.1, "attention_moved": 3.1}
     return {**base, **kw}
 
 
@@ -24,10 +24,10 @@ CHANCE = {"train": 0.5, "val": 0.5, "test": 0.5}
 
 
 def test_uniform_attention_is_named_with_what_to_try():
-    found = warnings(_record(entropy=9.09), CHANCE, steps=5)
+    found = warnings(_record(entropy=9.09, attention_moved=0.01), CHANCE, steps=5)
     assert set(found) == {"uniform"}
     line = found["uniform"]
-    assert "epoch 3" in line and "uniform" in line and "9.09" in line and "5 an epoch" in line
+    assert "epoch 3" in line and "has not moved" in line and "9.09" in line and "5 an epoch" in line
     assert "--n-patches" in line and "\n" not in line
 
 
@@ -45,13 +45,15 @@ def test_test_split_is_judged_without_a_val_split():
 
 def test_a_uniform_attention_on_a_run_that_learns_is_not_named():
     """Whole photos of two kinds: any patch shows the class, a uniform attention suffices."""
-    assert warnings(_record(entropy=9.09, train_acc=1.0, val_acc=1.0), CHANCE, steps=5) == {}
-    assert set(warnings(_record(entropy=9.09, val_acc=0.55), CHANCE, steps=5)) == {"uniform"}
+    assert warnings(_record(attention_moved=0.0, train_acc=1.0, val_acc=1.0), CHANCE, steps=5) == {}
+    assert set(warnings(_record(attention_moved=0.0, val_acc=0.55), CHANCE, steps=5)) == {"uniform"}
+    # an attention that cannot learn (method uniform, the CNN) is never named
+    assert warnings(_record(attention_moved=None), CHANCE, steps=5) == {}
 
 
 def test_a_run_that_learns_gets_no_warning():
     # negative controls: the attention has moved; held-out accuracy is above chance; train at chance too
-    assert warnings(_record(entropy=8.5, train_acc=0.99, val_acc=0.9), CHANCE, steps=5) == {}
+    assert warnings(_record(attention_moved=0.6, train_acc=0.99, val_acc=0.9), CHANCE, steps=5) == {}
     assert warnings(_record(train_acc=0.6, val_acc=0.5), CHANCE, steps=5) == {}
     assert warnings(_record(train_acc=1.0, val_acc=0.5), {}, steps=5) == {}  # multi-label: not judged
 
@@ -77,3 +79,20 @@ def test_uniform_entropy_counts_the_cells_that_may_be_drawn():
     assert torch.allclose(u, torch.full((2,), math.log(128), dtype=torch.float64))
     assert torch.allclose(out.entropy.double(), u, atol=1e-5)  # zero-initialised scores: uniform on the support
     assert not torch.allclose(u, torch.full((2,), math.log(256), dtype=torch.float64))
+
+
+def test_how_far_the_attention_moved_is_measured_from_its_start():
+    """KL to uniform without a prior (0 at the zero-initialised start), KL to the prior's own
+    attention with one (0 at the start too, though its entropy is far below uniform); a
+    moved attention is measured as moved (negative control)."""
+    torch.manual_seed(0)
+    images = (torch.rand(2, 1, 64, 64) * 255).to(torch.uint8)
+    low = low_res_view(images, 0.25)
+    for prior in (None, {"name": "rarity", "weight": 2.0}):
+        model = ATSModel(create("mnist-attention", in_channels=1, width=4), create("small-cnn", in_channels=1, width=8),
+                         n_classes=2, n_patches=3, patch_size=(8, 8), scale=0.25, prior=prior)
+        out = model(low, images)
+        assert torch.allclose(attention_moved(model, out), torch.zeros(2, dtype=torch.float64), atol=1e-5)
+        with torch.no_grad():
+            model.attention_net.score.weight.normal_(0, 1.0)
+        assert (attention_moved(model, model(low, images)) > 0.05).all()

@@ -30,7 +30,9 @@ $ATS make-dataset synthetic-slides "$DATA" --workers "$WORKERS" "${SIZES[@]}" "$
 log "fresh test set: $NFRESH slides, seed $FRESH_SEED"
 $ATS make-dataset synthetic-slides "$FRESH" --n-train 1 --n-test "$NFRESH" --seed "$FRESH_SEED" --workers "$WORKERS" "${SIZES[@]}"
 
-if [ -f "$RUN/last.pt" ]; then WHAT=(--resume "$RUN"); else WHAT=("$DATA" --out "$RUN"); fi
+# --batch-size 32: what auto gave 240 training slides when the model was made; auto now gives a
+# dataset this small at least 16 steps an epoch (15 a step), which would make another model
+if [ -f "$RUN/last.pt" ]; then WHAT=(--resume "$RUN"); else WHAT=("$DATA" --out "$RUN" --batch-size 32); fi
 log "training with the defaults (${WHAT[*]})"
 $ATS train "${WHAT[@]}" --workers "$WORKERS" "${EPOCHS[@]}"
 
