@@ -142,14 +142,15 @@ def test_train_writes_a_run_with_the_flags_and_the_defaults(run, mnist):
     # -1 = auto (and augment's auto): settled from the images
     del defaults["data"], defaults["out"], defaults["min_brightness"], defaults["rarity_prior"], defaults["augment"]
     del defaults["rarity_cap"]  # follows the prior: none here
-    del defaults["patch_gain"]
+    del defaults["patch_gain"], defaults["patch_loss"]
     del defaults["eval_n_patches"]
     del defaults["feature_train"], defaults["position_features"], defaults["pooling"], defaults["none_class"]
     del defaults["count_floor"], defaults["eval_count_floor"]
     assert {k: saved[k] for k in given} == given
     assert {k: saved[k] for k in defaults} == defaults
     assert saved["min_brightness"] == AUTO_MIN_BRIGHTNESS  # Megapixel MNIST: a black background
-    assert saved["rarity_prior"] == 0.0 and saved["rarity_cap"] == 0.0  # not slides: no tissue mask
+    assert saved["rarity_prior"] == 0.0 and saved["rarity_cap"] == 0.0  # a black background: the support's job
+    assert saved["patch_loss"] == 0.0  # not photographs
     assert saved["augment"] == "none"  # not slides: a turned 6 is a 9
     assert saved["patch_gain"] == "off"  # not slides: a majority of digits weighs each digit alike
     assert saved["eval_n_patches"] == 2 * saved["n_patches"]  # auto: twice the training count

@@ -349,11 +349,11 @@ def test_cli_train_says_what_it_settled_and_resume_keeps_it_as_it_is(squares, tm
     first = CliRunner().invoke(app, ["train", str(squares), "--out", str(run), "--epochs", "1", *args])
     assert first.exit_code == 0, first.output
     assert "settled from the data" in first.output
-    for line in ("n_patches 2: given", "scale 0.12: default (the paper's Megapixel MNIST)",
+    for line in ("n_patches 2: given", "scale 1: the training images' typical long side is 64 px",
                  "eval_n_patches 4: twice n_patches", "min_brightness 0.15: a black background"):
         assert line in first.output
     config, settled = (json.loads((run / name).read_text()) for name in ("config.json", "settled.json"))
-    assert (config["scale"], config["min_brightness"], config["augment"]) == (0.12, 0.15, "none")
+    assert (config["scale"], config["min_brightness"], config["augment"]) == (1.0, 0.15, "none")
     assert "min_brightness 0.15: a black background" in " ".join(settled["reasons"])
 
     def look_again(*args, **kwargs):
