@@ -208,7 +208,8 @@ def run(scenario: str, out: Path, epochs: int, images: int, seed: int, make_only
     wall = time.time() - t0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     records = [r for r in records if "epoch" in r]
-    pred = _ats("predict", str(data), "--model", str(run_dir / "best.pt"), "--out", str(base / "preds.csv"))
+    pred = _ats("predict", str(data), "--model", str(run_dir / "best.pt"), "--out", str(base / "preds.csv"),
+                "--overwrite")
     return {"scenario": scenario, "records": records, "wall_s": wall, "predict": pred}
 
 
