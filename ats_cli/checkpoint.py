@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import io
 import os
-import re
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ats_cli.io import atomic_write_bytes
+from ats_cli.io import atomic_write_bytes, load_refusal
 from ats_cli.models import SPEC_VERSION, create_model
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "load_model"]
@@ -131,17 +130,12 @@ def _foreign_zip(path: Path) -> str | None:
 
 
 def _load_problem(e: Exception) -> str:
-    """Why ``torch.load(weights_only=True)`` refused a file, without PyTorch's advice to
-    load it with ``weights_only=False``: for a file from elsewhere that advice means
-    running whatever code it carries, which is exactly what the refusal prevented."""
-    text = str(e).strip()
-    blocked = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text) or re.search(r"Unsupported operand (\d+)", text)
-    if blocked or "Weights only load failed" in text:
-        what = f" ({blocked.group(1)})" if blocked else ""
+    """Why ``torch.load(weights_only=True)`` refused a file (:func:`ats_cli.io.load_refusal`)."""
+    what, first = load_refusal(e)
+    if what is not None:
         return (f"it holds a Python object{what} where a checkpoint holds only tensors and plain values; it was "
                 "refused without running anything. Use checkpoints written by ats train")
-    lines = [line.strip() for line in text.splitlines() if line.strip() and "weights_only" not in line]
-    return f"cannot be read safely: {lines[0] if lines else type(e).__name__}"
+    return f"cannot be read safely: {first}"
 
 
 def _check_finite(path: Path, weights: Any) -> None:

@@ -111,3 +111,20 @@ def settled(stamped_ns: int, mtime_ns: int, ctime_ns: int) -> bool:
     therefore checked by content once, then proven by its times."""
     coarse = mtime_ns % 1_000_000_000 == 0 or ctime_ns % 1_000_000_000 == 0
     return stamped_ns - max(mtime_ns, ctime_ns) >= (COARSE_SETTLE_NS if coarse else FINE_SETTLE_NS)
+
+
+def load_refusal(e: BaseException) -> tuple[str | None, str]:
+    """What ``torch.load(weights_only=True)``'s refusal ``e`` says, without PyTorch's advice to
+    load with ``weights_only=False`` (for a file from elsewhere that means running whatever
+    code it carries, the very thing the refusal prevented): the Python object it met, ""
+    when it met one it did not name, None when the file failed for another reason; and the
+    message's first line without that advice, for the other reasons."""
+    import re
+
+    text = str(e).strip()
+    blocked = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text) or re.search(r"Unsupported operand (\d+)", text)
+    lines = [line.strip() for line in text.splitlines() if line.strip() and "weights_only" not in line]
+    first = lines[0] if lines else type(e).__name__
+    if blocked or "Weights only load failed" in text:
+        return (f" ({blocked.group(1)})" if blocked else ""), first
+    return None, first

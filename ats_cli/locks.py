@@ -41,7 +41,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["held", "released", "die_with_parent", "owner_gone", "read_record", "write_record", "PARENT_POLL_S"]
+__all__ = ["alive", "held", "released", "die_with_parent", "owner_gone", "read_record", "write_record", "PARENT_POLL_S"]
 
 _HELD: set[int] = set()  # lock descriptors this process holds
 PARENT_POLL_S = 0.5  # how often a worker without PR_SET_PDEATHSIG looks for its parent
@@ -108,7 +108,8 @@ def read_record(fd: int) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether a process of ``pid`` runs on this host (a zombie, killed and not yet reaped, does not)."""
     if pid <= 0:
         return False
     try:
@@ -133,4 +134,4 @@ def owner_gone(record: dict[str, Any] | None) -> bool:
         pid = int(record.get("pid", 0))
     except (TypeError, ValueError):
         return False
-    return pid != os.getpid() and not _alive(pid)
+    return pid != os.getpid() and not alive(pid)

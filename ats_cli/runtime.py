@@ -91,7 +91,7 @@ import torch
 import torch.distributed as dist
 
 from ats_cli.io import atomic_write_text
-from ats_cli.locks import held, owner_gone, released
+from ats_cli.locks import alive, held, owner_gone, released
 
 try:
     import fcntl
@@ -473,16 +473,6 @@ def holds_run(run: str | os.PathLike[str]) -> bool:
 # ---------------------------------------------------------------------------- the lock
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
 def _holder_text(holder: dict[str, Any] | None) -> str:
     if not holder:
         return "another process"
@@ -590,7 +580,8 @@ class RunLock:
         if not holder or holder.get("pid") == os.getpid():
             return True
         same_host = holder.get("host") == socket.gethostname()
-        return same_host and not _alive(int(holder.get("pid", 0)))
+        pid = int(holder.get("pid", 0))
+        return same_host and pid > 0 and not alive(pid)  # no pid recorded: not known to be gone
 
     def release(self) -> None:
         if self._fd is None:

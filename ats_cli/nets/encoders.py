@@ -419,17 +419,14 @@ def read_weights(path: str | os.PathLike[str], flag: str = "--feature-weights") 
 
 
 def _unsafe_load(e: BaseException) -> str:
-    """Why ``torch.load(weights_only=True)`` refused a weights file, in our words: PyTorch's
-    message ends by advising ``weights_only=False``, which for a file from elsewhere means
-    running whatever code it carries, the very thing the refusal prevented."""
-    text = str(e)
-    blocked = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text) or re.search(r"Unsupported operand (\d+)", text)
-    if blocked or "Weights only load failed" in text:
-        what = f" ({blocked.group(1)})" if blocked else ""
+    """Why ``torch.load(weights_only=True)`` refused a weights file (:func:`ats_cli.io.load_refusal`)."""
+    from ats_cli.io import load_refusal
+
+    what, first = load_refusal(e)
+    if what is not None:
         return (f"holds a Python object{what} where a weights file holds only tensors; refused without running "
                 "anything: give safetensors or a plain state dict")
-    lines = [line.strip() for line in text.splitlines() if line.strip() and "weights_only" not in line]
-    return f"not a PyTorch state dict ({(lines[0] if lines else type(e).__name__)[:200]})"
+    return f"not a PyTorch state dict ({first[:200]})"
 
 
 def _finite(state: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
