@@ -61,7 +61,10 @@ def uniform_entropy(out: Any) -> torch.Tensor:
 
 def attention_learns(model: Any) -> bool:
     """Whether ``model`` has an attention net that trains (not ``uniform``, not the CNN)."""
-    net = getattr(model, "attention_net", None)
+    try:
+        net = getattr(model, "attention_net", None)
+    except ValueError:  # the CNN baseline's attention_net says it has none
+        return False
     return net is not None and any(p.requires_grad for p in net.parameters())
 
 
@@ -88,10 +91,17 @@ def chance_accuracy(labels: Sequence[int]) -> float:
     return max(counts.values()) / len(labels)
 
 
-def warnings(record: dict[str, Any], chance: dict[str, float], *, steps: int) -> dict[str, str]:
+def warnings(record: dict[str, Any], chance: dict[str, float], *, steps: int,
+             previous: dict[str, Any] | None = None) -> dict[str, str]:
     """The warnings one epoch's ``record`` (``ats train``'s metrics line) calls for, by kind
     (``uniform``, ``chance``); ``chance``: each split's :func:`chance_accuracy` (splits
-    missing from it are not judged: multi-label data); ``steps``: training steps an epoch."""
+    missing from it are not judged: multi-label data); ``steps``: training steps an epoch.
+    With ``previous`` (the epoch before's record), a kind is named only when it held there
+    too: a small held-out split swings by chance from one epoch to the next, and one
+    epoch of it said nothing of a run that learned the epoch after."""
+    if previous is not None:
+        before = warnings(previous, chance, steps=steps)
+        return {k: v for k, v in warnings(record, chance, steps=steps).items() if k in before}
     out = {}
     epoch = record["epoch"]
     held = "val" if "val" in chance and "val_acc" in record else "test"

@@ -825,7 +825,8 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
             + "".join(f"{split} loss {record[f'{split}_loss']:.4f} acc {record[f'{split}_acc']:.3f} | "
                       for split in loaders) + f"entropy {record['entropy']:.2f} | "
             f"{record['samples_per_s']:.1f} samples/s | peak {record['peak_mem_mb']:.0f} MB")
-        for kind, line in degenerate_warnings(record, chance, steps=math.ceil(len(train_set) / global_batch)).items():
+        for kind, line in degenerate_warnings(record, chance, steps=math.ceil(len(train_set) / global_batch),
+                                              previous=history[-2] if len(history) > 1 else None).items():
             if kind not in warned:  # each kind once a run: the curves show the rest
                 warned.add(kind)
                 log(line)

@@ -96,3 +96,12 @@ def test_how_far_the_attention_moved_is_measured_from_its_start():
         with torch.no_grad():
             model.attention_net.score.weight.normal_(0, 1.0)
         assert (attention_moved(model, model(low, images)) > 0.05).all()
+
+
+def test_a_warning_waits_for_a_second_epoch_when_there_was_one_before():
+    """A small val split swings: one epoch at chance after one above it is not named; two
+    running are (negative control)."""
+    at_chance = _record(attention_moved=0.0, val_acc=0.5)
+    learning = _record(attention_moved=0.0, val_acc=0.9)
+    assert warnings(at_chance, CHANCE, steps=5, previous=learning) == {}
+    assert set(warnings(at_chance, CHANCE, steps=5, previous=at_chance)) == {"uniform"}
