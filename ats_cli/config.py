@@ -593,11 +593,9 @@ def sizes_for(long_side: int) -> dict[str, tuple[Any, str]]:
     grows with the view). The patches: what they cover decides whether training starts at
     all. The attention starts near uniform, so at first the share of the image the drawn
     patches cover is the share of small objects they show, and the feature net learns the
-    objects only from those (ats_cli.diagnose; ATSModel.patch_nll). On a small-object task
-    on real photos (40-60 px objects in 500-1400 px photos, benchmarks/real_pixels.py), 10
-    patches of 1/30 of the side (the paper's 50 of 1500; 1.6% of the image) stayed at
-    chance for 6 epochs, where 32 patches of 64 px (20% of an 800-px image) learned the
-    classes by the 5th. So: patches of 1/16 of the side, rounded to 8 pixels, from 32
+    objects only from those (ats_cli.diagnose; ATSModel.patch_nll): the paper's 10 patches
+    of 1/30 of the side cover under 2% of an image, too little to start on small objects
+    (benchmarks/README.md#first-tries-on-real-pixels). So: patches of 1/16 of the side, rounded to 8 pixels, from 32
     (smaller shows too little to classify) to 128 (a CPU step grows with the patch's area),
     and 32 of them: 32/16² = 12.5% of a square image. ``ats info`` prints the same values
     for a file or a folder, and ``ats train`` settles them."""
@@ -637,9 +635,9 @@ def _from_microns(key: str, microns: float, given: float, mpp: float | None) -> 
 AUTO_BATCH = 32  # --batch-size auto for images of one size
 AUTO_VIEW_PIXELS = 8_000_000  # --batch-size auto: at most this many low-res view pixels a step
 # --batch-size auto on a small dataset: at least this many steps an epoch (in batches of at
-# least MIN_STEP_BATCH). At 32 a step, 144 training images make 5 steps an epoch, 75 in 15
-# epochs; on a small-object task on real photos the attention left uniform after ~80 steps
-# (benchmarks/real_pixels.py): a small dataset must not also train in few steps.
+# least MIN_STEP_BATCH). At 32 a step, 144 training images make 5 steps an epoch: the
+# attention of a small-object task needs tens of steps to leave its start
+# (benchmarks/README.md#first-tries-on-real-pixels), which a small dataset must not also lack.
 AUTO_MIN_STEPS, MIN_STEP_BATCH = 16, 4
 
 
@@ -777,10 +775,9 @@ def _photos(facts: DataFacts) -> bool:
     """Images looked at that are neither slides (a tissue mask) nor on a black canvas (the
     brightness support, :func:`_min_brightness`): photographs, where the few objects that
     decide a label are lost among thousands of cells of texture, and nothing else brings the
-    first draws to them. Measured on a small-object task on real photos (benchmarks/
-    first_steps.py): 1-3% of a uniform attention's patches touched an object; with the rarity
-    prior and the per-patch loss (:func:`_patch_loss`) the attention left uniform and the
-    classes were learned, where without them it stayed uniform at chance."""
+    first draws to them: a uniform attention's patches rarely show them, and with neither the
+    rarity prior nor the per-patch loss (:func:`_patch_loss`) the attention stayed uniform
+    at chance (benchmarks/README.md#first-tries-on-real-pixels)."""
     return bool(facts.probed) and not facts.slides and facts.dark <= 0.5
 
 

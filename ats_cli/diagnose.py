@@ -6,10 +6,8 @@ both look like ordinary training in a log of losses:
 * **The attention stays where it started.** The attention net learns only through the
   patches it draws (the estimator's gradient, thesis eq. 3.19): when the few objects that
   decide the label are rarely among them, its gradient is noise and the attention stays
-  where its zero-initialised last layer started it: uniform, or the prior's. The feature net then learns from
-  background alone. Measured on the first steps of a small-object task on real photos
-  (benchmarks/first_steps.py): 1-3% of the drawn patches touched an object, and the
-  attention net's gradient was a hundredth of the feature net's.
+  where its zero-initialised last layer started it: uniform, or the prior's. The feature
+  net then learns from background alone (measured: benchmarks/README.md#first-tries-on-real-pixels).
 * **Validation stays at chance while training accuracy climbs.** The model learns the
   training images by heart (a small dataset, a feature net started from random weights)
   or training and evaluation see the images differently.

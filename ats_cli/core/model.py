@@ -434,9 +434,9 @@ class ATSModel(nn.Module):
         Why: with the thesis's pooling the image's logits are the attention-weighted mean of
         the patches' (the classifier is linear), so a patch that shows the object weighs
         1/n of the estimate while the attention is still spread. When the objects that
-        decide the label are small, few drawn patches show them (1-3% under a uniform
-        attention on a small-object task on real photos: benchmarks/first_steps.py), the
-        feature net learns them at that diluted rate, and the attention, which learns only
+        decide the label are small, few drawn patches show them (measured:
+        benchmarks/README.md#first-tries-on-real-pixels), the feature net learns them at
+        that diluted rate, and the attention, which learns only
         through what the feature net tells apart, stays uniform. Here every patch that shows
         the object is told the label at full strength, while one of background is told a
         label it cannot predict and settles at the classes' frequencies (logits near equal,
