@@ -408,3 +408,27 @@ def test_a_hint_ats_cannot_use_is_named_not_dropped_in_silence(tmp_path):
     (tmp_path / "run").mkdir()
     save_settled(tmp_path / "run", *settle(TrainConfig(), facts), facts)
     assert load_facts(tmp_path / "run") == facts
+
+
+def test_ats_info_prints_what_train_settles_for_a_file_and_a_folder(tmp_path):
+    """`ats info` on a file, and on a folder of class folders (the typical long side of its
+    images), prints the sizes ats train settles without flags or hints: one rule."""
+    from PIL import Image
+    from typer.testing import CliRunner
+
+    from ats_cli.cli import app
+    from ats_cli.config import sizes_for
+
+    for i, (h, w) in enumerate([(600, 900), (700, 1000), (800, 1300)]):
+        (tmp_path / "photos" / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (w, h), (120, 90, 60)).save(tmp_path / "photos" / f"c{i % 2}" / f"{i}.jpg")
+
+    def expected(side):
+        return " ".join(f"--{k.replace('_', '-')} {v:g}" for k, (v, _) in sizes_for(side).items())
+
+    folder = CliRunner().invoke(app, ["info", str(tmp_path / "photos")])
+    assert folder.exit_code == 0, folder.output
+    assert "3 image(s) in 3 size(s), long side 900-1300 px, typically 1000 px" in folder.output
+    assert expected(1000) in folder.output and "--patch-size 64" in folder.output
+    one = CliRunner().invoke(app, ["info", str(tmp_path / "photos" / "c0" / "2.jpg")])
+    assert one.exit_code == 0 and expected(1300) in one.output, one.output

@@ -89,7 +89,7 @@ def _suggest(long_side: int, console: Console) -> None:
 
     sizes = sizes_for(long_side)
     flags = " ".join(f"--{k.replace('_', '-')} {v:g}" for k, (v, _) in sizes.items())
-    console.print(f"ats train would settle: {flags}")
+    console.print(f"ats train would settle, without these flags or dataset.json hints: {flags}")
     for key, (value, why) in sizes.items():
         console.print(f"  {key} {value:g}: {escape(why)}")
 
