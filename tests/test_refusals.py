@@ -19,17 +19,14 @@ import json
 import os
 import stat
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 from typer.testing import CliRunner
 
 import ats_cli.io as io_mod
 from ats_cli.checkpoint import load_checkpoint
 from ats_cli.cli import app
-from ats_cli.config import TrainConfig, resolve_config
-from ats_cli.data.dataset import write_dataset
+from ats_cli.config import TrainConfig
 from ats_cli.models import create_model, model_spec
 from ats_cli.nets.encoders import EncoderError, read_weights
 from ats_cli.predict.inputs import resolve_inputs
@@ -37,6 +34,7 @@ from ats_cli.pretrain import PretrainError
 from ats_cli.pretrain.annotations import read_annotations
 from ats_cli.pretrain.regions import row_regions
 from ats_cli.train import train
+from tests.test_trust import square_cfg, write_squares
 
 runner = CliRunner(env={"COLUMNS": "1000"})
 quiet = {"log": lambda _: None}
@@ -53,27 +51,11 @@ def _one_line(result, *words):
 
 @pytest.fixture(scope="module")
 def squares(tmp_path_factory):
-    root = tmp_path_factory.mktemp("squares")
-    rows = {}
-    rng = np.random.default_rng(0)
-    for split, n in (("train", 8), ("test", 4)):
-        (root / split).mkdir()
-        rows[split] = []
-        for i in range(n):
-            img = np.zeros((32, 32), np.uint8)
-            r, c = rng.integers(0, 16, 2)
-            img[r:r + 16, c:c + 16] = 255 if i % 2 else 120
-            Image.fromarray(img).save(root / split / f"{i}.png")
-            rows[split].append({"path": f"{split}/{i}.png", "label": "ab"[i % 2]})
-    write_dataset(root, ["a", "b"], rows, hints={"channels": 1})
-    return root
+    return write_squares(tmp_path_factory.mktemp("squares"))
 
 
 def _cfg(data, out, **kw):
-    base = dict(data=str(data), out=str(out), n_patches=2, patch_size=8, scale=0.25, feature_width=8,
-                batch_size=4, epochs=1, workers=0, lr=3e-3, entropy=0.0, seed=0)
-    base.update(kw)
-    return resolve_config(None, **base)
+    return square_cfg(data, out, **{"epochs": 1, **kw})
 
 
 @pytest.fixture(scope="module")

@@ -227,13 +227,12 @@ def test_an_unwritable_view_cache_is_one_warning_and_training_goes_on(tmp_path, 
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
-@pytest.fixture(scope="module")
-def squares(tmp_path_factory):
-    """A tiny two-class dataset: 8 training + 4 test 32x32 images."""
-    root = tmp_path_factory.mktemp("squares")
+def write_squares(root, splits=(("train", 8), ("test", 4))):
+    """A tiny two-class dataset of 32x32 images, a square of 255 (b) or 120 (a) somewhere:
+    ``splits`` gives each split's image count. Also used by test_refusals and test_resume_data."""
     rows = {}
     rng = np.random.default_rng(0)
-    for split, n in (("train", 8), ("test", 4)):
+    for split, n in splits:
         (root / split).mkdir()
         rows[split] = []
         for i in range(n):
@@ -246,11 +245,21 @@ def squares(tmp_path_factory):
     return root
 
 
-def _cfg(data, out, **kw):
+@pytest.fixture(scope="module")
+def squares(tmp_path_factory):
+    """A tiny two-class dataset: 8 training + 4 test 32x32 images."""
+    return write_squares(tmp_path_factory.mktemp("squares"))
+
+
+def square_cfg(data, out, **kw):
+    """A small, fast training configuration for :func:`write_squares`' images."""
     base = dict(data=str(data), out=str(out), n_patches=2, patch_size=8, scale=0.25, feature_width=8,
                 batch_size=4, epochs=2, workers=0, lr=3e-3, entropy=0.0, seed=0)
     base.update(kw)
     return resolve_config(None, **base)
+
+
+_cfg = square_cfg
 
 
 def test_a_full_disk_writing_last_pt_in_epoch_1_can_be_resumed_as_the_message_says(squares, tmp_path, monkeypatch):
