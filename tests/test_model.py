@@ -281,3 +281,21 @@ def test_the_patch_loss_teaches_the_features_and_leaves_the_estimate_and_the_att
     assert not torch.allclose(feat1, feat0)  # the features learn from each patch too
     _, _, att_entropy, _ = grads(entropy_weight=0.5)  # negative control: a term that reaches the attention
     assert not torch.allclose(att_entropy, att0)
+
+
+def test_the_patch_loss_of_a_multi_label_model_is_each_patchs_binary_cross_entropy():
+    """Multi-hot labels: the per-patch term is each patch's per-class binary cross-entropy
+    against its image's label set, summed over classes as the image's is (ats_cli.multilabel)."""
+    from ats_cli.multilabel import loss as multilabel_loss
+
+    images = torch.randint(0, 256, (2, 1, 64, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    target = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+    torch.manual_seed(0)
+    model = make_model(patch_loss=1.0)
+    out = model(low_res_view(images, model.scale), images, generator=torch.Generator().manual_seed(3))
+    model.patch_weight = 0.0
+    without = multilabel_loss(model, out, target)
+    model.patch_weight = 1.0
+    per_patch = torch.nn.functional.binary_cross_entropy_with_logits(
+        out.patch_logits, target[:, None].expand_as(out.patch_logits), reduction="none").sum(-1).mean()
+    torch.testing.assert_close(multilabel_loss(model, out, target) - without, per_patch)
