@@ -1,0 +1,40 @@
+"""``kill -9`` of ``ats train`` and ``ats predict``, then the rerun a user would give, ends
+with the uninterrupted run's result (issue #67: "kill -9 at random moments of preparation,
+training and predict ... is followed by a run that finishes with the same result").
+
+Two kills of each here (the suite's time); the loops of 20 are tests/kill_runs.py's
+command line. One kill of each pair lands at any moment, the other after the run has
+something to resume from (train: the first epoch's checkpoint; predict: rows in its part
+file).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import kill_runs  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """One folder for both loops: the uninterrupted training run is made once (the model predict uses)."""
+    return tmp_path_factory.mktemp("kills")
+
+
+def test_train_killed_twice_then_rerun_learns_what_an_uninterrupted_run_learns(root):
+    results = kill_runs.train_loop(root, kills=2, seed=0, say=lambda _: None)
+    assert [r["same_weights"] and r["same_metrics"] for r in results] == [True, True]
+    # the second kill came after the first checkpoint: its rerun was a --resume
+    assert results[1]["rerun"] == "--resume", results[1]
+
+
+def test_predict_killed_twice_then_rerun_writes_the_uninterrupted_csv(root):
+    results = kill_runs.predict_loop(root, kills=2, seed=0, say=lambda _: None)
+    assert [r["same_csv"] for r in results] == [True, True]
+    # the second kill came while rows were being appended: its rerun predicted only the rest
+    assert results[1]["rows_in_parts"] > 0 and results[1]["predicted_on_rerun"] == 30 - results[1]["rows_in_parts"]
+    assert not any(r["left_after"] != ["preds.csv.ats.json"] for r in results), results  # no part or lock left
