@@ -35,6 +35,9 @@ def test_train_killed_twice_then_rerun_learns_what_an_uninterrupted_run_learns(r
 def test_predict_killed_twice_then_rerun_writes_the_uninterrupted_csv(root):
     results = kill_runs.predict_loop(root, kills=2, seed=0, say=lambda _: None)
     assert [r["same_csv"] for r in results] == [True, True]
-    # the second kill came while rows were being appended: its rerun predicted only the rest
-    assert results[1]["rows_in_parts"] > 0 and results[1]["predicted_on_rerun"] == 30 - results[1]["rows_in_parts"]
+    # a rerun predicts only what is missing: nothing after a finished run, else what its part
+    # files lack (the second kill is aimed at the appending, but a loaded machine can move it
+    # before the first row or past the end)
+    for r in results:
+        assert r["predicted_on_rerun"] == (0 if "preds.csv" in r["left"] else 30 - r["rows_in_parts"]), r
     assert not any(r["left_after"] != ["preds.csv.ats.json"] for r in results), results  # no part or lock left
