@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MOVED_MIN", "CHANCE_MARGIN", "attention_learns", "attention_moved", "uniform_entropy", "uniform_share",
+__all__ = ["MOVED_MIN", "CHANCE_MARGIN", "attention_learns", "attention_moved", "uniform_entropy",
            "chance_accuracy", "warnings"]
 
 # an attention less than this far (nats, KL) from where it started has not moved: a drift of
@@ -67,16 +67,17 @@ def attention_learns(model: Any) -> bool:
 
 
 @torch.no_grad()
-def attention_moved(model: Any, out: Any) -> torch.Tensor | None:
+def attention_moved(model: Any, out: Any, uniform: torch.Tensor | None = None) -> torch.Tensor | None:
     """[B] how far (nats) each image's attention has moved from where it started: KL(a ||
     the start), the start the prior's own attention where the model has a prior (the
     regulariser's ``-explore``), else uniform over the cells it may draw (``log K - H(a)``).
-    None for a model whose attention cannot learn (``uniform``, the CNN baseline)."""
+    None for a model whose attention cannot learn (``uniform``, the CNN baseline).
+    ``uniform``: :func:`uniform_entropy` of ``out`` when the caller has it already."""
     if not attention_learns(model):
         return None
     if getattr(model, "prior", None) is not None and getattr(out, "explore", None) is not None:
         return -out.explore.detach().double()
-    return uniform_entropy(out) - out.entropy.detach().double()
+    return (uniform_entropy(out) if uniform is None else uniform) - out.entropy.detach().double()
 
 
 def chance_accuracy(labels: Sequence[int]) -> float:
@@ -123,9 +124,3 @@ def warnings(record: dict[str, Any], chance: dict[str, float], *, steps: int,
                 "Likely: too few training images for a feature net from random weights, or the attention is not on "
                 f"what decides the label. Try: more images, a pretrained --feature-net, more --n-patches ({DOCS})")
     return out
-
-
-def uniform_share(record: dict[str, Any]) -> float:
-    """The epoch's attention entropy as a share of the uniform one's (nan when unknown)."""
-    h, h0 = record.get("entropy"), record.get("entropy_uniform")
-    return h / h0 if h is not None and h0 else math.nan

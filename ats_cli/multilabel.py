@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # torch only where a tensor is used: the dataset reader impor
     import torch
 
 __all__ = [
+    "nll",
     "DEFAULT_THRESHOLD",
     "NO_CLASS",
     "SEPARATOR",
@@ -85,6 +86,14 @@ def decide(probs: Sequence[float], classes: Sequence[str], threshold: float = DE
     return SEPARATOR.join(c for c, p in zip(classes, probs, strict=True) if p >= threshold)
 
 
+def nll(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The label sets' negative log-likelihood: binary cross-entropy with ``logits`` [N,
+    classes], summed over the classes (:func:`loss` says why) and averaged over the N."""
+    import torch.nn.functional as F
+
+    return F.binary_cross_entropy_with_logits(logits.float(), target.float(), reduction="none").sum(-1).mean()
+
+
 def loss(model: Any, out: Any, target: torch.Tensor) -> torch.Tensor:
     """Binary cross-entropy with logits, summed over the classes and averaged over the
     images, minus the model's exploration bonus where it has one (thesis eq. 3.21, as
@@ -95,17 +104,13 @@ def loss(model: Any, out: Any, target: torch.Tensor) -> torch.Tensor:
     label, so the entropy weight lambda and the gradient clipping mean what they mean for a
     single label. A mean over 10 classes would shrink the likelihood's gradient tenfold
     against the entropy bonus and keep the attention near uniform."""
-    import torch.nn.functional as F
-
     from ats_cli.core.model import exploration
 
-    bce = F.binary_cross_entropy_with_logits(out.logits.float(), target.float(), reduction="none").sum(-1).mean()
+    bce = nll(out.logits, target)
     patch_weight = float(getattr(model, "patch_weight", 0.0))
     if patch_weight and getattr(out, "patch_logits", None) is not None:  # ATSModel.patch_nll, per class
         n = out.patch_logits.shape[1]
-        bce = bce + patch_weight * F.binary_cross_entropy_with_logits(
-            out.patch_logits.flatten(0, 1).float(), target.float().repeat_interleave(n, 0),
-            reduction="none").sum(-1).mean()
+        bce = bce + patch_weight * nll(out.patch_logits.flatten(0, 1), target.repeat_interleave(n, 0))
     weight = float(getattr(model, "entropy_weight", 0.0))
     return bce - weight * exploration(out).mean() if weight else bce
 

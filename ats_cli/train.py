@@ -70,6 +70,7 @@ from ats_cli.io import atomic_path, atomic_write_text
 from ats_cli.models import check_patch_size, create_model, model_spec
 from ats_cli.multilabel import confusion_counts, exact_matches, is_multilabel, macro_f1
 from ats_cli.multilabel import loss as multilabel_loss
+from ats_cli.multilabel import nll as multilabel_nll
 from ats_cli.nets.encoders import apply_feature_train, freeze, load_start_weights
 from ats_cli.registry import KINDS
 from ats_cli.runtime import (
@@ -350,8 +351,8 @@ def train_step(net: torch.nn.Module, model: torch.nn.Module, opt: torch.optim.Op
     opt.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()  # DDP averages the gradients over the ranks here
     sums.add(loss, correct(out.logits, labels), out.entropy, labels,
-             bonus=label_nll(model, out, labels) - loss, uniform=uniform_entropy(out),
-             moved=attention_moved(model, out))
+             bonus=label_nll(model, out, labels) - loss, uniform=(uniform := uniform_entropy(out)),
+             moved=attention_moved(model, out, uniform))
     if clip_norm:
         scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
@@ -370,9 +371,7 @@ def label_nll(model: Any, out: Any, labels: torch.Tensor) -> torch.Tensor:
     """The batch's classification loss alone, what the held-out losses are: :func:`step_loss`
     without the exploration bonus and the per-patch loss (``train_ce`` in the epoch record)."""
     if labels.is_floating_point():
-        import torch.nn.functional as F
-
-        return F.binary_cross_entropy_with_logits(out.logits.float(), labels.float(), reduction="none").sum(-1).mean()
+        return multilabel_nll(out.logits, labels)
     pooling = getattr(model, "pooling", None)
     return pooling.nll(out.logits, labels) if pooling is not None else \
         torch.nn.functional.cross_entropy(out.logits.float(), labels)
