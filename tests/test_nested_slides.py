@@ -308,25 +308,6 @@ def test_a_two_level_model_end_to_end_on_virtual_slides(tmp_path):
     assert regions["count"] == 6 and regions["size_level"] == 256
 
 
-def test_the_nested_attention_benchmark_reads_a_run(slides, run):
-    """benchmarks/nested_attention.py, whose figures benchmarks/slides.md quotes, reads a
-    two-level run's checkpoint: each share within [0, 1] (the fine mass NaN when no nest's
-    region was drawn), a gain positive."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "nested_attention.py"
-    done = subprocess.run([sys.executable, str(script), str(slides), str(run / "best.pt"), "--slides", "2"],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    row = [c.strip() for c in done.stdout.strip().splitlines()[-1].strip("|").split("|")]
-    coarse, top, fine, nest_logit, normal_logit, nest_gain, normal_gain = row[1:]
-    assert 0 <= float(coarse) <= 1 and top.endswith("%") and (fine == "nan" or 0 <= float(fine) <= 1)
-    assert np.isfinite(float(nest_logit)) and np.isfinite(float(normal_logit))
-    assert float(nest_gain) > 0 and float(normal_gain) > 0
-
-
 def _gain_moved(path) -> bool:
     """Whether a checkpoint's patch gain differs from a new one's (weight 0, gain 1)."""
     from ats_cli.checkpoint import load_checkpoint

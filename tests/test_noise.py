@@ -8,7 +8,6 @@ anywhere in [28, H-28). Offline like tests/test_megapixel_mnist.py (bundled digi
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import json
 from pathlib import Path
@@ -311,109 +310,47 @@ def test_mixing_draws_each_patch_family_uniformly(tmp_path: Path, bundled: Digit
     assert "uniform" in noise["mixing"]
 
 
-# ---------------------------------------------------------------------------- the robustness benchmark
+# ---------------------------------------------------------------------------- where the released model looks
 
 
-def test_noise_robustness_benchmark(tmp_path: Path) -> None:
-    from benchmarks import noise_robustness as bench
-    lines: list[str] = []
-    result = bench.run(["--model", "models/megapixel-mnist-ats.pt", "--n", "6", "--families", "all",
-                        "--width", "200", "--height", "200", "--n-noise", "8", "--workers", "1", "--offline",
-                        "--work", str(tmp_path / "work"), "--json", str(tmp_path / "r.json")], log=lines.append)
-    names = [*FAMILIES, "clean"]
-    assert [r["family"] for r in result["rows"]] == names
-    table = [line for line in "\n".join(lines).splitlines() if line.startswith("| ")]
-    assert len(table) == 1 + len(names) and [line.split(" | ")[0][2:] for line in table[1:]] == names
-    for r in result["rows"]:
-        assert r["images"] == 6 and 0.0 <= r["accuracy"] <= 1.0 and r["failed"] == 0
-        assert r["ci95"][0] <= r["accuracy"] <= r["ci95"][1]
-        assert (r["config"]["n_noise"], r["config"]["noise"]) == ((0, "reference") if r["family"] == "clean"
-                                                                  else (8, r["family"]))
-    clean = result["rows"][-1]
-    assert clean["correct"] >= 5, "the released model reads clean images"
-    assert json.loads((tmp_path / "r.json").read_text())["rows"] == result["rows"]
-    # only the test split is measured; the sets stay in --work for a rerun
-    assert (tmp_path / "work" / "blobs" / "test.csv").is_file()
-    assert bench.wilson(0, 10)[0] == 0.0 and abs(sum(bench.wilson(5, 10)) - 1.0) < 1e-9
+def test_released_model_attends_to_the_digits_of_clean_images(tmp_path: Path, bundled: DigitSet) -> None:
+    """Without noise the only bright cells are the digits, so the released model's attention
+    (sampling bright cells only) lies on them and its draws reach all 5: the cell -> pixel
+    geometry (positions_to_offsets) and the generator's digit boxes line up; swapped axes or
+    a wrong window would put the mass beside the digits."""
+    import torch
 
+    from ats_cli.checkpoint import load_model
+    from ats_cli.core.source import positions_to_offsets
+    from ats_cli.data.images import read_image
+    from ats_cli.data.inputs import low_res_view
+    from ats_cli.data.megapixel_mnist import box_fractions
+    from ats_cli.render.records import parse_boxes
 
-def test_noise_robustness_benchmark_draws_the_patches_asked(tmp_path: Path, monkeypatch) -> None:
-    """--n-patches reaches the prediction (as ats predict --n-patches) and the record."""
-    from ats_cli.predict.predictor import Predictor
-    from benchmarks import noise_robustness as bench
-    asked: list = []
-    predict = Predictor.predict
-
-    def spy(self, items, **kw):
-        asked.append(kw.get("n_patches"))
-        return predict(self, items, **kw)
-
-    monkeypatch.setattr(Predictor, "predict", spy)
-    lines: list[str] = []
-    result = bench.run(["--model", "models/megapixel-mnist-ats.pt", "--n", "2", "--families", "blobs",
-                        "--width", "200", "--height", "200", "--n-noise", "4", "--workers", "1", "--offline",
-                        "--n-patches", "3", "--work", str(tmp_path)], log=lines.append)
-    assert asked == [3, 3] and result["n_patches"] == 3  # blobs, then the clean set
-    assert any(line.startswith("model ") and "3 patches per image" in line for line in lines)
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--model", "m.pt", "--n-patches", "0"])
-
-
-def test_bold_digits_benchmark(tmp_path: Path) -> None:
-    """benchmarks/bold_digits.py: the same layouts twice, the non-target digits dilated in the
-    second set only (more ink there, the targets untouched), predicted, tabled and saved."""
-    from PIL import Image
-
-    from benchmarks import bold_digits as bench
-    line = np.zeros((7, 7), np.uint8)
-    line[3, 3] = 200
-    assert (bench.dilate(line, 1) == 200).sum() == 9 and bench.dilate(line, 1)[3, 3] == 200
-
-    result = bench.main(["--model", "models/megapixel-mnist-ats.pt", "--n", "3", "--work", str(tmp_path),
-                         "--json", str(tmp_path / "b.json")])
-    assert [r["bold"] for r in result["rows"]] == [0, 2] and all(r["images"] == 3 for r in result["rows"])
-    assert json.loads((tmp_path / "b.json").read_text())["rows"] == result["rows"]
-    plain_rows = list(csv.DictReader(open(tmp_path / "plain" / "test.csv")))
-    bold_rows = list(csv.DictReader(open(tmp_path / "bold" / "test.csv")))
-    for p, b in zip(plain_rows, bold_rows, strict=True):
-        assert p["digits"] == b["digits"] and p["label"] == b["label"]  # the same layouts
-        plain = np.asarray(Image.open(tmp_path / "plain" / p["path"]))
-        bold = np.asarray(Image.open(tmp_path / "bold" / b["path"]))
-        changed = plain != bold
-        assert changed.any() and (bold >= plain).all()  # ink added, never removed
-        for cls, r, c, h, w in json.loads(p["digits"]):
-            if str(cls) == p["label"]:  # the target digits are untouched (noise may cover others' edges)
-                assert not changed[r + 2:r + h - 2, c + 2:c + w - 2].any()
-
-
-def test_digit_attention_benchmark(tmp_path: Path, bundled: DigitSet) -> None:
-    """benchmarks/digit_attention.py: without noise the only bright cells are the digits, so
-    the released model's attention (sampling bright cells only) lies all on them, its 80
-    draws reach all 5, and the mass-weighted and count votes are the majority: the cell ->
-    pixel geometry and the digit boxes line up (swapped axes or a wrong window would not)."""
-    from benchmarks import digit_attention as bench
     config = make_config("small", n_train=1, n_test=4, width=400, height=400, n_noise=0, seed=0)
     generate_megapixel_mnist(tmp_path / "clean", config, bundled, workers=1)
-    lines: list[str] = []
-    [r] = bench.main(["--model", "models/megapixel-mnist-ats.pt", "--data", str(tmp_path / "clean"), "--n", "4"],
-                     log=lines.append)
-    table = "\n".join(lines).splitlines()
-    assert r["images"] == 4 and r["patches"] == 80 and len(table) == 3 and table[2].count("|") == 14
-    assert r["mass_on_digits"] > 0.95 and r["digits_reached"] == 5
-    assert r["noise_draws"] == 0  # no draw far from every digit: nothing else is bright
-    assert r["mass_vote"] == 1.0 and r["count_vote"] == 1.0 and 1.0 <= r["mass_ratio"] < 10
-    assert bench._vote({3: 2.0, 5: 1.0}, 3) and not bench._vote({3: 1.0, 5: 1.0}, 3)
-
-
-def test_noise_robustness_jobs_give_the_rows_of_one_job(tmp_path: Path) -> None:
-    """--jobs 2 predicts the sets in child processes: the same rows as one job (each image
-    is predicted alone with seed 0), in the same order."""
-    from benchmarks import noise_robustness as bench
-    argv = ["--model", "models/megapixel-mnist-ats.pt", "--n", "3", "--families", "rings,grid", "--width", "200",
-            "--height", "200", "--n-noise", "6", "--workers", "1", "--offline", "--device", "cpu",
-            "--work", str(tmp_path / "work")]
-    one = bench.run(argv, log=lambda _: None)
-    two = bench.run([*argv, "--jobs", "2"], log=lambda _: None)
-    keep = ("family", "images", "correct", "failed", "accuracy", "config")
-    assert [{k: r[k] for k in keep} for r in two["rows"]] == [{k: r[k] for k in keep} for r in one["rows"]]
-    assert [r["family"] for r in two["rows"]] == ["rings", "grid", "clean"]
+    model, ckpt = load_model("models/megapixel-mnist-ats.pt")
+    ds = load_dataset(tmp_path / "clean")
+    gen = torch.Generator().manual_seed(0)
+    right, on_digits = 0, []
+    for rec in ds["test"]:
+        rects = [box for _, *box in parse_boxes(rec.extra.get("digits"))]
+        image = read_image(rec.path, int(ckpt["spec"]["channels"]))
+        low = low_res_view(image, model.scale)[None]
+        with torch.no_grad():
+            out = model(low, image[None], generator=gen)
+        right += int(out.logits.argmax(1).item() == rec.label)
+        att = out.attention[0]
+        corners = positions_to_offsets(torch.arange(att.numel())[None], tuple(att.shape), tuple(image.shape[-2:]),
+                                       model.patch_size, low_size=tuple(low.shape[-2:]),
+                                       margin=getattr(model.attention_net, "margin", 0))[0].numpy()
+        whole = box_fractions(corners, rects, model.patch_size) >= 1.0  # [cells, digits]: the patch holds it whole
+        masses = att.flatten().double().numpy() @ whole
+        assert (masses > 0).all(), masses
+        on_digits.append(masses.sum())
+        drawn = out.sampled_probs[0].numpy() > 0
+        cover = box_fractions(out.offsets[0].numpy()[drawn], rects, model.patch_size)
+        assert set(cover.argmax(1)[cover.max(1) >= 0.5].tolist()) == set(range(len(rects)))  # every digit drawn
+        assert (cover.max(1) >= 0.1).all()  # no draw far from every digit: nothing else is bright
+    assert np.median(on_digits) > 0.95 and min(on_digits) > 0.5, on_digits
+    assert right == len(ds["test"]) == 4

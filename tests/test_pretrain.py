@@ -229,7 +229,7 @@ def test_attention_stage_puts_the_mass_on_the_digits(tmp_path: Path) -> None:
     """--attention-epochs: the checkpoint's attention net puts most of its mass on the digits'
     cells of images it was not taught on (at the start: the share of bright cells they hold).
     How evenly it spreads that mass over the digits is measured, not asserted: the target
-    is even, the fit is not (benchmarks/digit_attention.py measures it)."""
+    is even, the fit is not."""
     data = load_dataset(_data(tmp_path / "mix", n_noise=20))  # most bright cells are noise
     views, cells = read_all(data["test"], data.classes, 50, 0, 1, "test", 0, (0.2, (60, 60), 0))[2:]
     masses = {}

@@ -1,6 +1,6 @@
 """How many ats_cli modules run code between `ats train` and the first gradient step.
 
-    python benchmarks/train_path_modules.py DATA --out RUN [ats train flags]
+    python tools/train_path_modules.py DATA --out RUN [ats train flags]
 
 A profile hook records every ats_cli module one of whose functions is called at run time
 (import-time code, i.e. module bodies and the calls they make, is left out), from the
