@@ -200,7 +200,7 @@ class TrainConfig:
                             "--mpp, else the training slides' microns per pixel)", METHOD_PANEL, means="off")
     # 4: the coarse view of a 200k slide in 4096-pixel regions stays 195², less than the four
     # region views together, so a step costs the same from 25k to 200k slides (benchmarks/
-    # README.md "Two levels"); a pixel of 1/1024 still tells tissue from glass. At 8 the
+    # slides.md#cost-as-slides-grow); a pixel of 1/1024 still tells tissue from glass. At 8 the
     # coarse view (391²) outgrows the region views and the step grows with the slide
     coarse_px: int = _key(4, "With --levels 2: coarse-view pixels per region side (the coarse attention's "
                           "resolution; the coarse view of an H-pixel slide is H / region-size x this)", METHOD_PANEL)
@@ -415,15 +415,14 @@ GAIN_LATE_START = 0.5  # --patch-gain late: the gain trains from this fraction o
 # --patch-gain late: _patch_gain). Where a two-level model's coarse attention starts decides
 # whether training gets a signal at all: at initialisation the coarse net adds nothing (its
 # last layer is zero), so the coarse attention is the prior's, and on a large slide the
-# region that decides the label is one of thousands, its object perhaps one coarse pixel. On
-# the first 20 tumour slides of 100k² synthetic slides, regions of 4096 px seen at 1/64
-# (benchmarks/coarse_prior.py; benchmarks/slides.md, "Two levels"), the one-level auto
-# (prior 2, a region scored by the log-mean-exp of its cells, t = 1) puts 0.021 of the
-# coarse mass on the nests' regions; t = 0.1 (a region scored near its most unusual cell)
-# 0.20; a prior of 10 more, but uncapped it hands 0.998 of the mass to the single most
-# unusual region (the estimate is then one region's and training stalls); capped at 4.5
-# (every cell at least 4.5 times as unusual as the typical one starts alike) the mass
-# spreads over the slide's unusual regions, 0.28 of it on the nests'.
+# region that decides the label is one of thousands, its object perhaps one coarse pixel.
+# The one-level auto (prior 2, a region scored by the log-mean-exp of its cells, t = 1)
+# leaves that region a share of the mass among thousands; t = 0.1 scores a region near its
+# most unusual cell, and a prior of 10 moves more mass there, but uncapped it hands nearly
+# all of it to the single most unusual region (the estimate is then one region's and
+# training stalls); capped at 4.5 (every cell at least 4.5 times as unusual as the typical
+# one starts alike) the mass spreads over the slide's unusual regions, the nests' among them.
+# Figures: benchmarks/slides.md#the-coarse-attentions-start-rarity-prior-cap-and-region-temperature.
 TWO_LEVEL_RARITY_PRIOR, TWO_LEVEL_RARITY_CAP, TWO_LEVEL_REGION_TEMPERATURE = 10.0, 4.5, 0.1
 AUTO_PROBE_IMAGES = 16  # the first training images looked at
 DARK = 0.05  # a low-res pixel at or below this in every channel is dark
@@ -644,11 +643,11 @@ AUTO_MIN_STEPS, MIN_STEP_BATCH = 16, 4
 def _batch_size(flags: TrainConfig, facts: DataFacts, scale: float) -> tuple[int, str]:
     """AUTO_BATCH (the thesis's 32 at the paper spec), unless the dataset is small (at least
     AUTO_MIN_STEPS steps an epoch) or the views are large: the
-    attention net's activations grow with the view, a CPU step at 1/64 of a 100k slide
-    (1,562² views, two levels or one) held ~0.6 GB a slide (benchmarks/slides.md, "Two
-    levels"), so 32 of them would need ~20 GB; at most AUTO_VIEW_PIXELS view pixels a step
-    keeps a step near 2-3 GB. (The size is the header's, before any resampling to --mpp: an
-    overestimate for slides read coarser.)
+    attention net's activations grow with the view (a step's memory at 1/64 of a 100k slide,
+    1,562² views, two levels or one: benchmarks/slides.md#how-coarse-a-view-may-be-and-still-show-a-nest),
+    so 32 such views in one step would not fit a workstation; at most AUTO_VIEW_PIXELS view
+    pixels a step keeps a step's memory bounded whatever the slide's size. (The size is the
+    header's, before any resampling to --mpp: an overestimate for slides read coarser.)
 
     Images of different sizes and aspect ratios share a step: their views are padded
     bottom/right to the largest height and width, and the model keeps the padding out of
@@ -835,14 +834,13 @@ def _patch_gain(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
     Two levels on slides: late. Where the signal comes late (a nest of a 100k² slide is a
     tenth of the pooled weight at the start), the cheapest way to lower a loss that has
     nothing to say yet is to shrink every logit, and a gain trained from the start does it
-    at once: on 100k² synthetic slides it fell to 0.007 for every patch in the first epoch,
-    scaling the feature net's gradient with it, and the run stayed at chance (a floor of
-    0.5 under it only left it on the floor). Trained once the feature net tells nests apart
-    (there: continued for 3 epochs from 10 without it), the same gain rose to 5.8 on nests
-    and stayed at 1.0 elsewhere, and 400 fresh slides went from 85.5% to 90.5%: the coarse
-    attention, which cannot tell a nest's region from a decoy's, leaves a nest ~0.3 of the
-    estimate, and the gain lifts it (benchmarks/slides.md, "Accuracy at 100k²"). Half of
-    the epochs: at 100k² the feature net told nests apart by the third of ten."""
+    at once: it falls towards 0 for every patch in the first epoch, scaling the feature
+    net's gradient with it, and the run stays at chance (a floor under the gain only leaves
+    it on the floor). Trained once the feature net tells nests apart, the gain rises on
+    nests and stays near 1 elsewhere: the coarse attention, which cannot tell a nest's
+    region from a decoy's, leaves a nest a fraction of the estimate, and the gain lifts it.
+    Half of the epochs: at 100k² the feature net told nests apart well before that. Figures,
+    with the gain off for comparison: benchmarks/slides.md#accuracy-at-100k²."""
     if flags.patch_gain != "auto":
         return flags.patch_gain, "given"
     if _baseline(flags):
@@ -943,7 +941,7 @@ def _feature_train(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
 def _position_features(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
     """--position-features auto: the dataset's hint, which only its maker can know (a label
     that depends on where things are, as IPS's top-most digit, cannot be read from what the
-    patches show: benchmarks/accuracy.md, IPS's tasks), else off, the thesis's model."""
+    patches show: benchmarks/accuracy.md#what-each-default-brought), else off, the thesis's model."""
     if flags.position_features != "auto":
         return flags.position_features, "given"
     if _baseline(flags):
@@ -1003,7 +1001,7 @@ def _eval_count_floor(flags: TrainConfig, facts: DataFacts, pooling: str, floor:
     """--eval-count-floor auto: the dataset's hint where the pooling counts objects, else the
     training floor ``floor``. Why a floor of its own for reading:
     :mod:`ats_cli.extensions.pooling_counts` (``eval_floor``). How low is a fact of the
-    images (benchmarks/accuracy.md, IPS's task top), so a dataset says."""
+    images (benchmarks/accuracy.md#reading-floor), so a dataset says."""
     if flags.eval_count_floor != -1:
         return flags.eval_count_floor, "given"
     if pooling not in COUNTING_POOLINGS:

@@ -19,7 +19,7 @@ before models recorded it; predict then reads slides that record their mpp at th
 as in training), recorded as the spec's ``eval_coarse_scale``: a finer coarse view than
 training's, where the coarse attention is mostly the prior's and a small object is under
 one coarse pixel (:attr:`ats_cli.core.nested_model.NestedATSModel.scale` says why; the
-figures are in benchmarks/slides.md).
+figures are in benchmarks/slides.md#accuracy-at-100k²).
 
 ``pooling``: what the model pools, for a checkpoint whose classifier reads one patch as well
 as the pooled features (that of ``ats pretrain``, trained on single patches, reads either

@@ -872,9 +872,8 @@ def choose_coarse_view(cfg: TrainConfig, ctx: Dist, device: torch.device, model:
     pixel, where it looks no more unusual than its look-alikes; at twice the pixels it
     gains contrast, while the fine attention, features and gain, which read the region
     views, are unchanged, and the estimate stays unbiased for any coarse attention
-    (:mod:`ats_cli.core.nested`). Trained at 12 px a region on 100k² slides, 24 px at
-    prediction took 1,076 of 1,200 fresh slides to 1,197 (benchmarks/slides.md, "Accuracy
-    at 100k²"). Why tried, not assumed: a coarse net that learned its ranking at one scale
+    (:mod:`ats_cli.core.nested`); figures: benchmarks/slides.md#accuracy-at-100k². Why
+    tried, not assumed: a coarse net that learned its ranking at one scale
     need not keep it at another, so a held-out check decides, at the cost of one pass over
     the split at four times the coarse pixels. Training itself never reads the finer view."""
     best_path = run / "best.pt"
@@ -922,10 +921,9 @@ def selection_score(record: dict[str, Any]) -> tuple[float, int]:
     coarse steps (one of 40 slides is 2.5 points), so ties are common, and a later epoch has
     had more training at a lower learning rate. Not the loss: on a small split it is set by
     the few examples a model gets wrong, and a model that grows surer (the late patch gain)
-    raises it on those while it gets more of the others right. A two-level run on 100k²
-    slides tied at 90.0% on its 40 test slides from epoch 7 to 20; its lowest test loss was
-    before the gain trained (epoch 10), and epoch 20 beat epoch 10 by 2.75 points on each of
-    two fresh sets of 400 slides (benchmarks/slides.md, "Accuracy at 100k²")."""
+    raises it on those while it gets more of the others right: on 100k² slides a two-level
+    run's lowest test loss came before its gain trained, and its last epoch, tied with it on
+    the test split, read better on fresh slides (benchmarks/slides.md#accuracy-at-100k²)."""
     split = "val" if "val_acc" in record else "test"
     return record[f"{split}_acc"], record["epoch"]
 

@@ -278,7 +278,7 @@ def prior_divergence(probs: torch.Tensor, log_prior: torch.Tensor, support: torc
     net cannot yet tell apart) the entropy bonus is the attention net's only steady
     gradient: Adam's normalised steps follow it, and within an epoch or two it flattens the
     attention the prior had put on the unusual regions, before any signal arrives
-    (benchmarks/slides.md, "Two levels"). Pulled towards pi instead, the attention stays
+    (benchmarks/slides.md#runs-at-chance). Pulled towards pi instead, the attention stays
     where the prior put it until the loss moves it, and still never collapses onto a few
     cells the prior does not favour. Without a prior pi is uniform and the gradient is the
     entropy bonus's. A function of the attention alone, computed exactly: the estimator

@@ -24,8 +24,8 @@ Design choices, and why:
   ``small``). The paper has no val split, and ``ats train`` chooses ``best.pt`` on the test
   split when there is none, so the test figure it reports is the best of 20 looks at it.
   The test split's 50 patterns are one draw, and which epoch reads best depends on the draw
-  (benchmarks/accuracy.md#val-split: on seed 4's ``top``, the epoch its test split chose
-  read a point lower on ten unseen pattern sets than the one a val split chose). So each
+  (an epoch the test split chose can read lower on unseen pattern sets than the one a val
+  split chose: benchmarks/accuracy.md#val-split). So each
   ``val`` image draws its own 50 patterns, from ``SeedSequence(entropy=seed,
   spawn_key=(3, i))``, and ``ats train`` chooses ``best.pt`` on the average over many
   pattern sets, none of them the test's or the training's. Its digits come from the
@@ -265,7 +265,7 @@ def make_config(preset: str = "paper", **overrides: Any) -> MegapixelMNISTConfig
 # digits share the attention, so one holds about a fifth of it, and a floor of 0.15 lets each
 # count once with a margin while noise under it counts in proportion. A rule reads every
 # digit, so a missed one is a wrong answer: 20 patches, twice the paper's, drawn in training
-# (40 at evaluation, twice n_patches) gave 3 points on max and 2.5 on top; positions
+# (40 at evaluation, twice n_patches; benchmarks/accuracy.md#what-each-default-brought); positions
 # (--position-features) are left off for top, as its pooling reads the rows itself. Both read
 # at a floor of 0.07 (eval_count_floor; why a reading floor:
 # ats_cli.extensions.pooling_counts): for top chosen on five fresh pattern sets, for max on
@@ -348,8 +348,8 @@ def box_fractions(corners: Any, boxes: Any, patch_size: tuple[int, int]) -> np.n
     """[k, m]: the share of each box's area inside each patch. ``corners`` [k, 2]: the
     patches' top-left (row, col); ``boxes`` [m, 4]: (row, col, h, w), e.g. the ``digits``
     column's boxes without their class. 1 = the patch holds the digit whole; how the
-    feature-net pretraining labels its patches and how benchmarks/digit_attention.py tells
-    which digit a draw holds."""
+    feature-net pretraining labels its patches and how tests/test_noise.py tells which digit
+    a draw holds."""
     c = np.asarray(corners, dtype=np.float64).reshape(-1, 2)
     b = np.asarray(boxes, dtype=np.float64).reshape(-1, 4)
     (ph, pw), top, left = patch_size, c[:, :1], c[:, 1:]

@@ -4,7 +4,7 @@ The benchmark is only as hard as its distractors: at the low-resolution scale a 
 and a noise patch are both a 3x3 smudge, so the attention network has to learn which
 smudges are worth a full-resolution look. A model trained on one kind of noise may also
 have learned that kind's quirks, so the generator offers several kinds ("families"), to
-train on one and measure on the others (``benchmarks/noise_robustness.py``).
+train on one and measure on the others (benchmarks/accuracy.md#noise-robustness).
 
 Each family is one function ``render(rng, context) -> uint8 [28, 28]`` registered by name
 in :data:`FAMILIES`; ``context`` carries the split-level material a family may need (the

@@ -164,7 +164,7 @@ __all__ = ["TILE", "EntryError", "EntryDamaged", "PreparedSource", "entry_source
 MAGIC = b"ATSPREP1"
 PREFIX = struct.Struct("<8sQQ")
 TILE = 64
-LEVEL = 1  # zlib level: 6 shrinks tiles ~15% more and decodes several times slower
+LEVEL = 1  # zlib level: a higher one shrinks tiles a little more and decodes several times slower
 SPAN = 1 << 20  # tiles this close together are read in one call
 MAX_HEADER = 1 << 20  # a larger "header" is damage, not an entry
 

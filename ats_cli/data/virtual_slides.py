@@ -65,7 +65,7 @@ a read is bounded by the pixel budget of :mod:`ats_cli.data.slides` like any oth
 Nothing spot-sized exists either: a read makes only the nuclei and the disc pixels of a
 spot that its window holds (:meth:`VirtualSlide._spot_nuclei`, :func:`_discs`, in blocks
 of ``DISC_BLOCK``), so a 64x64 patch on a spot of the largest radius a spec allows costs
-a 64x64 patch (it made the whole spot: 2.6 GB for radius 4,000, 5.7 TiB at the limit).
+a 64x64 patch (it made the whole spot: memory with the spot's area, terabytes at the limit).
 """
 
 from __future__ import annotations
@@ -529,7 +529,7 @@ class VirtualSlide:
         nests: fewer, larger ones, each with a small satellite (irregular outlines).
 
         Only the grid points near the box are made: a spot's nuclei number (2 r /
-        spacing)^2, 2.6 GB and 8 s for one 64x64 patch on a spot of radius 4,000, and
+        spacing)^2, gigabytes for one 64x64 patch on a large spot, and
         terabytes at the largest radius a spec allows, so the memory and time of a read
         are set by its pixels, never by the spot. A nucleus is a function of its grid
         indices, so the ones made are those a whole-spot grid would hold there."""

@@ -20,8 +20,8 @@ the floor also teaches: under it an object counts by its mass, so the likelihood
 attention onto every object the label needs. At reading, an object the learned attention
 gives less than its share (unseen clutter draws mass away) would count as a fraction of
 one while it is read with confidence; a lower reading floor counts it once and still keeps
-the slivers out (:func:`ats_cli.config._eval_count_floor`; measured on IPS's task top,
-benchmarks/accuracy.md). Both floors give an unbiased estimate: each is a constant.
+the slivers out (:func:`ats_cli.config._eval_count_floor`; figures:
+benchmarks/accuracy.md#reading-floor). Both floors give an unbiased estimate: each is a constant.
 
 Unbiased: ``M`` comes from the whole attention map, not from the draws, so ``v_i`` is a
 deterministic, differentiable function of the parameters for every cell, and step (*) of

@@ -90,10 +90,9 @@ class RuleLikelihood:
     conditioned probabilities ``c_k / sum_j c_j`` as they were. Training can then settle where
     no object is counted near once, and the rule turns into a vote by mass: the class with the
     largest of the small counts wins, which is wrong exactly where the label's class is shown
-    once and a lower one three times. It did: a ``highest-counts`` model trained on IPS's
-    task max at ``5f1defb`` counted about 1.0 object in all on images holding 5 digits, and
-    read its label's count below 0.3 on 58 of 140 test images it got right (on 9 of the 10 it
-    got wrong). Unconditioned, the label's class is only likely once it is counted as present
+    once and a lower one three times. It did, on IPS's task max
+    (benchmarks/accuracy.md#what-each-default-brought). Unconditioned, the label's class is
+    only likely once it is counted as present
     (an object's worth: ``c_y`` of 1 or more, ``q_y`` of 0.63 or more) and every class above it
     as absent; every image holds some object, so the left-out outcome only ever costs.
 

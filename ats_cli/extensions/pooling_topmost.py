@@ -6,7 +6,7 @@ the top-most digit of Megapixel MNIST; a core's label read from its first region
 axis), the label is a rule over where things are. Features that carry their position
 (``--position-features``) let the classifier learn that rule from an average, as one linear
 map; what it learns from a few thousand images fits their layouts, not the rule
-(benchmarks/accuracy.md, IPS's tasks). This pooling applies the rule itself, as
+(benchmarks/accuracy.md#what-each-default-brought). This pooling applies the rule itself, as
 :mod:`.pooling_highest` does for the highest class, with the rows of the attention grid in
 place of the ranks of the classes.
 

@@ -14,12 +14,12 @@ starts at zero, learns its correction on top.
 times as unusual as the typical one starts alike. Why: the prior is to say where to look,
 not which of the unusual cells matters, and without a cap a large weight hands the whole
 mass to the single most unusual cell: on the coarse level of a two-level model the
-estimate then becomes one region's, often a look-alike's (benchmarks/slides.md, Two
-levels). ``weight * (cap - 1)`` nats is the most a capped prior favours a cell over a
+estimate then becomes one region's, often a look-alike's
+(benchmarks/slides.md#the-coarse-attentions-start-rarity-prior-cap-and-region-temperature).
+``weight * (cap - 1)`` nats is the most a capped prior favours a cell over a
 typical one. Within a region of a two-level model (:meth:`within_region`) the prior is not
 capped: there the mass should go to the region's most unusual object, which the capped
-prior shares with every cell past the cap (a nest held 0.35 of its region's fine attention
-capped at 4.5 with weight 10, 1.0 uncapped, on 21 nests of 100k² synthetic slides).
+prior shares with every cell past the cap (benchmarks/slides.md#runs-at-chance).
 
 Unbiased: ``r`` and its cap are a fixed function of the input, computed without gradient
 (:mod:`ats_cli.extensions.prior`).
@@ -54,7 +54,7 @@ def rarity(low: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         chosen = torch.ones_like(x[:, 0], dtype=torch.bool) if keep is None else keep.flatten(1).to(x.device)
         chosen = chosen | ~chosen.any(1, keepdim=True)  # none supported: all of them
         centre = _median(x, chosen[:, None])[..., None]  # [B, C, 1]
-        # the norm written out: torch's strided norm over the channel axis is ~6x slower on a CPU
+        # the norm written out: torch's strided norm over the channel axis is much slower on a CPU
         dist = (x - centre).square().sum(1).sqrt()  # [B, h*w]
         ref = _median(dist, chosen).clamp_min(1e-3)
         return (dist / ref[:, None]).view(low.shape[0], 1, *low.shape[-2:])
@@ -70,7 +70,7 @@ def _median(values: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     """``torch.median`` (the lower middle value) of ``values`` [..., N] over the entries
     ``chosen`` (bool, broadcast to it; at least one per row), per row."""
     if values.device.type == "cpu" and values.shape[-1] >= SELECT_FROM:
-        # a selection, not a sort (a slide's coarse view holds millions of cells: ~5x faster);
+        # a selection, not a sort (a slide's coarse view holds millions of cells);
         # per row, as rows hold different counts -- reading them is free on a CPU, not on a GPU
         rows, keep = values.reshape(-1, values.shape[-1]), chosen.expand_as(values).reshape(-1, values.shape[-1])
         picked = [torch.kthvalue(v[k], (int(k.sum()) + 1) // 2).values for v, k in zip(rows, keep, strict=True)]

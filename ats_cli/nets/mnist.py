@@ -54,9 +54,9 @@ class LeNetFeatures(nn.Module):
     global max pool -> [N, w]. (The model applies the final L2 normalisation.)
 
     ``norm="batch"`` adds batch normalisation after each convolution. Why it matters:
-    Megapixel MNIST patches are ~95% black, so at initialisation the paper's net outputs
-    almost the same vector for every patch (dominated by the biases; after the L2
-    normalisation the spread across patches is ~1%). Then neither the classifier nor the
+    Megapixel MNIST patches are mostly black, so at initialisation the paper's net outputs
+    almost the same vector for every patch (dominated by the biases, and nearly equal after
+    the L2 normalisation). Then neither the classifier nor the
     attention gets a useful gradient, which is the long initial plateau of the reference.
     Normalised activations make the features depend on the content from the first step.
     """

@@ -62,8 +62,8 @@ def evaluate_multilabel(rows: Sequence[PredictionRow], classes: Sequence[str], t
 
     An empty label cell is a label, the empty set (no class present: a slide without any
     of the findings), as it is in a multi-label dataset that ``ats train`` evaluates
-    (:func:`ats_cli.train.evaluate` counts every row); leaving those rows out reported
-    exact match 0% of 4 images where 4 of 8 rows were empty sets and the figure was 50%."""
+    (:func:`ats_cli.train.evaluate` counts every row); leaving those rows out reported a
+    lower exact match than the model's, the empty sets it got right uncounted."""
     import torch
 
     scored = [r for r in rows if r.ok and r.label is not None]

@@ -5,8 +5,7 @@ fitted by cross-entropy to one that gives every object of the image the same mas
 over the cells whose patch holds that object whole (:func:`attention_targets`). Why: from
 the image labels alone the attention learns slowly and unevenly, putting much more mass on
 one digit than on another, and the pooled feature, which tends to the mass-weighted vote of
-the digits, then follows the heaviest digit instead of the majority (how uneven:
-``python benchmarks/digit_attention.py``).
+the digits, then follows the heaviest digit instead of the majority.
 """
 
 from __future__ import annotations
@@ -44,8 +43,7 @@ def attention_targets(model, views: np.ndarray, digit_cells: list[list[np.ndarra
     of each cell): each digit gets the same mass, spread evenly over its cells that the
     brightness support keeps (ats train never samples the others). Equal mass per digit
     because the label is the majority of the digits: the pooled feature tends to the
-    mass-weighted vote, which is the majority only when every digit weighs alike
-    (benchmarks/digit_attention.py measures it)."""
+    mass-weighted vote, which is the majority only when every digit weighs alike."""
     import torch
 
     out = []

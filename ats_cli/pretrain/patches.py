@@ -109,10 +109,10 @@ def shrunken_digits(image: np.ndarray, boxes: list[list[int]], base: np.ndarray,
     beside the first, in a random direction, touching it or a pixel or two away (centres
     SMALL_GAP times the sum of their ink radii apart), instead of anywhere. Why: two small
     shapes side by side or stacked span a whole digit's height, and a net taught only with
-    scattered small digits still read two small 0s stacked as an 8 (benchmarks/accuracy.md,
-    "Side-by-side pairs and the object prior"). Two small
-    digits next to each other are two small digits, not one of the usual size: again a fact
-    of the task, made from the image's own digits."""
+    scattered small digits still read two small 0s stacked as an 8
+    (benchmarks/accuracy.md#side-by-side-pairs-and-the-object-prior). Two small digits next
+    to each other are two small digits, not one of the usual size: again a fact of the task,
+    made from the image's own digits."""
     from PIL import Image
 
     out = base.copy()
