@@ -3,7 +3,7 @@ prior it is the thesis's entropy bonus; with one it is -KL(a || pi), pi the prio
 attention, which leaves an attention that is where the prior started it alone (zero
 gradient) where the entropy bonus, the negative control, pushes it to uniform: the
 mechanism that erased the prior of a two-level model before any signal arrived
-(benchmarks/slides.md, "Two levels"). At both levels of a two-level model too. It never
+(benchmarks/slides.md#runs-at-chance). At both levels of a two-level model too. It never
 enters the estimate, whose unbiasedness is tested with the prior in tests/test_extensions.py
 and tests/test_nested.py."""
 
