@@ -184,7 +184,7 @@ def test_a_broken_store_is_one_line_naming_it(tmp_path, fault):
     assert result.exit_code == 1, result.output
     said = {"missing chunk": "chunk 0/0.1.2 of level 0 (row 64, column 128) is missing",
             "no multiscales": "is not an OME-Zarr image: its .zattrs has no 'multiscales' metadata",
-            "damaged chunk": "cannot read the 32x32 region"}[fault]
+            "damaged chunk": "region at row 64, column 128 of level 0"}[fault]  # the chunk, read whole
     lines = [line for line in result.output.splitlines() if str(path) in line and said in line]
     assert len(lines) == 1, result.output  # the failed inputs' list: the store, and why
     assert "0 predicted, 1 failed" in result.output and not out.read_text().splitlines()[1:]

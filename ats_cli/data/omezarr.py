@@ -56,9 +56,17 @@ from typing import Any
 
 import numpy as np
 
+from ats_cli.core.source import thread_pool
 from ats_cli.data.dataset import OMEZARR
 from ats_cli.data.images import max_pixels_limit
-from ats_cli.data.slides import MPP_TOLERANCE, SlideReader, SlideReadError, _too_big
+from ats_cli.data.slides import (
+    MPP_TOLERANCE,
+    PARALLEL_SEGMENT_PIXELS,
+    READ_BUDGET_BYTES,
+    SlideReader,
+    SlideReadError,
+    _too_big,
+)
 
 __all__ = ["OmeZarrReader", "MAX_METADATA_BYTES", "read_multiscales"]
 
@@ -354,6 +362,44 @@ class OmeZarrReader(SlideReader):
             span = np.array([e - s for s, e in self._windows], dtype=np.float64)
             data = np.clip(np.rint((data - start) * (255.0 / span)), 0, 255).astype(np.uint8)
         return np.ascontiguousarray(data)
+
+    def _read_regions(self, offs, h, w, level):
+        """Each chunk the patches overlap read once (concurrently on the shared reading
+        threads), then the patches cut from them, as the TIFF reader does with its tiles:
+        the attention's favourite patches lie close together and share chunks, which a zarr
+        read per patch decoded again each time (measured 4x slower per patch than the TIFF
+        reader on one image). Patches go in groups whose chunks fit in
+        ``READ_BUDGET_BYTES``, so memory stays bounded however many are asked for."""
+        if self._segment_pixels(level) > PARALLEL_SEGMENT_PIXELS or len(offs) == 1:
+            return super()._read_regions(offs, h, w, level)
+        self._check_chunks(level)
+        H, W = self.levels[level]
+        ch, cw = self._segment_rows(level), self._chunk_shape(level)[self._axis["x"]]
+        room = max(1, READ_BUDGET_BYTES // (ch * cw * self._channels))
+        read = lambda t: self.read_region(t[0] * ch, t[1] * cw, min(ch, H - t[0] * ch),  # noqa: E731
+                                          min(cw, W - t[1] * cw), level)
+        out, group, wanted = [], [], set()
+        for k, (r, c) in enumerate(offs):
+            r0, c0, r1, c1 = max(r, 0), max(c, 0), min(r + h, H), min(c + w, W)
+            if r1 > r0 and c1 > c0:
+                wanted.update((ty, tx) for ty in range(r0 // ch, (r1 - 1) // ch + 1)
+                              for tx in range(c0 // cw, (c1 - 1) // cw + 1))
+            group.append((r, c))
+            if len(wanted) >= room or k == len(offs) - 1:
+                ids = sorted(wanted)
+                chunks = dict(zip(ids, thread_pool("tiles").map(read, ids) if len(ids) > 1 else map(read, ids),
+                                  strict=True))
+                for rr, cc in group:
+                    patch = np.zeros((h, w, self.channels), dtype=np.uint8)  # read_region gives these
+                    for (ty, tx), chunk in chunks.items():
+                        y0, x0 = ty * ch, tx * cw
+                        ys, xs = max(rr, y0), max(cc, x0)
+                        ye, xe = min(rr + h, y0 + chunk.shape[0]), min(cc + w, x0 + chunk.shape[1])
+                        if ye > ys and xe > xs:
+                            patch[ys - rr:ye - rr, xs - cc:xe - cc] = chunk[ys - y0:ye - y0, xs - x0:xe - x0]
+                    out.append(patch)
+                group, wanted = [], set()
+        return out
 
     def view_files(self, size: tuple[int, int]) -> list[Path]:
         """The files the low-res view of ``size`` is made from (the group's and that level's
