@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from ats_cli.data import DatasetError, dataset_from_folder, load_dataset
-from ats_cli.data.dataset import BACKENDS, PILLOW, backend
+from ats_cli.data.dataset import BACKENDS, OMEZARR, PILLOW, backend
 from ats_cli.data.images import ImageReadError, decode_pil, pil_channels, read_image
 from ats_cli.data.slides import SlideReadError, open_image
 from ats_cli.predict import read_inputs_csv, resolve_inputs
@@ -25,7 +25,12 @@ def test_from_folder_and_predict_dir_accept_the_same_suffixes(tmp_path: Path) ->
         (src / cls).mkdir(parents=True)
         names = [f"x{i}{suffix.upper() if i % 2 else suffix}" for i, suffix in enumerate(BACKENDS)]
         for name in [*names, "notes.txt", "data.csv", ".hidden.png", "no_suffix"]:
-            (src / cls / name).write_bytes(png)
+            if backend(name) == OMEZARR:  # an OME-Zarr store is a directory; its insides are no inputs
+                (src / cls / name / "0").mkdir(parents=True)
+                (src / cls / name / "0" / "inside.png").write_bytes(png)
+            else:
+                (src / cls / name).write_bytes(png)
+        (src / cls / "file.zarr").write_bytes(png)  # a file is no store
 
     ds = dataset_from_folder(src, tmp_path / "out", test_fraction=0.2)
     from_folder = sorted(str(r.path) for split in ds.splits.values() for r in split)

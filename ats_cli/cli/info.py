@@ -19,7 +19,8 @@ from ats_cli.cli.options import MaxPixelsOption, config_option
 
 @app.command()
 def info(
-    paths: list[Path] = typer.Argument(..., help="Image or slide files, or folders of them (class folders too)."),
+    paths: list[Path] = typer.Argument(..., help="Image or slide files, OME-Zarr stores, or folders of them (class "
+                                       "folders too)."),
     reader: str = config_option("reader", "auto", check=True),
     max_pixels: MaxPixelsOption = None,
 ) -> None:
@@ -39,10 +40,12 @@ def info(
     except ValueError as e:
         err.print(f"[red]error:[/] {escape(str(e))}")
         raise typer.Exit(2) from None
+    from ats_cli.data.dataset import is_store
+
     failed = done = 0
     try:
         for path in paths:
-            failed += not (_show_folder(path, console, err) if path.is_dir() else
+            failed += not (_show_folder(path, console, err) if path.is_dir() and not is_store(path) else
                            _show(path, reader, max_pixels, console, err))
             done += 1
     except KeyboardInterrupt:
@@ -97,11 +100,11 @@ def _suggest(long_side: int, console: Console) -> None:
 def _show_folder(folder: Path, console: Console, err: Console) -> bool:
     """A folder's images (recursively, as ``make-dataset from-folder`` finds them): how many,
     their sizes from the headers, and the settings for their typical long side."""
-    from ats_cli.data.dataset import INPUT_SUFFIXES
+    from ats_cli.data.dataset import OMEZARR, VIRTUAL, backend, find_inputs
     from ats_cli.data.images import pil_size
 
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in INPUT_SUFFIXES)
-    shapes = [s for s in (pil_size(p) for p in files) if s]
+    files = find_inputs(folder)
+    shapes = [s for s in (_opened_size(p) if backend(p) in (OMEZARR, VIRTUAL) else pil_size(p) for p in files) if s]
     if not shapes:
         err.print(f"[red]error:[/] {escape(str(folder))}: no image whose size can be read (of {len(files)} file(s))")
         return False
@@ -113,6 +116,18 @@ def _show_folder(folder: Path, console: Console, err: Console) -> bool:
                                                    if len(files) > len(shapes) else ""))
     _suggest(sides[len(sides) // 2], console)
     return True
+
+
+def _opened_size(path: Path) -> tuple[int, int] | None:
+    """An OME-Zarr store's or a virtual slide's level-0 (H, W), which PIL cannot read, from
+    its reader (metadata only); None when it cannot be opened."""
+    from ats_cli.data.slides import open_image
+
+    try:
+        with open_image(path) as slide:
+            return slide.dimensions
+    except Exception:  # noqa: BLE001 - counted as unreadable, as an image pil_size cannot read
+        return None
 
 
 def _pillow(path: Path, reader: str) -> bool:

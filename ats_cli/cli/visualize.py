@@ -75,6 +75,7 @@ def visualize(
     is written).
     """
     from ats_cli.checkpoint import CheckpointError
+    from ats_cli.data.dataset import is_store
     from ats_cli.data.images import ImageReadError, max_pixels_limit
     from ats_cli.io import check_writable
     from ats_cli.visualize import render_attention, render_evolution, write_attention_geojson
@@ -97,7 +98,7 @@ def visualize(
     for given in (target, image):
         if given is not None and not given.exists():
             raise usage(f"{given}: does not exist")
-    evolution = target.is_dir()
+    evolution = target.is_dir() and not is_store(target)  # a run directory; an OME-Zarr store is an image
     if evolution and image is None:
         raise usage(f"{target} is a directory: give --image IMAGE to draw its attention across epochs "
                     "(or give an image and --model for one figure)")

@@ -71,8 +71,8 @@ from ats_cli.multilabel import SEPARATOR, multi_hot, split_label
 
 __all__ = ["DATASET_JSON", "KNOWN_SPLITS", "Dataset", "DatasetError", "Problem", "CsvRow", "CsvTable", "Record",
            "load_dataset", "read_csv", "write_dataset", "BACKENDS", "INPUT_SUFFIXES", "LAZY_BACKENDS", "OPENSLIDE",
-           "PILLOW", "TIFFFILE", "VIRTUAL", "VIRTUAL_SUFFIX", "backend", "is_input_file", "is_lazy", "MIN_MPP",
-           "MAX_MPP", "RANGE_TEXT", "mpp_problem"]
+           "OMEZARR", "PILLOW", "TIFFFILE", "VIRTUAL", "VIRTUAL_SUFFIX", "backend", "find_inputs", "input_exists",
+           "is_input_file", "is_lazy", "is_store", "MIN_MPP", "MAX_MPP", "RANGE_TEXT", "mpp_problem"]
 
 DATASET_JSON = "dataset.json"
 KNOWN_SPLITS = ("train", "val", "test")
@@ -299,7 +299,8 @@ def _class_folders(root: Path, look: int = 200) -> list[str]:
     for sub in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         try:
             with os.scandir(sub) as entries:
-                if any(e.is_file() and backend(e.name) is not None for e in itertools.islice(entries, look)):
+                if any((e.is_file() or is_store(e.path)) and backend(e.name) is not None
+                       for e in itertools.islice(entries, look)):
                     found.append(sub.name)
         except OSError:
             continue
@@ -350,7 +351,7 @@ def load_dataset(root: str | os.PathLike[str], *, check_files: bool = True) -> D
             if unknown:
                 problems.append(Problem(name, row.line, f"unknown label {unknown[0]!r} (classes: {_short(classes)})"))
                 continue
-            if check_files and not row.path.is_file():
+            if check_files and not input_exists(row.path):
                 problems.append(Problem(name, row.line, f"{row.raw_path!r} is a directory, not an image file"
                                         if row.path.is_dir() else f"missing file {row.raw_path!r}"))
                 continue
@@ -460,8 +461,9 @@ def _short(items: Sequence[str], limit: int = 12) -> str:
 
 # ---------------------------------------------------- which files are inputs, read by what
 
-PILLOW, TIFFFILE, OPENSLIDE, VIRTUAL = "pillow", "tifffile", "openslide", "virtual"
-LAZY_BACKENDS = (TIFFFILE, OPENSLIDE, VIRTUAL)  # read tile by tile (or rendered region by region), never whole
+PILLOW, TIFFFILE, OPENSLIDE, VIRTUAL, OMEZARR = "pillow", "tifffile", "openslide", "virtual", "omezarr"
+# read tile by tile (or chunk by chunk, or rendered region by region), never whole
+LAZY_BACKENDS = (TIFFFILE, OPENSLIDE, VIRTUAL, OMEZARR)
 # a virtual slide (ats_cli.data.virtual_slides): a JSON spec rendered on demand; the double
 # suffix keeps other JSON files (dataset.json) from being taken for slides
 VIRTUAL_SUFFIX = ".vslide.json"
@@ -474,6 +476,8 @@ BACKENDS: Mapping[str, str] = MappingProxyType({
     **dict.fromkeys((".tif", ".tiff", ".btf"), TIFFFILE),
     # whole-slide formats only OpenSlide reads
     **dict.fromkeys((".svs", ".ndpi", ".mrxs", ".scn", ".vms", ".vmu", ".bif", ".svslide", ".dcm"), OPENSLIDE),
+    # an OME-Zarr store (a directory; .ome.zarr ends in .zarr): ats_cli.data.omezarr
+    ".zarr": OMEZARR,
 })
 INPUT_SUFFIXES = (*BACKENDS, VIRTUAL_SUFFIX)
 
@@ -489,6 +493,34 @@ def backend(path: str | os.PathLike[str]) -> str | None:
 def is_input_file(path: str | os.PathLike[str]) -> bool:
     """Whether a file found in a directory is an input: a listed suffix, not hidden."""
     return backend(path) is not None and not Path(path).name.startswith(".")
+
+
+def is_store(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is an OME-Zarr store: a directory named ``*.zarr``. Such a
+    directory is one input, never a folder of inputs: the commands that list a folder
+    take it whole and do not walk into its chunks."""
+    return backend(path) == OMEZARR and Path(path).is_dir()
+
+
+def input_exists(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is there to be read as an input: a file, or an OME-Zarr store."""
+    return Path(path).is_file() or is_store(path)
+
+
+def find_inputs(folder: str | os.PathLike[str], recursive: bool = True) -> list[Path]:
+    """The inputs in ``folder`` (below it too when ``recursive``), sorted: files with a
+    listed suffix, and OME-Zarr stores taken whole (never walked into: a store of a whole
+    slide holds tens of thousands of chunk files, none of them an input). Hidden files
+    and what is not a regular file (a FIFO) are left out; links to folders are not
+    followed."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        here = Path(dirpath)
+        stores = [d for d in dirnames if is_input_file(d) and backend(d) == OMEZARR]
+        found += [here / d for d in stores]
+        found += [here / f for f in filenames if is_input_file(f) and backend(f) != OMEZARR and (here / f).is_file()]
+        dirnames[:] = sorted(d for d in dirnames if d not in stores) if recursive else []
+    return sorted(found, key=str)
 
 
 def is_lazy(path: str | os.PathLike[str], reader: str | None = None, level: int | None = None,

@@ -21,6 +21,7 @@ import numpy as np
 from ats_cli.data.dataset import (
     DATASET_JSON,
     INPUT_SUFFIXES,
+    OMEZARR,
     PILLOW,
     Dataset,
     DatasetError,
@@ -85,8 +86,11 @@ def _files(folder: Path, extensions: Iterable[str]) -> list[Path]:
             dirnames[:] = []  # a loop, or a link out of the class folder: not walked
             continue
         seen_dirs.add(real)
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for name in sorted(filenames):
+        # an OME-Zarr store is one image: listed with the files, never walked into
+        stores = [d for d in dirnames if backend(d) == OMEZARR and d.lower().endswith(tuple(exts))]
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in stores)
+        files = [f for f in filenames if backend(f) != OMEZARR]  # a file named .zarr is no store
+        for name in sorted(files + stores):
             if not name.startswith(".") and name.lower().endswith(tuple(exts)):  # .vslide.json: two suffixes
                 file = Path(dirpath) / name
                 key = os.path.realpath(file)
@@ -207,6 +211,9 @@ def _place_file(file: Path, src: Path, out: Path, label: str, mode: str) -> str:
     rel = Path("images") / label / file.relative_to(src / label)
     dest = out / rel
     dest.parent.mkdir(parents=True, exist_ok=True)
+    if mode == "copy" and file.is_dir():  # an OME-Zarr store
+        _copy_store(file, dest)
+        return rel.as_posix()
     with atomic_path(dest) as tmp:
         if mode == "copy":
             shutil.copy2(file, tmp)
@@ -214,3 +221,22 @@ def _place_file(file: Path, src: Path, out: Path, label: str, mode: str) -> str:
             tmp.unlink(missing_ok=True)  # a stale one would make symlink fail
             os.symlink(file, tmp)
     return rel.as_posix()
+
+
+def _copy_store(store: Path, dest: Path) -> None:
+    """Copy the OME-Zarr store (a directory) to ``dest`` as :func:`ats_cli.io.atomic_path`
+    writes a file: into a temporary directory beside it, renamed into place when whole, so
+    an interrupted copy leaves no partial store that a later run would read (or that
+    :class:`~ats_cli.data.omezarr.OmeZarrReader` would refuse for its missing chunks)."""
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        shutil.copytree(store, tmp, symlinks=False)
+        if dest.is_dir() and not dest.is_symlink():
+            shutil.rmtree(dest)  # --force over an earlier copy
+        elif dest.exists() or dest.is_symlink():
+            dest.unlink()
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -71,7 +71,10 @@ touched gets a new entry, and so does a slide replaced by another of the same si
 modification time was kept (``cp -p``, ``rsync -t``, an archive unpacked), or edited in
 place with its size and mtime restored (an uncompressed TIFF's middle tiles: neither its
 first nor last 64 KiB change): the kernel sets the change time on every write and no
-user can set it back. Old entries are never read again (delete the folder to reclaim
+user can set it back. An OME-Zarr store is a directory, whose own times do not change
+when a chunk is rewritten: it is named by the path, size and times of every file its view
+is made from (the metadata and the chunks of the view's level) and the metadata's
+content (:func:`source_state`). Old entries are never read again (delete the folder to reclaim
 the space; it is rebuilt on the next epoch). Written atomically (:mod:`ats_cli.io`), so a
 worker killed mid-write or two writing the same entry leave a whole file or none.
 
@@ -379,6 +382,32 @@ def content_digest(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
+def source_state(slide, scale: float) -> tuple[dict, int, int]:
+    """(what names the bytes ``slide``'s view at ``scale`` is made from as they are now, the
+    latest mtime and ctime among them, ns). A file: its size, mtime, ctime and
+    :func:`content_digest`. An OME-Zarr store, a directory whose own times do not change when
+    a chunk is rewritten: the path, size, mtime and ctime of every file the view is read from
+    (the metadata and the chunks of the view's level: ``slide.view_files``) and the metadata's
+    content; a chunk added, removed or rewritten names another entry."""
+    from ats_cli.core.source import low_res_size
+
+    view_files = getattr(slide, "view_files", None)
+    if view_files is None:
+        st = os.stat(slide.path)
+        return ({"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
+                 "content": content_digest(slide.path)}, st.st_mtime_ns, st.st_ctime_ns)
+    h, mtime, ctime = hashlib.sha256(), 0, 0
+    root = Path(slide.path)
+    for f in view_files(low_res_size(slide.size, scale)):
+        st = os.stat(f)
+        rel = f.relative_to(root).as_posix()
+        h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\n".encode())
+        if f.name in ("zarr.json", ".zattrs", ".zgroup", ".zarray"):
+            h.update(content_digest(f).encode())
+        mtime, ctime = max(mtime, st.st_mtime_ns), max(ctime, st.st_ctime_ns)
+    return {"store": h.hexdigest()}, mtime, ctime
+
+
 class ViewCache:
     """Low-res views and tissue masks of lazily read slides, one file each in ``folder``."""
 
@@ -386,12 +415,11 @@ class ViewCache:
         self.folder = Path(folder)
         self.writable = True  # False after a write failed: computed, not stored (module docstring)
 
-    def key(self, slide, scale: float, st: os.stat_result | None = None) -> str:
-        """The entry's name: the file as it is now (path, size, mtime, ctime, content
-        digest; ``st``: its stat, taken by the caller) and what is asked of it."""
-        st = os.stat(slide.path) if st is None else st
-        what = {"format": VIEW_CACHE_FORMAT, "path": str(Path(slide.path).resolve()), "bytes": st.st_size,
-                "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "content": content_digest(slide.path),
+    def key(self, slide, scale: float, source: dict | None = None) -> str:
+        """The entry's name: the file as it is now (``source``: :func:`source_state`, taken
+        by the caller) and what is asked of it."""
+        source = source_state(slide, scale)[0] if source is None else source
+        what = {"format": VIEW_CACHE_FORMAT, "path": str(Path(slide.path).resolve()), **source,
                 "reader": slide.name, "level": slide.level, "size": list(slide.size),
                 "channels": slide.channels, "max_pixels": slide.max_pixels, "scale": repr(float(scale)),
                 "resampled": repr(float(getattr(slide, "factor", 1.0))),  # --mpp: the level's resampling
@@ -442,8 +470,8 @@ class ViewCache:
         from ats_cli.data.slides import tissue_mask
 
         stamped = time.time_ns()  # before the stat: io.settled measures from here
-        st = os.stat(slide.path)
-        path = self.folder / f"{self.key(slide, scale, st)}.npz"
+        source, mtime_ns, ctime_ns = source_state(slide, scale)
+        path = self.folder / f"{self.key(slide, scale, source)}.npz"
         size = tuple(low_res_size(slide.size, scale))
         low = mask = None
         try:
@@ -463,7 +491,7 @@ class ViewCache:
             mask = tissue_mask(_as_view(low)).numpy()
             # stored only when the stat proves the file: one taken within a timestamp tick of
             # the last change would also name a same-size rewrite within that tick
-            if settled(stamped, st.st_mtime_ns, st.st_ctime_ns):
+            if settled(stamped, mtime_ns, ctime_ns):
                 self._store(path, low, mask)
             elif self.writable:
                 self.probe()  # not stored this time, but a folder that cannot take it is said now

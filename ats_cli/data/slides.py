@@ -22,6 +22,8 @@ unless ``reader=`` forces one:
 - ``pillow``: PNG/JPEG/BMP/GIF/WebP/..., read whole by the one PIL decoder
   (:func:`ats_cli.data.images.decode_pil`) with an explicit pixel limit (``max_pixels``)
   instead of switching the decompression-bomb guard off.
+- ``omezarr``: an OME-Zarr store (a ``.zarr`` directory; NGFF 0.4/0.5 multiscales), read
+  chunk by chunk: :mod:`ats_cli.data.omezarr`.
 - ``array``: an in-memory [H, W, C] uint8 array (tests, generated data).
 
 Bounded memory: every reader has a pixel budget (``max_pixels``: ``--max-pixels``, else
@@ -49,7 +51,7 @@ import numpy as np
 import torch
 
 from ats_cli.core.source import thread_pool
-from ats_cli.data.dataset import OPENSLIDE, PILLOW, TIFFFILE, VIRTUAL, backend, mpp_problem
+from ats_cli.data.dataset import OMEZARR, OPENSLIDE, PILLOW, TIFFFILE, VIRTUAL, backend, mpp_problem
 from ats_cli.data.images import (
     DEFAULT_MAX_PIXELS,
     ImageReadError,
@@ -291,8 +293,7 @@ class SlideReader:
         budget; it is read and resized band by band (``resize_in_bands``: bit for bit the
         same as resizing it whole)."""
         th, tw = int(size[0]), int(size[1])
-        ok = [i for i, (h, w) in enumerate(self.levels) if h >= th and w >= tw]
-        level = min(ok, key=lambda i: self.levels[i][0] * self.levels[i][1]) if ok else 0
+        level = self.view_level(size)
         H, W = self.levels[level]
         if H * W > self.max_pixels:
             raise _too_big(self.path, f"level {level} ({W}x{H}, the smallest the {tw}x{th} low-res view can be made "
@@ -315,6 +316,13 @@ class SlideReader:
 
         small = resize_in_bands(rows, (self.channels, H, W), (th, tw), align=self._segment_rows(level))
         return small.permute(1, 2, 0).round().clamp(0, 255).to(torch.uint8).numpy()
+
+    def view_level(self, size: tuple[int, int]) -> int:
+        """The level :meth:`low_res` makes a view of ``size`` (H, W) from: the smallest at
+        least that large, else level 0."""
+        th, tw = int(size[0]), int(size[1])
+        ok = [i for i, (h, w) in enumerate(self.levels) if h >= th and w >= tw]
+        return min(ok, key=lambda i: self.levels[i][0] * self.levels[i][1]) if ok else 0
 
     def low_res_view(self, scale: float) -> torch.Tensor:
         """The model's low-res view [C, h, w] float in [0, 1] of the patch level at ``scale``,
@@ -731,10 +739,16 @@ def open_image(
     its smallest level (to refuse a missing codec now); the others check on reading.
     """
     path = Path(path)
-    if reader not in (*READERS, VIRTUAL):  # virtual: by name only when a pickled reader is reopened
-        raise ValueError(f"unknown reader {reader!r}; choose from {', '.join(READERS)}")
+    if reader not in (*READERS, VIRTUAL, OMEZARR):  # these two: by suffix, or by name when a pickled reader is
+        raise ValueError(f"unknown reader {reader!r}; choose from {', '.join(READERS)}")  # reopened
     if not path.exists():
         raise SlideReadError(path, "file not found")
+    if reader == OMEZARR or (reader == "auto" and backend(path) == OMEZARR):
+        from ats_cli.data.omezarr import OmeZarrReader  # zarr: imported only for a store
+
+        if not path.is_dir():
+            raise SlideReadError(path, "is a file; an OME-Zarr store is a directory")
+        return OmeZarrReader(path, max_pixels_limit(max_pixels))
     if path.is_dir():
         raise SlideReadError(path, "is a directory, not an image file")
     max_pixels = max_pixels_limit(max_pixels)

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ats_cli.data.dataset import DATASET_JSON, CsvRow, is_input_file, read_csv
+from ats_cli.data.dataset import DATASET_JSON, CsvRow, find_inputs, is_input_file, is_store, read_csv
 from ats_cli.multilabel import split_label
 
 __all__ = ["InputItem", "read_inputs_csv", "resolve_inputs"]
@@ -42,9 +42,10 @@ def resolve_inputs(specs: Iterable[str | os.PathLike[str]], *, recursive: bool =
     * an existing file: a ``.csv`` is a dataset CSV (``path`` column, optional ``label``;
       relative paths are relative to the CSV's directory); anything else is an image;
     * a directory holding ``dataset.json`` and ``test.csv``: that dataset's test split;
-    * any other directory: the image files in it (the suffixes of
+    * an OME-Zarr store (a ``.zarr`` directory): one image;
+    * any other directory: the image files and stores in it (the suffixes of
       :data:`ats_cli.data.dataset.BACKENDS`, sorted by name, hidden files skipped),
-      including sub-directories when ``recursive``;
+      including sub-directories when ``recursive`` (never the inside of a store);
     * a pattern with ``* ? [`` that is not an existing path: expanded here (``**``
       included), for shells that do not; matched directories and CSVs are treated as
       above, other matches only if they are image files.
@@ -103,11 +104,10 @@ def _not_regular(path: Path) -> str | None:
 def _expand(path: Path, *, recursive: bool, explicit: bool) -> list[InputItem]:
     if (why := _not_regular(path)) is not None:
         return [InputItem(path, error=why)] if explicit or is_input_file(path) or path.suffix.lower() == ".csv" else []
-    if path.is_dir():
+    if path.is_dir() and not is_store(path):
         if (path / DATASET_JSON).is_file() and (path / "test.csv").is_file():
             return read_inputs_csv(path / "test.csv")
-        files = path.rglob("*") if recursive else path.iterdir()
-        images = sorted((p for p in files if p.is_file() and is_input_file(p)), key=lambda p: str(p))
+        images = find_inputs(path, recursive)
         if not images and explicit:
             hint = "" if recursive else " (sub-directories are searched with --recursive)"
             return [InputItem(path, error=f"{path}: a directory with no image files{hint}")]
