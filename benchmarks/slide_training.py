@@ -53,7 +53,7 @@ def write_slide(path: Path, size: int, index: int) -> tuple[float, float]:
 def make_dataset(folder: Path, size: int, n: int, unique: int) -> list[tuple[float, float]]:
     """The dataset; returns (seconds, peak RSS MB) of writing each distinct slide (kept in
     ``write_costs.json``, so a rerun that finds the slides reports what writing them took)."""
-    from ats_cli.data.synthetic_slides import CLASSES, SyntheticSlidesConfig
+    from ats_cli.data.synthetic_slides import CLASSES, RECIPE, SyntheticSlidesConfig
 
     (folder / "train").mkdir(parents=True, exist_ok=True)
     (folder / "test").mkdir(exist_ok=True)
@@ -76,7 +76,8 @@ def make_dataset(folder: Path, size: int, n: int, unique: int) -> list[tuple[flo
     (folder / "test.csv").write_text(f"path,label\ntest/0000.tif,{CLASSES[0]}\n")
     hints = SyntheticSlidesConfig(size=size).hints()
     (folder / "dataset.json").write_text(json.dumps({"format": "ats-dataset", "version": 1, "classes": CLASSES,
-                                                     "splits": ["train", "test"], "hints": hints}))
+                                                     "splits": ["train", "test"], "hints": hints,
+                                                     "recipe": RECIPE}))
     return costs
 
 
