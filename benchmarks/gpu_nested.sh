@@ -48,8 +48,8 @@ describe_env "$RES/env.txt" "$SETTINGS; budget $BUDGET_S s"
 tail -n 2 "$RES/make.log"
 
 declare -A FLAGS=(
-  [two]="--levels 2 --regions 8 --region-size 768 --coarse-px 12 --scale 0.125 --patch-size 64 --n-patches 4"
-  [one]="--scale 0.015625 --patch-size 64 --n-patches 32 --rarity-prior 10 --rarity-cap 4.5 --patch-gain off"
+  [two]="--recipe synthetic-slides-100k"
+  [one]="--scale 0.015625 --patch-size 64 --n-patches 32 --set rarity_prior=10 --set rarity_cap=4.5 --set patch_gain=off"
 )
 for m in $MODELS; do
   # shellcheck disable=SC2086  # the flags hold several words on purpose

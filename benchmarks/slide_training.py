@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from slides import measure  # noqa: E402  (benchmarks/slides.py: wall time and peak RSS of a fresh process)
 
 TRAIN = ["--epochs", "{epochs}", "--batch-size", "4", "--n-patches", "12", "--patch-size", "64", "--scale", "0.03125",
-         "--feature-net", "small-cnn", "--feature-width", "8", "--attention-width", "4", "--workers", "2",
-         "--device", "cpu", "--augment", "colour+flips", "--rarity-prior", "2", "--min-brightness", "0"]
+         "--feature-net", "small-cnn", "--set", "feature_width=8", "--set", "attention_width=4", "--workers", "2",
+         "--device", "cpu", "--augment", "colour+flips", "--set", "rarity_prior=2", "--set", "min_brightness=0"]
 
 
 def write_slide(path: Path, size: int, index: int) -> tuple[float, float]:

@@ -74,7 +74,7 @@ for t in $TARGETS; do
   for e in $ENCODERS; do
     train "$OUT/target-$t" "$OUT/$e-$t" "$TRANSFER" --feature-net "$OUT/encoder-$e" &
     if [ "$INIT" = 1 ] && [ -n "${SOURCE[$e]:-}" ]; then
-      train "$OUT/target-$t" "$OUT/init-$e-$t" "$TRANSFER" --init "$OUT/${SOURCE[$e]}/best.pt" --feature-lr 0 &
+      train "$OUT/target-$t" "$OUT/init-$e-$t" "$TRANSFER" --set "init=\"$OUT/${SOURCE[$e]}/best.pt\"" --set feature_lr=0 &
     fi
   done
   wait

@@ -215,3 +215,16 @@ def use_help_command(*apps: typer.Typer) -> None:
         for info in app.registered_commands:
             if info.cls in (None, TyperCommand):
                 info.cls = HelpCommand
+
+
+def key_reference() -> str:
+    """Every TrainConfig key as a markdown table (docs/configuration.md holds it; a test keeps
+    the two the same): its group, its flag where ``ats train`` has one, and its help with the
+    default, as ``--help`` shows a flag's."""
+    rows = ["| key | flag | what it sets |", "|---|---|---|"]
+    own = {"data": "DATA", "out": "`--out`", "recipe": "`--recipe`"}  # declared by ats train itself
+    for f in FIELDS.values():
+        flag = "`--" + f.name.replace("_", "-") + "`" if f.metadata.get("flag") else own.get(f.name, "")
+        text = config_help(f.name).replace("\\[", "[").replace("|", "\\|")
+        rows.append(f"| `{f.name}` | {flag} | {text} |")
+    return "\n".join(rows) + "\n"
