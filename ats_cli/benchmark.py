@@ -91,13 +91,15 @@ DATASET_DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 def dataset_defaults(dataset: str) -> dict[str, Any]:
-    """:data:`DATASET_DEFAULTS` for a generated dataset; for a dataset directory, its
-    hints (patch size, scale) over the Megapixel MNIST settings."""
+    """:data:`DATASET_DEFAULTS` for a generated dataset; for a dataset directory, the patch
+    size and scale of the recipe its dataset.json names (else of its hints, an older
+    dataset's) over the Megapixel MNIST settings."""
     if dataset in DATASET_DEFAULTS:
         return dict(DATASET_DEFAULTS[dataset])
     from ats_cli.data.dataset import load_dataset
+    from ats_cli.recipes import dataset_values
 
-    hints = load_dataset(dataset).hints
+    hints = {**load_dataset(dataset).hints, **dataset_values(dataset)}
     out = dict(DATASET_DEFAULTS["megapixel-mnist"])
     if "patch_size" in hints:
         out["patch_size"] = int(np.atleast_1d(hints["patch_size"])[0])

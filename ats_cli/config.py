@@ -85,35 +85,42 @@ def none_class_refusal(pooling: str, flag: str) -> str | None:
 
 
 def _key(default: Any, help: str, panel: str | None = None, *, choices: dict[str, str] | None = None,
-         means: str | None = None) -> Any:
+         means: str | None = None, flag: bool = False) -> Any:
     """A TrainConfig field that also describes itself, so that ``ats train``'s flags, their
-    help and :meth:`TrainConfig.validate`'s allowed values come from one place
-    (ats_cli/cli/options.py builds the flags). ``help``: the flag's help without the
-    default, which is added from ``default``; ``{choices}`` in it is replaced by the
-    allowed values (``choices``: value -> a note on it, "" for none) joined by " | ".
-    ``means``: what the default value stands for ("auto", "off"). ``panel``: the help
-    panel; None for a field the command declares itself (DATA, --out)."""
-    return field(default=default, metadata={"help": help, "panel": panel, "choices": choices, "means": means})
+    help, the key reference (docs/configuration.md) and :meth:`TrainConfig.validate`'s
+    allowed values come from one place (ats_cli/cli/options.py builds the flags).
+    ``help``: the key's help without the default, which is added from ``default``;
+    ``{choices}`` in it is replaced by the allowed values (``choices``: value -> a note on
+    it, "" for none) joined by " | ". ``means``: what the default value stands for ("auto",
+    "off"). ``panel``: the group it is listed under; None for a field the command declares
+    itself (DATA, --out). ``flag``: ``ats train`` has a flag for it, for the settings a
+    user of any dataset may need; every other key is set in a recipe or a ``--config``
+    file (or ``--set KEY=VALUE``), so that the command's options stay few."""
+    return field(default=default, metadata={"help": help, "panel": panel, "choices": choices, "means": means,
+                                            "flag": flag})
 
 
 @dataclass
 class TrainConfig:
     data: str = _key("", "Dataset directory (train.csv, test.csv, dataset.json)")
     out: str = _key("", "Run directory for checkpoints, metrics and plots")
+    # the recipe the settings start from (ats_cli.recipes), recorded in config.json
+    recipe: str = _key("", "The recipe the run's settings start from: a name (ats train --recipes) or a .toml file; "
+                       "without one, the one DATA/dataset.json names")
     # the method (see ats_cli.models)
     method: str = _key("ats", "{choices}", METHOD_PANEL, choices={
         "ats": "", "uniform": "fixed uniform attention", "deepmil": "gated attention over all grid patches",
-        "cnn": "ResNet-18 on the low-res view"})
+        "cnn": "ResNet-18 on the low-res view"}, flag=True)
     # 0 = the dataset's hint (dataset.json "hints"), else ats_cli.config.DATA_DEFAULTS (the paper's Megapixel MNIST)
-    n_patches: int = _key(0, "Patches sampled per image", METHOD_PANEL)
-    patch_size: int = _key(0, "Patch side, full-res pixels", METHOD_PANEL)
-    scale: float = _key(0.0, "Scale of the low-res view", METHOD_PANEL)
+    n_patches: int = _key(0, "Patches sampled per image", METHOD_PANEL, flag=True)
+    patch_size: int = _key(0, "Patch side, full-res pixels", METHOD_PANEL, flag=True)
+    scale: float = _key(0.0, "Scale of the low-res view", METHOD_PANEL, flag=True)
     # the same two in microns, for slides (ats_cli.data.inputs): converted at the
     # model's mpp (--mpp, else the training slides' own) into patch_size and scale
     patch_um: float = _key(0.0, "Slides: patch side in microns, instead of --patch-size (at --mpp, else the training "
-                           "slides' microns per pixel)", METHOD_PANEL, means="off")
+                           "slides' microns per pixel)", METHOD_PANEL, means="off", flag=True)
     low_res_um: float = _key(0.0, "Slides: microns per low-res pixel, instead of --scale (scale = mpp / this)",
-                             METHOD_PANEL, means="off")
+                             METHOD_PANEL, means="off", flag=True)
     replace: bool = _key(False, "Sample with replacement", METHOD_PANEL)
     # auto | threshold | sequential: the unbiased estimator without replacement (same expectation,
     # different variance: ats_cli.core.sampling)
@@ -121,7 +128,7 @@ class TrainConfig:
         "auto": "training: per image, threshold when n >= the attention's perplexity, else sequential; evaluation "
                 "and prediction: threshold",
         "threshold": "", "sequential": "the thesis's, appendix B.3"})
-    entropy: float = _key(0.01, "Entropy regulariser weight lambda", METHOD_PANEL)
+    entropy: float = _key(0.01, "Entropy regulariser weight lambda", METHOD_PANEL, flag=True)
     # > 0: the support extension "bright" (ats_cli.extensions.support_bright; black backgrounds);
     # 0 = off; -1 = auto: AUTO_MIN_BRIGHTNESS when the training images have a black background (ats_cli.config)
     min_brightness: float = _key(-1.0, "Never sample low-res cells darker than this; 0 = off; -1 = auto: 0.15 when "
@@ -156,9 +163,9 @@ class TrainConfig:
     # and count_floor are its options (ats_cli.models.extension_specs)
     pooling: str = _key("auto", "What attention sampling averages over the patches: {choices}; "
                         "docs/training.md", METHOD_PANEL,
-                        choices={"auto": "the dataset.json hint pooling: highest-counts for --task max, "
-                                         "topmost-counts for --task top; else features",
-                                 **extension_choices("pooling")})
+                        choices={"auto": "an older dataset.json's hint, else features; a recipe names the "
+                                         "others, as megapixel-mnist-max: highest-counts",
+                                 **extension_choices("pooling")}, flag=True)
     none_class: str = _key("auto", "A per-patch logit for no class here, with --pooling votes, counts, "
                            "highest-counts or topmost-counts: {choices}",
                            METHOD_PANEL, choices={"auto": "the dataset.json hint none_class; else off",
@@ -221,20 +228,22 @@ class TrainConfig:
     level: int = _key(0, "Slides: pyramid level patches are read from", READ_PANEL)
     mpp: float = _key(0.0, "Slides: read patches at this many microns per pixel (from the level at or below it, "
                       "resampled); the model records it, else the training slides' own when they agree",
-                      READ_PANEL, means="off")
+                      READ_PANEL, means="off", flag=True)
     tissue_mask: str = _key("auto", "{choices}: sample only tissue (Otsu on saturation)", READ_PANEL, choices={
         "auto": "on for slides and TIFFs, off for other images", "on": "", "off": ""})
     # networks (names from ats_cli.nets)
-    attention_net: str = _key("mnist-attention", "Attention network name", NET_PANEL)
+    attention_net: str = _key("mnist-attention", "Attention network name", NET_PANEL, flag=True)
     feature_net: str = _key("small-cnn", "Feature network name (mnist-features: the paper's), timm:NAME, "
-                            "torchvision:NAME, or a DIR from ats export --encoder (docs/training.md)", NET_PANEL)
+                            "torchvision:NAME, or a DIR from ats export --encoder (docs/training.md)", NET_PANEL,
+                            flag=True)
     attention_width: int = _key(8, "Attention net channels", NET_PANEL)
     feature_width: int = _key(32, "Feature net channels (encoders: the width of --feature-train head's projection)",
                               NET_PANEL)
     # pretrained encoders (ats_cli.nets.encoders): where the feature net's weights start, what trains
     feature_weights: str = _key("auto", "Starting weights of the feature net: auto (timm:/torchvision: the library's "
                                 "pretrained ones, from its cache or downloaded; an exported encoder: its own; our "
-                                "nets: random) | none (random) | FILE (safetensors, or a state dict)", NET_PANEL)
+                                "nets: random) | none (random) | FILE (safetensors, or a state dict)", NET_PANEL,
+                                flag=True)
     feature_train: str = _key("auto", "What of the feature net trains: {choices}; docs/training.md", NET_PANEL,
                               choices={"auto": "none when it starts from pretrained weights, else all",
                                        "none": "frozen: no gradients, no optimizer state",
@@ -243,7 +252,7 @@ class TrainConfig:
     # optimisation
     optimizer: str = _key("adam", "{choices}", OPT_PANEL, choices={"adam": "", "adamw": "", "sgd": ""})
     # docs/training.md: faster off the plateau than the reference's 1e-3, same budget
-    lr: float = _key(3e-3, "Learning rate", OPT_PANEL)
+    lr: float = _key(3e-3, "Learning rate", OPT_PANEL, flag=True)
     weight_decay: float = _key(0.0, "Weight decay", OPT_PANEL)
     # fine-tuning a pretrained encoder (--init) gently, or not at all: CLAM-style frozen
     # features. Frozen also keeps its batch norms' statistics as --init left them (train.py)
@@ -257,24 +266,25 @@ class TrainConfig:
     augment: str = _key("auto", "Training augmentation: {choices}; docs/training.md", OPT_PANEL, choices={
         "auto": "colour+flips for RGB slides, i.e. a tissue mask, else none",
         "none": "", "colour": "HED stain jitter, brightness and contrast",
-        "colour+flips": "and every patch flipped or rotated by a multiple of 90 degrees"})
+        "colour+flips": "and every patch flipped or rotated by a multiple of 90 degrees"}, flag=True)
     batch_size: int = _key(0, "Images per step, per process; 0 = auto: 32, or fewer when 32 low-res views (padded "
                            "to the largest height and width when the images differ in size) would exceed 8 M pixels",
-                           OPT_PANEL)
-    epochs: int = _key(20, "Epochs", OPT_PANEL)
+                           OPT_PANEL, flag=True)
+    epochs: int = _key(20, "Epochs", OPT_PANEL, flag=True)
     # running; "" = random init
     init: str = _key("", "Start from the weights of this checkpoint (fine-tuning, or a curriculum from easier "
                      "data); same networks and classes", RUN_PANEL)
-    seed: int = _key(0, "Random seed", RUN_PANEL)
-    device: str = _key("auto", "auto (CUDA when present, else CPU) | cpu | cuda | cuda:N", RUN_PANEL)
+    seed: int = _key(0, "Random seed", RUN_PANEL, flag=True)
+    device: str = _key("auto", "auto (CUDA when present, else CPU) | cpu | cuda | cuda:N", RUN_PANEL, flag=True)
     workers: int = _key(-1, "DataLoader worker processes per process; -1 = auto: on CUDA the CPUs this process may "
-                              "use, shared among the run's processes on the node (at most 16), on CPU 2", RUN_PANEL)
+                              "use, shared among the run's processes on the node (at most 16), on CPU 2", RUN_PANEL,
+                              flag=True)
     amp: str = _key("none", "{choices} mixed precision, CUDA only (on CPU: a warning, float32)", RUN_PANEL,
-                    choices={"none": "", "bf16": "", "fp16": ""})
+                    choices={"none": "", "bf16": "", "fp16": ""}, flag=True)
     # ordinary images decoded once into tiles + view before the first epoch (ats_cli.data.prepared)
     prepare: bool = _key(True, "Decode PNG/JPEG/... images once before the first epoch into DATA/.ats-prepared (or "
                          "$ATS_PREPARED) and read them patch by patch; the same results; --no-prepare: decode every "
-                         "image at every read", RUN_PANEL)
+                         "image at every read", RUN_PANEL, flag=True)
 
     def validate(self) -> TrainConfig:
         problems = []
@@ -371,36 +381,83 @@ def allowed_values() -> dict[str, tuple[str, ...]]:
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a TOML (or JSON, e.g. a previous run's config.json) file of TrainConfig keys."""
+    """Read a TOML (or JSON, e.g. a previous run's config.json) file of TrainConfig keys,
+    at the top or in a ``[train]`` table (a recipe's form: ats_cli.recipes); a top-level
+    ``description`` is a recipe's, not a key."""
     path = Path(path)
     try:
         text = path.read_text()
-        values = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: not a valid config file ({e})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not a readable config file ({e})") from None
+    return config_values(text, str(path), json_text=path.suffix == ".json")
+
+
+def config_values(text: str, where: str, *, json_text: bool = False) -> dict[str, Any]:
+    """The TrainConfig keys of a config file's ``text`` (:func:`load_config_file`), each of
+    its field's type (an int where a float is wanted is taken); ``where`` names the file in
+    the one-line :class:`ConfigError` for a file that is no TOML, an unknown key or a value
+    of the wrong type."""
+    try:
+        values = json.loads(text) if json_text else tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{where}: not a valid config file ({e})") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where}: not a valid config file (not a table of keys)")
     values = values.get("train", values)  # allow a [train] table
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where}: [train] must be a table of keys")
+    values = {k: v for k, v in values.items() if k != "description"}
     known = {f.name for f in fields(TrainConfig)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(sorted(known))}")
-    return values
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(sorted(known))} "
+                          "(docs/configuration.md)")
+    try:
+        return _typed(values)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
 
 
-def resolve_config(file: str | Path | None = None, **overrides: Any) -> TrainConfig:
-    """Defaults, then the file (a TOML file, or a run's config.json when it is resumed),
-    then the overrides that are not None: the flags of a run. What they leave to the data
-    is settled when the run starts (:mod:`ats_cli.config`)."""
-    values: dict[str, Any] = load_config_file(file) if file else {}
-    values.update({k: v for k, v in overrides.items() if v is not None})
+def _typed(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with each of its field's type (an int where a float is wanted becomes one);
+    raises ConfigError naming the first key of another type."""
     types = {f.name: type(f.default) for f in fields(TrainConfig)}
+    out = dict(values)
     for k, v in values.items():
         want = types[k]
         if want is float and isinstance(v, int) and not isinstance(v, bool):
-            values[k] = float(v)
+            out[k] = float(v)
         elif not isinstance(v, want) or (want is int and isinstance(v, bool)):
             raise ConfigError(f"config key {k!r} must be {want.__name__}, got {v!r}")
+    return out
+
+
+def resolve_config(file: str | Path | None = None, recipe: str | None = None, *, use_recipes: bool = True,
+                   **overrides: Any) -> TrainConfig:
+    """The run's configuration: the generic defaults, then the recipe, then the file (a TOML
+    file, or a run's config.json when it is resumed), then the overrides that are not None
+    (the flags of a run). What they leave to the data is settled when the run starts
+    (:mod:`ats_cli.config`).
+
+    The recipe (:mod:`ats_cli.recipes`): ``recipe`` (a name or a .toml path), else the
+    file's ``recipe`` key, else the one the dataset's dataset.json names; its name is
+    recorded in the configuration's ``recipe``. ``use_recipes`` False (a resumed run):
+    none is read, the file holds every value the recipe set when the run started."""
+    values: dict[str, Any] = load_config_file(file) if file else {}
+    given = {k: v for k, v in overrides.items() if v is not None}
+    base: dict[str, Any] = {}
+    if use_recipes:
+        from ats_cli.recipes import dataset_recipe, load_recipe
+
+        name = recipe or values.get("recipe") or dataset_recipe(given.get("data") or values.get("data") or "")
+        if name:
+            chosen = load_recipe(name)
+            base = {**chosen.values, "recipe": chosen.name}
+    values = {**base, **values, **_typed(given)}
+    if recipe:  # --recipe names the recipe even over a file's record of another
+        values["recipe"] = base["recipe"]
     return TrainConfig(**values).validate()
 
 

@@ -46,8 +46,8 @@ import kill_prepare  # noqa: E402
 ATS = kill_prepare.ATS
 FINISH_S = 120  # a rerun after a kill must finish within this (an uninterrupted run takes a few seconds)
 # Tiny nets on 64x64 images, 3 epochs: a run of a few seconds, most of it starting Python.
-TRAIN = ["--epochs", "3", "--n-patches", "2", "--patch-size", "8", "--feature-width", "8",
-         "--attention-width", "4", "--workers", "0", "--scale", "0.25", "--seed", "0"]
+TRAIN = ["--epochs", "3", "--n-patches", "2", "--patch-size", "8", "--set", "feature_width=8",
+         "--set", "attention_width=4", "--workers", "0", "--scale", "0.25", "--seed", "0"]
 # When a line was measured, not what was learnt: these differ between any two runs.
 TIMING = ("samples_per_s", "ms_per_sample", "peak_mem_mb", "seconds", "time", "wall_s", "elapsed_s")
 

@@ -25,9 +25,19 @@ from ats_cli.config import AUTO_MIN_BRIGHTNESS, TrainConfig
 runner = CliRunner()
 COMMANDS = ("make-dataset", "train", "predict", "visualize", "info", "benchmark", "doctor", "selfcheck")
 SIZE = 112
-TRAIN_FLAGS = {"--epochs": 2, "--n-patches": 2, "--patch-size": 28, "--scale": 0.25, "--attention-width": 4,
-               "--feature-width": 8, "--batch-size": 4, "--workers": 0, "--device": "cpu", "--lr": 0.01,
-               "--tissue-mask": "off", "--seed": 3}
+TRAIN_KEYS = {"epochs": 2, "n_patches": 2, "patch_size": 28, "scale": 0.25, "attention_width": 4, "feature_width": 8,
+              "batch_size": 4, "workers": 0, "device": "cpu", "lr": 0.01, "tissue_mask": "off", "seed": 3}
+
+
+def train_args(keys: dict) -> list:
+    """``keys`` as ats train's arguments: a key's flag where it has one, else --set KEY=VALUE."""
+    from ats_cli.cli.options import FIELDS
+
+    return [x for k, v in keys.items()
+            for x in ((f"--{k.replace('_', '-')}", v) if FIELDS[k].metadata["flag"] else ("--set", f"{k}={v}"))]
+
+
+TRAIN_FLAGS = train_args(TRAIN_KEYS)
 
 
 def ats(*args: object, **kwargs):
@@ -49,7 +59,7 @@ def mnist(tmp_path_factory):
 def run(mnist, tmp_path_factory):
     """`ats train` for two epochs on it, a few flags given, the rest left to their defaults."""
     out = tmp_path_factory.mktemp("runs") / "run"
-    result = ats("train", mnist[0], "--out", out, *(x for kv in TRAIN_FLAGS.items() for x in kv))
+    result = ats("train", mnist[0], "--out", out, *TRAIN_FLAGS)
     return out, result
 
 
@@ -137,8 +147,10 @@ def test_train_writes_a_run_with_the_flags_and_the_defaults(run, mnist):
     epochs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [e["epoch"] for e in epochs] == [1, 2] and all(0 <= e["test_acc"] <= 1 for e in epochs)
     saved = json.loads((out / "config.json").read_text())
-    given = {k[2:].replace("-", "_"): v for k, v in TRAIN_FLAGS.items()}
+    given = dict(TRAIN_KEYS)
     defaults = {k: v for k, v in TrainConfig().to_dict().items() if k not in given}
+    assert saved["recipe"] == "megapixel-mnist"  # the one make-dataset's dataset.json names
+    del defaults["recipe"]
     # -1 = auto (and augment's auto): settled from the images
     del defaults["data"], defaults["out"], defaults["min_brightness"], defaults["rarity_prior"], defaults["augment"]
     del defaults["rarity_cap"]  # follows the prior: none here

@@ -14,10 +14,11 @@ import typer
 from typer.testing import CliRunner
 
 from ats_cli.cli import app
+from ats_cli.cli.options import config_help
 from ats_cli.config import DATA_DEFAULTS, ConfigError, TrainConfig, allowed_values, resolve_config
 
 COMMANDS = typer.main.get_command(app).commands
-CLI_ONLY = {"config", "resume", "overwrite", "devices"}  # ats train's parameters that are not fields
+CLI_ONLY = {"config", "resume", "overwrite", "devices", "recipes", "set_"}  # ats train's parameters, not fields
 
 
 def _params(command: str) -> dict:
@@ -39,7 +40,7 @@ def _option_line(help_text: str, flag: str) -> str:
 def _expected_default(f) -> str | None:
     """What the help should show for field ``f``, written out independently of ats_cli.cli.options."""
     if f.name in DATA_DEFAULTS:
-        return f"the dataset's hint, else {DATA_DEFAULTS[f.name]}"
+        return "0 = the recipe's, else the dataset's hint, else for the images' size"
     if f.default == "":
         return None
     if isinstance(f.default, bool):
@@ -51,13 +52,21 @@ def _expected_default(f) -> str | None:
     return f"{value} = {f.metadata['means']}" if f.metadata.get("means") else value
 
 
-def test_every_field_has_exactly_one_train_flag_showing_its_default():
+def test_ats_train_has_at_most_30_options_and_a_flag_for_each_field_marked_so():
+    """The fields marked as flags (the settings a user of any dataset may need) have one
+    flag each, showing its default; every other field is a recipe/config key with no flag
+    (settable with --config, --recipe or --set); --help lists at most 30 options."""
     params = _params("train")
-    names = [f.name for f in fields(TrainConfig)]
+    names = [f.name for f in fields(TrainConfig) if f.metadata["flag"] or f.name in ("data", "out", "recipe")]
     assert set(params) - CLI_ONLY == set(names)
     assert len(COMMANDS["train"].params) == len(names) + len(CLI_ONLY)  # no name twice
     text = _help_lines("train")
-    for name in names:
+    listed = re.findall(r"^│\s+(--[a-z-]+)", text, re.M)
+    assert len(listed) == len(set(listed)) == len(params) <= 30, listed  # the options and --help; not DATA
+    for f in fields(TrainConfig):
+        if not f.metadata["flag"] and f.name not in ("data", "out", "recipe"):
+            assert "--" + f.name.replace("_", "-") not in listed, f.name
+    for name in (n for n in names if n not in ("out", "recipe")):
         param = params[name]
         if name == "data":  # the positional DATA
             assert param.param_type_name == "argument"
@@ -74,9 +83,9 @@ def test_every_field_has_exactly_one_train_flag_showing_its_default():
     # each flag in its field's panel, the panels in field order
     panels = {m[1]: m[2] for m in re.finditer(r"╭─ (.+?) ─+╮\n(.*?)╰", text, re.S)}
     for f in fields(TrainConfig):
-        if f.metadata["panel"]:
+        if f.metadata["flag"]:
             assert re.search(rf"│\s+--{f.name.replace('_', '-')}\s", panels[f.metadata["panel"]]), f.name
-    order = list(dict.fromkeys(f.metadata["panel"] for f in fields(TrainConfig) if f.metadata["panel"]))
+    order = list(dict.fromkeys(f.metadata["panel"] for f in fields(TrainConfig) if f.metadata["flag"]))
     assert [p for p in panels if p in order] == order
 
 
@@ -101,9 +110,8 @@ def test_validate_allows_exactly_the_values_the_help_lists():
     assert (allowed["estimator"], allowed["reader"], allowed["augment"]) == (ESTIMATORS, READERS, ("auto", *MODES))
     assert allowed["pooling"] == ("auto", *available_extensions("pooling"))  # auto: the dataset's hint
     assert set(allowed["method"]) == set(available_methods())
-    text = _help_lines("train")
     for key, values in allowed.items():
-        line = _option_line(text, "--" + key.replace("_", "-"))
+        line = config_help(key)  # the flag's help, or the key's in docs/configuration.md
         # the values in order, each with an optional note in brackets, " | " between, and no others
         listing = r" \| ".join(rf"\b{re.escape(v)}(?: \([^)]*\))?" for v in values)
         assert re.search(listing, line) and line.count("|") == len(values) - 1, (key, line)
@@ -117,7 +125,7 @@ def test_validate_allows_exactly_the_values_the_help_lists():
 def test_min_brightness_auto_value_in_the_help_is_the_one_training_uses():
     from ats_cli.config import AUTO_MIN_BRIGHTNESS
 
-    assert f"-1 = auto: {AUTO_MIN_BRIGHTNESS:g} when" in _option_line(_help_lines("train"), "--min-brightness")
+    assert f"-1 = auto: {AUTO_MIN_BRIGHTNESS:g} when" in config_help("min_brightness")
 
 
 @pytest.mark.parametrize("name", ["reader", "level", "mpp", "tissue_mask"])
@@ -125,15 +133,17 @@ def test_reading_options_are_the_training_fields_in_every_command(name):
     """train, predict and visualize take the same flag, type and help; predict and visualize
     only say that unset means the model's training setting (saved in the checkpoint)."""
     flag = "--" + name.replace("_", "-")
-    train, predict, visualize = (_params(c)[name] for c in ("train", "predict", "visualize"))
-    assert train.opts == predict.opts == visualize.opts == [flag]
-    assert predict.help == visualize.help
-    lines = [_option_line(_help_lines(c), flag) for c in ("train", "predict", "visualize")]
+    commands = ("train", "predict", "visualize") if name == "mpp" else ("predict", "visualize")  # train: a key
+    params = [_params(c)[name] for c in commands]
+    assert all(p.opts == [flag] for p in params)
+    assert params[-1].help == params[-2].help
+    lines = [_option_line(_help_lines(c), flag) for c in commands]
     types = {re.search(rf"{flag}\s+(\S+)", line)[1] for line in lines}
     assert len(types) == 1, types  # N, N [x>=0]: the same type
-    body = train.help.split(" \\[default: ")[0]
+    predict = params[-2]
+    body = config_help(name).split(" \\[default: ")[0]
     assert predict.help.startswith(body + " \\[default: the model's training setting, else ")
-    assert predict.default is visualize.default is None
+    assert all(p.default is None for p in params[-2:])
 
 
 def test_device_defaults_to_auto_everywhere_and_auto_means_cuda_when_present(monkeypatch):
@@ -161,7 +171,7 @@ def test_shared_options_are_declared_once():
     assert _same("seed", ("predict", "visualize", "selfcheck"))
     assert _same("n_patches", ("predict", "visualize"))
     assert _same("max_pixels", ("predict", "visualize", "info"))
-    assert _params("info")["reader"].help == _params("train")["reader"].help  # default auto in both
+    assert _params("info")["reader"].help == config_help("reader")  # default auto in both
 
 
 def test_bad_reading_values_are_usage_errors():

@@ -183,7 +183,7 @@ def test_cli_devices_2_end_to_end_then_resume_in_one_process(squares, tmp_path, 
     reports; the run then continues in a single process with --resume."""
     run = tmp_path / "run"
     args = ["train", str(squares), "--out", str(run), "--epochs", "1", "--n-patches", "2", "--patch-size", "16",
-            "--scale", "0.125", "--feature-width", "8", "--batch-size", "4", "--workers", "0", "--device", "cpu"]
+            "--scale", "0.125", "--set", "feature_width=8", "--batch-size", "4", "--workers", "0", "--device", "cpu"]
     done = subprocess.run([sys.executable, "-m", "ats_cli", *args, "--devices", "2"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr

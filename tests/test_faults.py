@@ -38,7 +38,7 @@ from ats_cli.train import TrainingInterrupted, train
 
 runner = CliRunner(env={"COLUMNS": "1000"})  # rich wraps at 80 columns otherwise
 ATS = str(Path(sys.executable).with_name("ats"))
-TRAIN_ARGS = ["--n-patches", "2", "--patch-size", "16", "--scale", "0.125", "--feature-width", "8",
+TRAIN_ARGS = ["--n-patches", "2", "--patch-size", "16", "--scale", "0.125", "--set", "feature_width=8",
               "--batch-size", "8", "--workers", "0", "--entropy", "0", "--lr", "0.003"]
 
 

@@ -144,7 +144,7 @@ def test_each_method_trains_reloads_and_predicts(squares, tmp_path, method):
 def test_method_flag_reaches_the_config_and_bad_names_are_refused(squares, tmp_path):
     result = runner.invoke(app, ["train", str(squares), "--out", str(tmp_path / "r"), "--method", "deepmil",
                                  "--epochs", "1", "--patch-size", "16", "--batch-size", "8", "--workers", "0",
-                                 "--feature-width", "4"])
+                                 "--set", "feature_width=4"])
     assert result.exit_code == 0, result.output
     assert '"method": "deepmil"' in (tmp_path / "r" / "config.json").read_text()
     with pytest.raises(ConfigError, match="method must be one of"):

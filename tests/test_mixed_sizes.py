@@ -284,7 +284,8 @@ def test_a_folder_of_mixed_sizes_trains_in_batches_and_predicts(tmp_path):
     run = tmp_path / "run"
     result = runner.invoke(app, ["train", str(tmp_path / "ds"), "--out", str(run), "--epochs", "1",
                                  "--n-patches", "2", "--patch-size", "16", "--scale", "0.125",
-                                 "--feature-width", "4", "--attention-width", "4", "--workers", "0", "--no-prepare"])
+                                 "--set", "feature_width=4", "--set", "attention_width=4", "--workers", "0",
+                                 "--no-prepare"])
     assert result.exit_code == 0, result.output
     # not 1: mixed sizes batch together (4: the 12 images' 16 steps an epoch, at least 4 a step)
     assert json.loads((run / "config.json").read_text())["batch_size"] == 4

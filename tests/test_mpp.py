@@ -209,7 +209,7 @@ def test_ats_train_with_microns_records_them_in_the_model(tmp_path):
     run = tmp_path / "run"
     result = runner.invoke(app, ["train", str(data), "--out", str(run), "--workers", "0", "--epochs", "1",
                                  "--batch-size", "2", "--n-patches", "2", "--patch-um", "16", "--low-res-um", "16",
-                                 "--feature-width", "8"])
+                                 "--set", "feature_width=8"])
     assert result.exit_code == 0, result.output
     assert "mpp 0.5 µm/px: the training slides' own" in result.output
     assert "patch_size 32: --patch-um 16 at 0.5 µm/px" in result.output

@@ -19,7 +19,8 @@ from ats_cli.data.synthetic_slides import SyntheticSlidesConfig, generate_synthe
 runner = CliRunner()
 SMALL = SyntheticSlidesConfig(n_train=4, n_test=2, size=1024, n_spots=4, max_targets=2, spot_radius=20)
 FLAGS = ["--epochs", "1", "--batch-size", "2", "--scale", "0.125", "--patch-size", "32", "--n-patches", "3",
-         "--levels", "2", "--regions", "3", "--region-size", "256", "--feature-width", "8", "--attention-width", "4",
+         "--set", "levels=2", "--set", "regions=3", "--set", "region_size=256", "--set", "feature_width=8",
+         "--set", "attention_width=4",
          "--workers", "0"]
 
 
@@ -123,7 +124,7 @@ def test_a_given_eval_coarse_px_is_what_evaluation_reads_in_training(slides, tmp
 
     for given, scale in (("8", 8 / 256), ("0", 4 / 256)):
         run = tmp_path / f"run{given}"
-        asked, _ = _trained_with(monkeypatch, slides, run, None, "--eval-coarse-px", given)
+        asked, _ = _trained_with(monkeypatch, slides, run, None, "--set", f"eval_coarse_px={given}")
         assert asked == [pytest.approx(scale)]
         ckpt = load_checkpoint(run / "best.pt")
         assert "coarse_view" not in ckpt
@@ -205,8 +206,8 @@ def test_export_sets_the_regions_prediction_draws(run, slides, tmp_path):
     assert model.train().regions_for((4, 4)) == 3  # training draws --regions
     one = tmp_path / "one"
     result = runner.invoke(app, ["train", str(slides), "--out", str(one), "--epochs", "1", "--batch-size", "2",
-                                 "--scale", "0.125", "--patch-size", "32", "--n-patches", "2", "--feature-width", "8",
-                                 "--attention-width", "4", "--workers", "0"])
+                                 "--scale", "0.125", "--patch-size", "32", "--n-patches", "2",
+                                 "--set", "feature_width=8", "--set", "attention_width=4", "--workers", "0"])
     assert result.exit_code == 0, result.output
     for flag in ("--eval-regions", "--eval-coarse-px"):
         result = runner.invoke(app, ["export", str(one / "best.pt"), str(tmp_path / "x.pt"), flag, "4"])
@@ -242,10 +243,10 @@ def test_export_sets_a_finer_coarse_view_for_prediction(run, slides, tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--region-size", "2048"], "larger than"),
-    (["--regions", "17"], "holds only 16 regions"),
-    (["--region-size", "250"], "not a multiple of --patch-size"),
-    (["--region-size", "0"], "region_size (pixels) or region_um"),
+    (["--set", "region_size=2048"], "larger than"),
+    (["--set", "regions=17"], "holds only 16 regions"),
+    (["--set", "region_size=250"], "not a multiple of --patch-size"),
+    (["--set", "region_size=0"], "region_size (pixels) or region_um"),
 ])
 def test_bad_two_level_configurations_stop_with_one_line(slides, tmp_path, flags, message):
     result = runner.invoke(app, ["train", str(slides), "--out", str(tmp_path / "bad"), *FLAGS, *flags])
@@ -329,7 +330,7 @@ def test_two_levels_train_the_patch_gain_from_half_way(slides, tmp_path):
     assert "patch_gain late" in result.output
     assert not _gain_moved(late / "epochs" / "epoch_001.pt") and _gain_moved(late / "epochs" / "epoch_002.pt")
     on = tmp_path / "on"
-    result = runner.invoke(app, ["train", str(slides), "--out", str(on), *FLAGS, "--patch-gain", "on"])
+    result = runner.invoke(app, ["train", str(slides), "--out", str(on), *FLAGS, "--set", "patch_gain=on"])
     assert result.exit_code == 0, result.output
     assert _gain_moved(on / "epochs" / "epoch_001.pt")
 

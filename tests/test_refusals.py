@@ -149,7 +149,7 @@ def test_d_a_loss_that_becomes_nan_stops_training_without_saving_it(squares, tmp
     finite loss on its last step): stopped before anything saves them, exit 1, one line."""
     run = tmp_path / "run"
     result = runner.invoke(app, ["train", str(squares), "--out", str(run), "--epochs", "2", "--patch-size", "8",
-                                 "--n-patches", "2", "--feature-width", "8", "--lr", "1e30", "--workers", "0",
+                                 "--n-patches", "2", "--set", "feature_width=8", "--lr", "1e30", "--workers", "0",
                                  "--batch-size", "32"])  # one step an epoch: the weights, not the loss, go first
     assert result.exit_code == 1, result.output
     assert "NaN or infinite" in result.output and "lower --lr" in result.output, result.output

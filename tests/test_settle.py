@@ -296,7 +296,7 @@ def test_a_mixed_size_dataset_trains_with_the_defaults(tmp_path):
     _pngs(tmp_path / "mixed", background=200, sides=(64, 80, 64, 96))
     run = tmp_path / "run"
     result = CliRunner().invoke(app, ["train", str(tmp_path / "mixed"), "--out", str(run), "--epochs", "1",
-                                      "--n-patches", "2", "--feature-width", "4", "--attention-width", "4",
+                                      "--n-patches", "2", "--set", "feature_width=4", "--set", "attention_width=4",
                                       "--workers", "0", "--no-prepare"])
     assert result.exit_code == 0, result.output
     assert json.loads((run / "config.json").read_text())["batch_size"] == 4  # the 4 images, padded, in one step

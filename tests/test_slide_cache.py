@@ -23,7 +23,7 @@ from ats_cli.io import FINE_SETTLE_NS
 runner = CliRunner()
 SMALL = ss.SyntheticSlidesConfig(n_train=4, n_test=2, size=1024, n_spots=4, max_targets=2, spot_radius=20)
 TRAIN_FLAGS = ["--epochs", "2", "--batch-size", "2", "--scale", "0.03125", "--patch-size", "64", "--n-patches", "4",
-               "--feature-net", "small-cnn", "--feature-width", "8", "--attention-width", "4", "--lr", "3e-3",
+               "--feature-net", "small-cnn", "--set", "feature_width=8", "--set", "attention_width=4", "--lr", "3e-3",
                "--workers", "0", "--device", "cpu"]
 READ = {"channels": 3, "scale": 1 / 32, "patch_size": (64, 64)}
 

@@ -126,8 +126,8 @@ def test_tissue_mask_finds_the_synthetic_tissue(slides):
 
 
 TRAIN_FLAGS = ["--epochs", "2", "--batch-size", "2", "--scale", "0.03125", "--patch-size", "64",
-               "--n-patches", "4", "--feature-net", "small-cnn", "--feature-width", "8", "--attention-width", "4",
-               "--feature-scale", "10", "--lr", "3e-3"]
+               "--n-patches", "4", "--feature-net", "small-cnn", "--set", "feature_width=8",
+               "--set", "attention_width=4", "--set", "feature_scale=10", "--lr", "3e-3"]
 
 
 def test_train_predict_visualize_on_slides_end_to_end(slides, tmp_path):
@@ -141,8 +141,8 @@ def test_train_predict_visualize_on_slides_end_to_end(slides, tmp_path):
     from ats_cli.predict import load_predictor, read_inputs_csv
 
     run = tmp_path / "run"
-    result = runner.invoke(app, ["train", str(slides), "--out", str(run), "--workers", "2", "--level", "0",
-                                 "--tissue-mask", "on", *TRAIN_FLAGS])
+    result = runner.invoke(app, ["train", str(slides), "--out", str(run), "--workers", "2", "--set", "level=0",
+                                 "--set", "tissue_mask=on", *TRAIN_FLAGS])
     assert result.exit_code == 0, result.output
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["epoch"] for m in metrics] == [1, 2]
@@ -204,7 +204,7 @@ def test_saved_reading_options_are_the_default_and_flags_override_them(slides, t
 
     run = tmp_path / "run"
     result = runner.invoke(app, ["train", str(slides), "--out", str(run), "--workers", "0", "--mpp", "2.0",
-                                 "--tissue-mask", "off", "--epochs", "1", *TRAIN_FLAGS[2:]])
+                                 "--set", "tissue_mask=off", "--epochs", "1", *TRAIN_FLAGS[2:]])
     assert result.exit_code == 0, result.output
     predictor = load_predictor(run)
     path = slides / "test" / "0000.tif"

@@ -18,7 +18,7 @@ import torch
 from typer.testing import CliRunner
 
 from ats_cli.cli import app
-from ats_cli.config import TrainConfig, gather_facts, settle
+from ats_cli.config import gather_facts, resolve_config, settle
 from ats_cli.data.dataset import DatasetError, load_dataset, write_dataset
 from ats_cli.data.megapixel_mnist import TASKS, generate_megapixel_mnist, make_config
 from ats_cli.data.mnist import load_bundled_digits
@@ -26,8 +26,8 @@ from ats_cli.multilabel import average_precision, metrics
 
 runner = CliRunner()
 TINY = dict(n_train=6, n_test=4, width=160, height=140, n_noise=6, seed=0)
-TRAIN = ["--epochs", 1, "--n-patches", 2, "--patch-size", 28, "--scale", 0.25, "--attention-width", 4,
-         "--feature-width", 8, "--batch-size", 4, "--workers", 0, "--device", "cpu", "--tissue-mask", "off",
+TRAIN = ["--epochs", 1, "--n-patches", 2, "--patch-size", 28, "--scale", 0.25, "--set", "attention_width=4",
+         "--set", "feature_width=8", "--batch-size", 4, "--workers", 0, "--device", "cpu", "--set", "tissue_mask=off",
          "--seed", 3]
 
 
@@ -68,13 +68,16 @@ def test_the_four_tasks_render_the_same_images_and_record_their_task(four):
         meta = json.loads((root / "dataset.json").read_text())
         assert meta["task"] == task and meta["generator"]["params"]["task"] == task
         assert load_dataset(root).multilabel == (task == "multilabel")
-        # max and top: a rule over the digits present, which the hinted pooling applies, with
-        # more patches; the others (negative control): the thesis's model at the paper's 10
+        # max and top: a rule over the digits present, which their recipe's pooling applies,
+        # with more patches; the others (negative control): the thesis's model at the paper's 10
         rule = {"max": ("highest-counts", "on", 0.15, 20), "top": ("topmost-counts", "on", 0.15, 20)}
-        settled = settle(TrainConfig(), gather_facts(TrainConfig(), load_dataset(root)))[0].config
+        flags = resolve_config(data=str(root), out="run")  # as ats train DATA: the recipe dataset.json names
+        settled = settle(flags, gather_facts(flags, load_dataset(root)))[0].config
         assert (settled.pooling, settled.none_class, settled.count_floor, settled.n_patches) == \
             rule.get(task, ("features", "off", 0.0, 10))
-        assert meta["hints"].get("pooling") == rule.get(task, (None,))[0]
+        assert meta["recipe"] == settled.recipe == {"max": "megapixel-mnist-max", "top": "megapixel-mnist-top"}.get(
+            task, "megapixel-mnist")
+        assert "pooling" not in meta["hints"]  # the recipe's, not a hint
         assert settled.position_features == "off" and settled.eval_n_patches == 2 * settled.n_patches
         # max and top read at a lower floor than they train at (ats_cli.config._eval_count_floor); the others at theirs
         assert settled.eval_count_floor == (0.07 if task in ("max", "top") else settled.count_floor)

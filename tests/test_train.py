@@ -129,7 +129,7 @@ def test_a_val_split_chooses_best_pt_and_the_test_figure_is_that_epochs(squares,
     monkeypatch.setattr(train_mod, "evaluate", scripted)
     result = CliRunner().invoke(app, ["train", str(data), "--out", str(tmp_path / "run"), "--epochs", "3",
                                       "--n-patches", "2", "--patch-size", "16", "--scale", "0.125",
-                                      "--feature-width", "8", "--batch-size", "8", "--workers", "0"])
+                                      "--set", "feature_width=8", "--batch-size", "8", "--workers", "0"])
     assert result.exit_code == 0, result.output
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["val_acc"] for r in lines] == script["val"] and [r["test_acc"] for r in lines] == script["test"]
@@ -139,7 +139,7 @@ def test_a_val_split_chooses_best_pt_and_the_test_figure_is_that_epochs(squares,
     calls.update(val=0, test=0)
     result = CliRunner().invoke(app, ["train", str(squares), "--out", str(tmp_path / "no-val"), "--epochs", "3",
                                       "--n-patches", "2", "--patch-size", "16", "--scale", "0.125",
-                                      "--feature-width", "8", "--batch-size", "8", "--workers", "0"])
+                                      "--set", "feature_width=8", "--batch-size", "8", "--workers", "0"])
     assert result.exit_code == 0, result.output
     assert load_checkpoint(tmp_path / "no-val" / "best.pt")["epoch"] == 1
     assert "done: best test accuracy 0.950 at epoch 1 (best.pt; chosen on the test split, no val.csv)" in result.output
@@ -345,7 +345,7 @@ def test_config_file_then_flags(tmp_path):
 
 def test_cli_train_says_what_it_settled_and_resume_keeps_it_as_it_is(squares, tmp_path, monkeypatch):
     run = tmp_path / "run"
-    args = ["--n-patches", "2", "--patch-size", "16", "--feature-width", "8", "--batch-size", "8", "--workers", "0"]
+    args = ["--n-patches", "2", "--patch-size", "16", "--set", "feature_width=8", "--batch-size", "8", "--workers", "0"]
     first = CliRunner().invoke(app, ["train", str(squares), "--out", str(run), "--epochs", "1", *args])
     assert first.exit_code == 0, first.output
     assert "settled from the data" in first.output
@@ -372,7 +372,7 @@ def test_cli_train_runs_and_reports(squares, tmp_path, monkeypatch):
     monkeypatch.setattr(cli_train, "LOG_EVERY_S", 0.0)
     result = CliRunner().invoke(app, ["train", str(squares), "--out", str(tmp_path / "run"), "--epochs", "1",
                                       "--n-patches", "2", "--patch-size", "16", "--scale", "0.125",
-                                      "--feature-width", "8", "--batch-size", "8", "--workers", "0"])
+                                      "--set", "feature_width=8", "--batch-size", "8", "--workers", "0"])
     assert result.exit_code == 0, result.output
     assert "best test accuracy" in result.output
     assert re.search(r"epoch 1: step \d+/\d+, loss \d\.\d{3} acc", result.output), result.output
@@ -464,7 +464,7 @@ def test_a_scheduler_stop_saves_the_run_like_ctrl_c(squares, tmp_path, sig):
     ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sig == "SIGINT-ignored" else None
     proc = subprocess.Popen([sys.executable, "-m", "ats_cli", "train", str(squares), "--out", str(run),
                              "--epochs", "500", "--n-patches", "2", "--patch-size", "16", "--scale", "0.125",
-                             "--feature-width", "8", "--batch-size", "4", "--workers", "0"],
+                             "--set", "feature_width=8", "--batch-size", "4", "--workers", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=ignore)
     try:
         deadline = time.monotonic() + 120

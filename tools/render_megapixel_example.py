@@ -23,8 +23,9 @@ import numpy as np  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from ats_cli.data.megapixel_mnist import make_config, recommended_hints, render_image  # noqa: E402
+from ats_cli.data.megapixel_mnist import TASK_RECIPES, make_config, render_image  # noqa: E402
 from ats_cli.data.mnist import load_bundled_digits  # noqa: E402
+from ats_cli.recipes import load_recipe  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     config = make_config("paper")
     digits = load_bundled_digits()
     image, layout = render_image(config, digits, "test", args.index)
-    scale = recommended_hints(config)["scale"]
+    scale = load_recipe(TASK_RECIPES[config.task]).values["scale"]
     low = Image.fromarray(image).resize((round(config.width * scale), round(config.height * scale)), Image.BILINEAR)
     h, w = layout.box
 

@@ -42,7 +42,7 @@ def _shown_default(name: str) -> str | None:
     like --init's empty "no checkpoint")."""
     f = FIELDS[name]
     if name in DATA_DEFAULTS:  # 0 = settled from the data (ats_cli.config)
-        return f"the dataset's hint, else {_text(DATA_DEFAULTS[name])}"
+        return "0 = the recipe's, else the dataset's hint, else for the images' size"
     if f.default == "":
         return None
     means = f.metadata.get("means")
@@ -94,11 +94,12 @@ def config_option(name: str, default: Any = ..., *, unset: str | None = None, pa
 
 
 def config_flags(*, before: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Give the decorated command one option per TrainConfig field that has a help panel,
-    each defaulting to None ("not given": the --config file's value, else the field's
-    default), placed before its parameter ``before`` (else last); the command takes them
-    as ``**flags``. Typer reads a command's parameters from its signature, so the options
-    are added to ``__signature__``; the function itself is not wrapped."""
+    """Give the decorated command one option per TrainConfig field marked as a flag (the
+    settings a user of any dataset may need; the others are recipe and config keys), each
+    defaulting to None ("not given": the --config file's value, else the recipe's, else
+    the field's default), placed before its parameter ``before`` (else last); the command
+    takes them as ``**flags``. Typer reads a command's parameters from its signature, so
+    the options are added to ``__signature__``; the function itself is not wrapped."""
 
     def add(command: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(command, eval_str=True)
@@ -106,7 +107,7 @@ def config_flags(*, before: str | None = None) -> Callable[[Callable[..., Any]],
         generated = [
             inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
                               annotation=Annotated[type(f.default) | None, config_option(f.name, panel=True)])
-            for f in FIELDS.values() if f.metadata.get("panel")
+            for f in FIELDS.values() if f.metadata.get("flag")
         ]
         at = [p.name for p in own].index(before) if before else len(own)
         command.__signature__ = signature.replace(parameters=[*own[:at], *generated, *own[at:]])
@@ -214,3 +215,16 @@ def use_help_command(*apps: typer.Typer) -> None:
         for info in app.registered_commands:
             if info.cls in (None, TyperCommand):
                 info.cls = HelpCommand
+
+
+def key_reference() -> str:
+    """Every TrainConfig key as a markdown table (docs/configuration.md holds it; a test keeps
+    the two the same): its group, its flag where ``ats train`` has one, and its help with the
+    default, as ``--help`` shows a flag's."""
+    rows = ["| key | flag | what it sets |", "|---|---|---|"]
+    own = {"data": "DATA", "out": "`--out`", "recipe": "`--recipe`"}  # declared by ats train itself
+    for f in FIELDS.values():
+        flag = "`--" + f.name.replace("_", "-") + "`" if f.metadata.get("flag") else own.get(f.name, "")
+        text = config_help(f.name).replace("\\[", "[").replace("|", "\\|")
+        rows.append(f"| `{f.name}` | {flag} | {text} |")
+    return "\n".join(rows) + "\n"

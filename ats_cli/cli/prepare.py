@@ -21,7 +21,7 @@ err_console = OutputConsole(stderr=True)
 def prepare_dataset(
     data: Annotated[Path, typer.Argument(help="Dataset directory (train.csv, test.csv, dataset.json).")],
     scale: Annotated[float, typer.Option(help="Scale of the low-res view, as ats train --scale; 0: the dataset's "
-                                         "hint, else the default.")] = 0.0,
+                                         "recipe's (or hint), else the default.")] = 0.0,
     channels: Annotated[int, typer.Option(help="Channels the model reads (1 or 3); 0: the dataset's hint, else 1.")]
     = 0,
     workers: Annotated[int, typer.Option(help="Processes (0: the CPU count); the entries do not depend on it.")] = 0,
@@ -32,9 +32,10 @@ def prepare_dataset(
     read patch by patch already and are left alone."""
     import os
 
-    from ats_cli.config import DataFacts, TrainConfig, settle, usable_hints
+    from ats_cli.config import ConfigError, DataFacts, TrainConfig, settle, usable_hints
     from ats_cli.data.dataset import DatasetError, load_dataset
     from ats_cli.data.prepared import PreparedStore, prepare, store_folder
+    from ats_cli.recipes import dataset_values
 
     def fail(message: str) -> typer.Exit:
         err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
@@ -44,8 +45,14 @@ def prepare_dataset(
         dataset = load_dataset(data)
     except DatasetError as e:
         raise fail(str(e)) from None
-    # the view's scale as ats train settles it: --scale, else the dataset's hint, else the default
-    cfg = settle(TrainConfig(scale=scale), DataFacts(hints=usable_hints(dataset.hints)))[0].config
+    # the view's scale as ats train settles it: --scale, else the recipe dataset.json names,
+    # else its hint (an older dataset), else the default
+    try:
+        recipe = dataset_values(dataset.root)
+    except ConfigError as e:
+        raise fail(str(e)) from None
+    cfg = TrainConfig(**{**recipe, **({"scale": scale} if scale else {})})
+    cfg = settle(cfg, DataFacts(hints=usable_hints(dataset.hints)))[0].config
     channels = channels or int(dataset.hints.get("channels", 1))
     folder, why = store_folder(dataset.root)
     if folder is None:

@@ -39,12 +39,105 @@ class _LogLines:
                    f"about {left:.0f} s left in the epoch")
 
 
+def _list_recipes(value: bool) -> None:
+    """``--recipes``: the shipped recipes, one line each, then exit."""
+    if not value:
+        return
+    from ats_cli.recipes import packaged_recipes
+
+    console = OutputConsole()
+    recipes = packaged_recipes()
+    width = max(len(r.name) for r in recipes)
+    for r in recipes:
+        console.print(f"{r.name:<{width}}  {r.description}", highlight=False, soft_wrap=True)
+    raise typer.Exit()
+
+
+def set_values(items: list[str] | None) -> dict[str, Any]:
+    """``--set KEY=VALUE ...`` as TrainConfig keys: each VALUE read as a TOML value (``0.15``,
+    ``true``, ``"on"``), else as the text it is (``--set pooling=counts``). Raises
+    ConfigError in one line for an item without ``=``, an unknown key or one the command
+    has an option of its own for (data, --out, --recipe)."""
+    import tomllib
+    from dataclasses import fields
+
+    from ats_cli.config import ConfigError, TrainConfig
+
+    known = {f.name for f in fields(TrainConfig)} - {"data", "out", "recipe"}
+    out: dict[str, Any] = {}
+    for item in items or ():
+        key, eq, text = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not eq or key not in known:
+            what = "not KEY=VALUE" if not eq else f"unknown key {key!r}"
+            raise ConfigError(f"--set {item}: {what}; the keys: docs/configuration.md")
+        try:
+            out[key] = tomllib.loads(f"v = {text.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key] = text.strip()
+    return out
+
+
+def resolve_train_config(data: Path | None, out: Path | None, config: Path | None, recipe: str | None,
+                         resume: Path | None, sets: list[str] | None, flags: dict[str, Any]) -> Any:
+    """The command's configuration (a TrainConfig), as :func:`ats_cli.config.resolve_config`
+    makes it from the defaults, the recipe, the --config file, then the flags and ``--set``
+    (one key given by both is refused); a resumed run: its config.json, no recipe read.
+    Raises ConfigError (or ValueError) in one line; SystemExit 2 without DATA and --out."""
+    from ats_cli.config import ConfigError, resolve_config
+
+    overrides = dict(flags)  # the TrainConfig fields' flags; None = not given
+    extra = set_values(sets)
+    if both := sorted(k for k in extra if overrides.get(k) is not None):
+        raise ConfigError(f"--set {both[0]}: given by its flag too; give it once")
+    overrides.update(extra)
+    if resume is not None:
+        config = config or resume / "config.json"
+        overrides["out"] = str(resume)
+        if data is not None:
+            overrides["data"] = str(data)
+        if recipe is not None:
+            raise ConfigError("--recipe: a resumed run keeps the settings it started with (RUN/config.json)")
+    else:
+        overrides.update(data=str(data), out=str(out))
+    return resolve_config(config, recipe, use_recipes=resume is None, **overrides)
+
+
+def recipe_line(cfg: Any, given: str | None, config: Path | None) -> str:
+    """The line ``ats train`` prints before settling: the recipe, what named it and the
+    values it set that nothing above it overrode (``--config``, flags, ``--set``)."""
+    from ats_cli.config import load_config_file
+    from ats_cli.recipes import load_recipe
+
+    if given:
+        source = "--recipe"
+    elif config is not None and load_config_file(config).get("recipe"):
+        source = str(config)
+    else:
+        source = str(Path(cfg.data) / "dataset.json")
+    values = load_recipe(cfg.recipe).values
+    kept = ", ".join(f"{k} {getattr(cfg, k):g}" if isinstance(getattr(cfg, k), float) else f"{k} {getattr(cfg, k)}"
+                     for k, v in values.items() if getattr(cfg, k) == v)
+    changed = [k for k, v in values.items() if getattr(cfg, k) != v]
+    return (f"recipe {cfg.recipe} (named by {source}): {kept or 'nothing left'}"
+            + (f"; overridden: {', '.join(changed)}" if changed else ""))
+
+
 @app.command()
-@config_flags(before="devices")  # --method ... --amp: one per TrainConfig field, in its panels
+@config_flags(before="devices")  # --method ... --prepare: the TrainConfig fields marked as flags, in their panels
 def train(
     data: Path = typer.Argument(None, help=config_help("data"), show_default=False),
     out: Path = typer.Option(None, "--out", "-o", help=config_help("out"), show_default=False),
-    config: Path = typer.Option(None, "--config", help="TOML file of the same keys as the flags; flags override it."),
+    recipe: str = typer.Option(None, "--recipe", metavar="NAME", show_default=False,
+                               help="Start from this recipe's settings: a name (--recipes lists them) or a .toml file "
+                                    "\\[default: the one DATA/dataset.json names, else none]."),
+    recipes: bool = typer.Option(False, "--recipes", callback=_list_recipes, is_eager=True, show_default=False,
+                                 help="List the recipes, each with what it is for, and exit."),
+    config: Path = typer.Option(None, "--config", help="TOML file of training keys (docs/configuration.md): over "
+                                "the recipe's, under the flags'."),
+    set_: list[str] = typer.Option(None, "--set", metavar="KEY=VALUE", show_default=False,
+                                   help="Set any training key, those without a flag too (docs/configuration.md): "
+                                        "--set count_floor=0.1; repeat for more. Over the --config file's."),
     resume: Path = typer.Option(None, "--resume", help="Continue the run in this directory where it stopped."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Start a new run in an --out that holds one: the old "
                                    "run is moved aside to RUN.old-YYYYmmdd-HHMMSS (nothing is deleted). Without it "
@@ -56,7 +149,9 @@ def train(
 ) -> None:
     """Train an attention-sampling model on a dataset directory.
 
-    Every flag can also be set in a TOML --config file. What the flags leave to the data
+    The settings start from the generic defaults, then a recipe (--recipe, else the one
+    DATA/dataset.json names), then a TOML --config file, then the flags and --set; every key
+    is listed in docs/configuration.md. What they leave to the data
     (0, -1, auto) is settled from it at the start, one printed line per value saying why;
     the settled configuration is saved as RUN_DIR/config.json and the reasons as
     RUN_DIR/settled.json. Ctrl-C saves the state; --resume RUN_DIR continues with the
@@ -65,33 +160,27 @@ def train(
     one that another ats train is writing is always refused (docs/runs-and-inputs.md).
     Several GPUs or nodes: --devices N, or run this same command under torchrun.
     """
-    overrides = dict(flags)  # the TrainConfig fields' flags; None = not given
     from rich.markup import escape
 
     from ats_cli import runtime
-    from ats_cli.config import ConfigError, resolve_config
+    from ats_cli.config import ConfigError
     from ats_cli.data.dataset import DatasetError, check_dataset_root
     from ats_cli.runtime import stop_signals_interrupt
     from ats_cli.train import TrainingInterrupted
     from ats_cli.train import train as run_training
 
     console = OutputConsole()
-    if resume is not None:
-        config = config or resume / "config.json"
-        overrides["out"] = str(resume)
-        if data is not None:
-            overrides["data"] = str(data)
-    else:
-        if data is None or out is None:
-            console.print("[red]error:[/] give DATA_DIR and --out RUN_DIR (or --resume RUN_DIR)")
-            raise typer.Exit(2)
-        overrides.update(data=str(data), out=str(out))
+    if resume is None and (data is None or out is None):
+        console.print("[red]error:[/] give DATA_DIR and --out RUN_DIR (or --resume RUN_DIR)")
+        raise typer.Exit(2)
     try:
-        cfg = resolve_config(config, **overrides)
+        cfg = resolve_train_config(data, out, config, recipe, resume, set_, flags)
         ctx = runtime.from_env()
     except (ConfigError, ValueError) as e:
-        console.print(f"[red]error:[/] {e}")
+        console.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(2) from None
+    if cfg.recipe and resume is None and ctx.is_main:
+        console.print(recipe_line(cfg, recipe, config), soft_wrap=True, highlight=False)
     try:  # a DATA that is no dataset folder (missing, a file, class folders): one line, no run directory made
         check_dataset_root(Path(cfg.data).expanduser())
     except DatasetError as e:

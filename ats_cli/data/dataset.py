@@ -7,7 +7,9 @@ A dataset is a directory holding
   *name*, or for a multi-label dataset several ``;``-separated (``3;7``, empty for none;
   :mod:`ats_cli.multilabel`); any further columns are kept verbatim as "extra" columns;
 * ``dataset.json``: ``{"classes": [...]}`` (class names in label-index order), optional
-  ``hints`` (``channels``, ``scale``, ``patch_size``, ...), optional ``splits`` (the split
+  ``recipe`` (the name of the recipe ``ats train`` starts from: :mod:`ats_cli.recipes`),
+  optional ``hints`` (facts of the images: ``channels``, ``image_size``, ``mpp``; older
+  datasets also ``scale``, ``patch_size``, ..., still read), optional ``splits`` (the split
   names to read; defaults to whichever of train/val/test CSVs exist), optional ``task``
   (``"multilabel"``: several classes per image; inferred when any label holds ``;``) and,
   for generated data, a ``generator`` block with the generator's parameters and seed.
@@ -152,6 +154,12 @@ class Dataset:
     multilabel: bool = False  # several classes per image (ats_cli.multilabel)
 
     @property
+    def recipe(self) -> str:
+        """The recipe dataset.json names (ats_cli.recipes.dataset_recipe reads it, a relative
+        path as the directory's); "" for none."""
+        return str(self.meta.get("recipe") or "")
+
+    @property
     def num_classes(self) -> int:
         return len(self.classes)
 
@@ -190,12 +198,14 @@ def write_dataset(
     generator: Mapping[str, Any] | None = None,
     description: str | None = None,
     task: str | None = None,
+    recipe: str | None = None,
 ) -> Path:
     """Write the CSVs and ``dataset.json`` of a dataset into ``root``; return the JSON's path.
 
     ``splits`` maps a split name (train/val/test) to its rows; each row is a mapping with
     ``path`` (relative to ``root`` or absolute) and ``label`` (a class name), plus any
-    extra columns (written in first-seen order). The CSVs are written first and
+    extra columns (written in first-seen order). ``recipe``: the recipe ``ats train`` uses
+    for this data when given none (a generator knows what its images need). The CSVs are written first and
     ``dataset.json`` last, so its presence means the dataset is complete. Split CSVs from
     an earlier write that this one does not name are left alone but no longer listed.
     """
@@ -216,6 +226,8 @@ def write_dataset(
         meta["task"] = task
     meta["classes"] = [str(c) for c in classes]
     meta["splits"] = ordered
+    if recipe:
+        meta["recipe"] = recipe
     meta["hints"] = dict(hints or {})
     if generator is not None:
         meta["generator"] = dict(generator)
@@ -252,6 +264,8 @@ def _read_meta(root: Path, problems: list[Problem]) -> dict[str, Any] | None:
     hints = meta.get("hints", {})
     if not isinstance(hints, dict):
         problems.append(Problem(DATASET_JSON, 0, "'hints' must be a JSON object"))
+    if not isinstance(meta.get("recipe", ""), str):
+        problems.append(Problem(DATASET_JSON, 0, "'recipe' must be a recipe's name (a string: ats train --recipes)"))
     meta["classes"] = names
     return meta
 

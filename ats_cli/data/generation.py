@@ -150,7 +150,7 @@ def run_generation(
 ) -> GenerationReport:
     """Generate (or finish generating) ``totals[split]`` images per split into ``out``.
 
-    ``dataset``: :func:`write_dataset`'s ``classes``, ``hints`` and ``description``;
+    ``dataset``: :func:`write_dataset`'s ``classes``, ``hints``, ``recipe`` and ``description``;
     ``block`` becomes its ``generator``. ``workers`` defaults to the CPU count; 1 runs
     in this process. ``progress(split, done, total)`` is called here as images finish
     (skipped ones included); an exception raised from it stops the run cleanly, which is

@@ -98,6 +98,7 @@ __all__ = [
     "make_config",
     "noise_block",
     "recommended_hints",
+    "TASK_RECIPES",
     "render_image",
     "split_patterns",
     "split_sizes",
@@ -256,40 +257,17 @@ def make_config(preset: str = "paper", **overrides: Any) -> MegapixelMNISTConfig
     return config
 
 
-# The max and top tasks' labels are rules over the digits present, which a pooling applies:
-# ``highest-counts`` the highest digit (ats_cli.extensions.pooling_highest),
-# ``topmost-counts`` the top-most one (ats_cli.extensions.pooling_topmost). Their noise is of
-# no class (a none logit; trained from image labels it learns nothing, and dropping it changed
-# no figure on top or max; kept as it costs nothing and patch annotations train it,
-# benchmarks/accuracy.md#none-logit); 5
-# digits share the attention, so one holds about a fifth of it, and a floor of 0.15 lets each
-# count once with a margin while noise under it counts in proportion. A rule reads every
-# digit, so a missed one is a wrong answer: 20 patches, twice the paper's, drawn in training
-# (40 at evaluation, twice n_patches; benchmarks/accuracy.md#what-each-default-brought); positions
-# (--position-features) are left off for top, as its pooling reads the rows itself. Both read
-# at a floor of 0.07 (eval_count_floor; why a reading floor:
-# ats_cli.extensions.pooling_counts): for top chosen on five fresh pattern sets, for max on
-# the val split, each then measured on unseen ones (benchmarks/accuracy.md#reading-floor).
-TASK_HINTS = {
-    "max": {"pooling": "highest-counts", "none_class": "on", "count_floor": 0.15, "eval_count_floor": 0.07,
-            "n_patches": 20},
-    "top": {"pooling": "topmost-counts", "none_class": "on", "count_floor": 0.15, "eval_count_floor": 0.07,
-            "n_patches": 20},
-}
+# The recipe (ats_cli/recipes/NAME.toml) ats train uses for each task's data: majority and
+# multilabel read the paper's spec; max and top are rules over the digits present, which a
+# counting readout applies (the recipes say why each value).
+TASK_RECIPES = {"majority": "megapixel-mnist", "multilabel": "megapixel-mnist", "max": "megapixel-mnist-max",
+                "top": "megapixel-mnist-top"}
 
 
 def recommended_hints(config: MegapixelMNISTConfig) -> dict[str, Any]:
-    """Training hints for ``dataset.json``: the paper's low-res scale 0.12 and 10 patches of
-    50x50; for the max and top tasks, the pooling that applies their rule, its options and
-    more patches (:data:`TASK_HINTS`)."""
-    return {
-        "channels": 1,
-        "image_size": [config.height, config.width],
-        "scale": 0.12,
-        "patch_size": [50, 50],
-        "n_patches": 10,
-        **TASK_HINTS.get(config.task, {}),
-    }
+    """The facts of the images ``dataset.json`` records as hints: one channel and the image
+    size. What training reads them with is the task's recipe (:data:`TASK_RECIPES`)."""
+    return {"channels": 1, "image_size": [config.height, config.width]}
 
 
 # ---------------------------------------------------------------------------- one image
@@ -671,6 +649,7 @@ def generate_megapixel_mnist(
         dataset={
             "classes": [str(d) for d in range(10)],
             "hints": recommended_hints(config),
+            "recipe": TASK_RECIPES[config.task],
             "description": f"Megapixel MNIST ({config.width}x{config.height}, {config.n_digits} digits of which "
             f"{config.n_target} of the target class, {config.n_noise} noise patches ({config.noise})); "
             + _TASK_TEXT[config.task],

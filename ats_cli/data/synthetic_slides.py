@@ -57,6 +57,9 @@ __all__ = ["SyntheticSlidesConfig", "generate_synthetic_slides", "render_slide",
 GENERATOR_NAME = "synthetic-slides"
 GENERATOR_VERSION = 1
 CLASSES = ["normal", "tumor"]
+# the recipe ats train reads these slides with, at any size (ats_cli/recipes/synthetic-slides.toml);
+# synthetic-slides-100k and -12k are the two-level ones, named with --recipe
+RECIPE = "synthetic-slides"
 TILE = 256
 JPEG_QUALITY = 90
 GLASS = np.array([243, 241, 245], np.float32)
@@ -116,10 +119,9 @@ class SyntheticSlidesConfig:
         return params
 
     def hints(self) -> dict[str, Any]:
-        """Training hints for ``dataset.json``: a spot is ~2 low-res pixels at scale 1/32,
-        and a 64x64 patch holds a whole spot."""
-        return {"channels": 3, "image_size": [self.size, self.size], "scale": 1 / 32, "patch_size": [64, 64],
-                "n_patches": 12, "mpp": self.mpp}
+        """The facts of the slides ``dataset.json`` records as hints: RGB, their size and
+        microns per pixel. What training reads them with is :data:`RECIPE`."""
+        return {"channels": 3, "image_size": [self.size, self.size], "mpp": self.mpp}
 
 
 # ---------------------------------------------------------------------------- one slide
@@ -550,7 +552,7 @@ def generate_synthetic_slides(out: str | os.PathLike[str], config: SyntheticSlid
     job = _Job(config, out, max(4, len(str(max(config.n_train, config.n_test) - 1))))
     return run_generation(
         out, fingerprint(config), job, {"train": config.n_train, "test": config.n_test},
-        dataset={"classes": CLASSES, "hints": config.hints(),
+        dataset={"classes": CLASSES, "hints": config.hints(), "recipe": RECIPE,
                  "description": f"synthetic slides ({config.size}x{config.size} pyramidal TIFF, {config.n_spots} "
                                 f"cell clusters; tumor = 1-{config.max_targets} of them are tumour nests)"},
         workers=workers, chunk_size=1, progress=progress, source="generated",

@@ -777,7 +777,7 @@ def generate_virtual_slides(out: str | os.PathLike[str], config, *, workers: int
     (:func:`write_virtual_tiff`: the same pixels, lossless), e.g. to test a model trained on
     virtual slides on files."""
     from ats_cli.data.generation import run_generation
-    from ats_cli.data.synthetic_slides import CLASSES
+    from ats_cli.data.synthetic_slides import CLASSES, RECIPE
 
     config.validate()
     out = Path(out).expanduser()
@@ -785,7 +785,7 @@ def generate_virtual_slides(out: str | os.PathLike[str], config, *, workers: int
     hints = {**config.hints(), "image_size": [config.size, config.size]}
     return run_generation(
         out, fingerprint(config, tiff), job, {"train": config.n_train, "test": config.n_test},
-        dataset={"classes": CLASSES, "hints": hints,
+        dataset={"classes": CLASSES, "hints": hints, "recipe": RECIPE,
                  "description": f"virtual synthetic slides ({config.size}x{config.size}, "
                                 + ("rendered into lossless pyramidal TIFFs" if tiff else
                                    f"rendered on demand from {VIRTUAL_SUFFIX} specs")

@@ -20,16 +20,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ats_cli.config import none_class_refusal
+from ats_cli.config import TrainConfig, none_class_refusal
 from ats_cli.pretrain import PretrainError
 from ats_cli.pretrain.attention import attention_report, attention_shape, attention_targets, train_attention
 from ats_cli.pretrain.examples import read_all
 from ats_cli.pretrain.internals import attention_margin, set_head
 from ats_cli.pretrain.patches import NONE, SMALL_PATCHES
 from ats_cli.pretrain.stage1 import NONE_UNIFORM, train_features
+
+if TYPE_CHECKING:
+    from ats_cli.data.dataset import Dataset
 
 ATTENTION_EPOCHS = 5
 ATTENTION_BATCH = 32
@@ -77,6 +81,22 @@ class PretrainOptions:
                 raise PretrainError(f"--{name.replace('_', '-')} must be >= {least} (got {getattr(self, name)})")
 
 
+def pretrain_config(opts: PretrainOptions, data: Dataset) -> TrainConfig:
+    """The TrainConfig ``opts`` pretrain with on ``data`` (a Dataset), before settling: the
+    recipe its dataset.json names (ats_cli.recipes: the sizes and readout options ats train
+    reads this data with), under pretrain's own options. Raises ConfigError for a recipe
+    that cannot be read."""
+    from ats_cli.recipes import dataset_recipe, load_recipe
+
+    name = dataset_recipe(data.root)
+    recipe = load_recipe(name).values if name else {}
+    return TrainConfig(**{**recipe, "recipe": name, "data": opts.data, "attention_net": opts.attention_net,
+                          "attention_width": opts.attention_width, "feature_net": opts.feature_net,
+                          "feature_width": opts.feature_width, "feature_scale": opts.feature_scale,
+                          "seed": opts.seed, "patch_gain": "off", "scale": opts.scale, "pooling": opts.pooling,
+                          "none_class": opts.none_class})
+
+
 def pretrain(opts: PretrainOptions, log: Callable[[str], None] = print) -> dict:
     """Run both stages and write ``opts.out``; returns what the checkpoint records under
     ``pretrain``. Raises :class:`PretrainError` (one line, naming the file) for a dataset
@@ -85,7 +105,7 @@ def pretrain(opts: PretrainOptions, log: Callable[[str], None] = print) -> dict:
     import torch
 
     from ats_cli.checkpoint import save_checkpoint
-    from ats_cli.config import ConfigError, TrainConfig, gather_facts, settle
+    from ats_cli.config import ConfigError, gather_facts, settle
     from ats_cli.data.dataset import DatasetError, load_dataset
     from ats_cli.models import check_patch_size, create_model, model_spec
 
@@ -96,11 +116,8 @@ def pretrain(opts: PretrainOptions, log: Callable[[str], None] = print) -> dict:
     if data.multilabel:  # its patch labels come from one class per region; a set of classes has none
         raise PretrainError(f"{opts.data}: a multi-label dataset; ats pretrain needs one class per image "
                             "(train it with ats train)")
-    cfg = TrainConfig(data=opts.data, attention_net=opts.attention_net, attention_width=opts.attention_width,
-                      feature_net=opts.feature_net, feature_width=opts.feature_width,
-                      feature_scale=opts.feature_scale, seed=opts.seed, patch_gain="off", scale=opts.scale,
-                      pooling=opts.pooling, none_class=opts.none_class)
     try:
+        cfg = pretrain_config(opts, data)
         cfg.validate()
         # sizes, support and the rest settled as ats train settles them on this data (a black
         # canvas: only bright cells are sampled), so the attention is taught over the cells
