@@ -367,8 +367,7 @@ class OmeZarrReader(SlideReader):
         """Each chunk the patches overlap read once (concurrently on the shared reading
         threads), then the patches cut from them, as the TIFF reader does with its tiles:
         the attention's favourite patches lie close together and share chunks, which a zarr
-        read per patch decoded again each time (64 patches within 464 px of each other, 256-px
-        chunks: 3.6 ms a patch read one by one, 0.33 so). Patches go in groups whose chunks fit in
+        read per patch would decode again for each of them. Patches go in groups whose chunks fit in
         ``READ_BUDGET_BYTES``, so memory stays bounded however many are asked for."""
         if self._segment_pixels(level) > PARALLEL_SEGMENT_PIXELS or len(offs) == 1:
             return super()._read_regions(offs, h, w, level)
