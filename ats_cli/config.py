@@ -434,6 +434,11 @@ def _typed(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# two ways to give one size: a layer (recipe, file, flags) that gives either replaces the
+# other from the layers below it, so --patch-um overrides a recipe's patch_size
+ALTERNATIVES = (("patch_size", "patch_um"), ("scale", "low_res_um"))
+
+
 def resolve_config(file: str | Path | None = None, recipe: str | None = None, *, use_recipes: bool = True,
                    **overrides: Any) -> TrainConfig:
     """The run's configuration: the generic defaults, then the recipe, then the file (a TOML
@@ -455,7 +460,15 @@ def resolve_config(file: str | Path | None = None, recipe: str | None = None, *,
         if name:
             chosen = load_recipe(name)
             base = {**chosen.values, "recipe": chosen.name}
-    values = {**base, **values, **_typed(given)}
+    merged: dict[str, Any] = {}
+    for layer in (base, values, _typed(given)):
+        for a, b in ALTERNATIVES:  # a size in microns given above replaces the recipe's in pixels, and back
+            if layer.get(a):
+                merged.pop(b, None)
+            if layer.get(b):
+                merged.pop(a, None)
+        merged.update(layer)
+    values = merged
     if recipe:  # --recipe names the recipe even over a file's record of another
         values["recipe"] = base["recipe"]
     return TrainConfig(**values).validate()

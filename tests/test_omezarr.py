@@ -265,8 +265,8 @@ def test_train_predict_visualize_on_ome_zarr_stores_end_to_end(tmp_path):
     run = tmp_path / "run"
     result = runner.invoke(app, ["train", str(data), "--out", str(run), "--workers", "2", "--epochs", "1",
                                  "--batch-size", "2", "--scale", "0.0625", "--patch-size", "32", "--n-patches", "4",
-                                 "--feature-net", "small-cnn", "--feature-width", "8", "--attention-width", "4",
-                                 "--tissue-mask", "on"])
+                                 "--feature-net", "small-cnn", "--set", "feature_width=8", "--set", "attention_width=4",
+                                 "--set", "tissue_mask='on'"])
     assert result.exit_code == 0, result.output
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 1 and metrics[0]["samples"] == 4

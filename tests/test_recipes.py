@@ -72,6 +72,17 @@ def test_a_recipe_file_of_ones_own_sets_its_values_under_config_and_flags(tmp_pa
         resolve_train_config(Path("d"), Path("o"), None, None, None, ["n_patches=2"], {"n_patches": 3})
 
 
+def test_a_size_in_microns_given_replaces_the_recipes_size_in_pixels():
+    """A recipe gives patch_size and scale in pixels; --patch-um / --low-res-um over it are
+    the user's, not a contradiction (both forms at once are refused only within one layer)."""
+    recipe = load_recipe("synthetic-slides").values
+    assert recipe.get("patch_size") and recipe.get("scale")
+    cfg = resolve_config(recipe="synthetic-slides", patch_um=16.0, low_res_um=16.0)
+    assert (cfg.patch_um, cfg.low_res_um) == (16.0, 16.0)
+    assert cfg.patch_size == resolve_config().patch_size and cfg.scale == resolve_config().scale
+    assert resolve_config(recipe="synthetic-slides", patch_size=32).patch_size == 32
+
+
 def test_ats_train_with_a_recipe_path_and_with_the_one_dataset_json_names(tmp_path):
     """End to end: --recipe PATH uses the file's values (the settled config.json holds them
     and the recipe's path); without --recipe, the dataset's recipe is used and the run says
