@@ -233,11 +233,13 @@ class TrainConfig:
         "auto": "on for slides and TIFFs, off for other images", "on": "", "off": ""})
     # networks (names from ats_cli.nets)
     attention_net: str = _key("mnist-attention", "Attention network name", NET_PANEL, flag=True)
-    feature_net: str = _key("small-cnn", "Feature network name (mnist-features: the paper's), timm:NAME, "
-                            "torchvision:NAME, or a DIR from ats export --encoder (docs/training.md)", NET_PANEL,
+    feature_net: str = _key("auto", "Feature network name (mnist-features: the paper's), timm:NAME, "
+                            "torchvision:NAME, or a DIR from ats export --encoder; auto: timm:convnext_atto.d2_in1k "
+                            "(ImageNet weights) for RGB images when its weights are in the cache or can be "
+                            "downloaded now, else small-cnn (random weights) (docs/training.md)", NET_PANEL,
                             flag=True)
     attention_width: int = _key(8, "Attention net channels", NET_PANEL)
-    feature_width: int = _key(32, "Feature net channels (encoders: the width of --feature-train head's projection)",
+    feature_width: int = _key(32, "Feature net channels (encoders: the width of feature_train head's projection)",
                               NET_PANEL)
     # pretrained encoders (ats_cli.nets.encoders): where the feature net's weights start, what trains
     feature_weights: str = _key("auto", "Starting weights of the feature net: auto (timm:/torchvision: the library's "
@@ -480,6 +482,10 @@ DATA_DEFAULTS: dict[str, Any] = {"n_patches": 10, "patch_size": 50, "scale": 0.1
 AUTO_MIN_BRIGHTNESS = 0.15  # --min-brightness auto on a black background (docs/training.md)
 AUTO_RARITY_PRIOR = 2.0  # --rarity-prior auto on slides and photographs (docs/training.md)
 AUTO_PATCH_LOSS = 1.0  # --patch-loss auto on photographs (_patch_loss)
+# --feature-net auto (_feature_net): the pretrained encoder RGB images start from when its
+# weights can be had (the cache, or a download now), else the random-initialised net
+PRETRAINED_FEATURE_NET, RANDOM_FEATURE_NET = "timm:convnext_atto.d2_in1k", "small-cnn"
+PRETRAINED_FACTS = ("pretrained", "no_pretrained", "init_feature_net")  # DataFacts of the weights (_pretrained_facts)
 GAIN_LATE_START = 0.5  # --patch-gain late: the gain trains from this fraction of --epochs (_patch_gain says why)
 # --levels 2: --rarity-prior (on slides), --rarity-cap and --region-temperature auto (and
 # --patch-gain late: _patch_gain). Where a two-level model's coarse attention starts decides
@@ -514,6 +520,8 @@ class DataFacts:
     dark: float = 0.0  # the median over those of the share of their low-res pixels that are dark
     masked: int = 0  # how many of those have a tissue mask (slides and TIFFs, --tissue-mask auto)
     pretrained: str = ""  # where the feature net's pretrained starting weights come from; "": random
+    no_pretrained: str = ""  # --feature-net auto on RGB images: why PRETRAINED_FEATURE_NET's weights cannot be had
+    init_feature_net: str = ""  # --feature-net auto with --init: the feature net of that checkpoint
     sizes: tuple[str, ...] = ()  # the first 3 distinct sizes of the training images as read ("HxW [at MPP µm/px]")
     n_sizes: int = 0  # how many distinct ones there are; 0: not read
     pixels: int = 0  # the largest training image's pixels, H x W as its header says; 0: not read
@@ -585,6 +593,7 @@ def settle(flags: TrainConfig, facts: DataFacts) -> tuple[Settled, list[Reason]]
     if flags.levels == 2:
         decide("region_temperature", *_region_temperature(flags))
     decide("patch_gain", *_patch_gain(flags, facts))
+    decide("feature_net", *_feature_net(flags, facts))
     decide("feature_train", *_feature_train(flags, facts))
     decide("position_features", *_position_features(flags, facts))
     decide("pooling", *_pooling(flags, facts))
@@ -993,6 +1002,43 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def _feature_net(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
+    """--feature-net auto: RGB images start from :data:`PRETRAINED_FEATURE_NET`, an encoder
+    pretrained on ImageNet, when its weights can be had (in the cache, or downloadable now:
+    :func:`gather_facts` asks, :func:`ats_cli.nets.encoders.pretrained_availability`), as
+    the peers start (IPS and CLAM from ImageNet-pretrained ResNets): a random feature net
+    gives the attention's first gradients little to go on. Else :data:`RANDOM_FEATURE_NET`
+    from random weights, the default before, which is what runs offline (the tests, the
+    demo, CI), and on grey images (Megapixel MNIST), for which the ImageNet encoders are not
+    made. With ``--init`` the checkpoint's net (its weights are taken); with
+    ``--feature-weights`` other than auto, the random-initialised net they load into.
+
+    Why ConvNeXt-atto (timm ``convnext_atto.d2_in1k``): the smallest of the usual
+    ImageNet encoders that transfer well, for CPU and GPU users alike: 3.4 M parameters (a
+    14 MB download), 320 features, 75.7% ImageNet top-1 at 224 px (ResNet-18: 11.7 M, 47 MB,
+    ~71%), and a frozen forward pass at about half ResNet-18's time on a CPU core (24 vs
+    51 ms a 224-px patch, measured here); layer norms, so no batch-norm statistics tie a
+    patch's feature to the others drawn."""
+    if flags.feature_net != "auto":
+        return flags.feature_net, "given"
+    if flags.method == "cnn":
+        return RANDOM_FEATURE_NET, "method cnn has no feature net (a ResNet-18 reads the low-res view)"
+    if flags.init:
+        return facts.init_feature_net or RANDOM_FEATURE_NET, f"the feature net of --init {flags.init}"
+    if flags.feature_weights != "auto":
+        return RANDOM_FEATURE_NET, f"--feature-weights {flags.feature_weights} are loaded into it"
+    if facts.channels != 3:
+        return RANDOM_FEATURE_NET, (f"{facts.channels}-channel images, not RGB: random weights (the pretrained "
+                                    "encoders are ImageNet's, for photographs)")
+    if facts.pretrained:
+        return PRETRAINED_FEATURE_NET, f"RGB images, and {facts.pretrained}: a pretrained encoder"
+    why = facts.no_pretrained or f"no pretrained weights for {PRETRAINED_FEATURE_NET} were looked for"
+    return RANDOM_FEATURE_NET, (f"{why}: starting the feature net from random weights; to use them, run once "
+                                "where huggingface.co can be reached (they are then cached) or give "
+                                f"--feature-net {PRETRAINED_FEATURE_NET} --feature-weights FILE "
+                                "(docs/training.md#pretrained-encoders)")
+
+
 def _feature_train(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
     """--feature-train auto: frozen (none) when the feature net starts from pretrained
     weights (hundreds of labels cannot move millions of weights well, and a frozen net costs
@@ -1142,7 +1188,6 @@ def gather_facts(flags: TrainConfig, data: Dataset, *, view_cache: Any = None) -
     ready for training. Deterministic, so every process of a run gathers alike."""
     from ats_cli.data.inputs import ImageDataset, Unreadable, file_facts
     from ats_cli.data.slides import MPP_TOLERANCE
-    from ats_cli.nets.encoders import pretrained_source
 
     reading = flags.input_options()
     records = data["train"]
@@ -1155,7 +1200,7 @@ def gather_facts(flags: TrainConfig, data: Dataset, *, view_cache: Any = None) -
     hinted, ignored = read_hints(data.hints)
     facts = DataFacts(**hinted, ignored_hints=ignored,
                       files=len(records), mpps=tuple(known), mpps_agree=agree, no_mpp=missing[0] if missing else "",
-                      pretrained=pretrained_source(flags.feature_net, flags.feature_weights),
+                      **_pretrained_facts(flags, hinted.get("channels", 1)),
                       sizes=tuple(shapes[:3]), n_sizes=len(shapes),
                       pixels=max((s[0] * s[1] for _, s in headers if s), default=0),
                       long_side=_median([max(s) for _, s in headers if s]),
@@ -1179,6 +1224,31 @@ def gather_facts(flags: TrainConfig, data: Dataset, *, view_cache: Any = None) -
         masked += int(item[4] is not None)
     median = sorted(dark)[len(dark) // 2] if dark else 0.0
     return replace(facts, probed=len(dark), dark=round(median, 4), masked=masked)
+
+
+def _pretrained_facts(flags: TrainConfig, channels: int) -> dict[str, str]:
+    """``pretrained``, ``no_pretrained`` and ``init_feature_net`` of :class:`DataFacts`: where
+    the feature net's pretrained weights come from. For ``--feature-net auto`` on RGB images,
+    whether :data:`PRETRAINED_FEATURE_NET`'s can be had now: the cache is read, and the
+    network asked at most once, for :data:`ats_cli.nets.encoders.PROBE_SECONDS`. A
+    ``timm:``/``torchvision:`` name whose own weights cannot be had is refused here
+    (:class:`~ats_cli.nets.encoders.HubUnavailableError`), before the data is prepared."""
+    from ats_cli.nets.encoders import check_weights_can_be_had, pretrained_availability, pretrained_source
+
+    if flags.feature_net != "auto":
+        if flags.feature_weights == "auto" and not flags.init:  # a timm/torchvision name's own: refused now if
+            check_weights_can_be_had(flags.feature_net)          # they cannot be had, not after preparing the data
+        return {"pretrained": pretrained_source(flags.feature_net, flags.feature_weights)}
+    if flags.init and flags.method != "cnn":
+        from ats_cli.checkpoint import load_checkpoint
+
+        return {"init_feature_net": str(load_checkpoint(flags.init).get("spec", {}).get("feature_net", ""))}
+    if flags.feature_weights != "auto":
+        return {"pretrained": pretrained_source(RANDOM_FEATURE_NET, flags.feature_weights)}
+    if channels != 3 or flags.method == "cnn":
+        return {}
+    where, why_not = pretrained_availability(PRETRAINED_FEATURE_NET)
+    return {"pretrained": where, "no_pretrained": why_not}
 
 
 def save_settled(run: str | Path, settled: Settled, reasons: list[Reason], facts: DataFacts) -> None:

@@ -30,7 +30,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from ats_cli.augment import Augmentation
 from ats_cli.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ats_cli.config import (
     GAIN_LATE_START,
+    PRETRAINED_FACTS,
     TrainConfig,
     eval_view_scale,
     gather_facts,
@@ -657,6 +658,8 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
     # ---- the values left to the data (ats_cli.config); a resumed run's were settled when it started
     saved = load_facts(run) if resume else None
     facts = saved or gather_facts(cfg, data, view_cache=cache)
+    if saved is None and ctx.enabled:  # the weights' cache and network as rank 0 found them: every rank settles alike
+        facts = replace(facts, **from_main(lambda: {k: getattr(facts, k) for k in PRETRAINED_FACTS}, ctx))
     settled, reasons = settle(cfg, facts)
     cfg = settled.config
     if saved is None:

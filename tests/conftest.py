@@ -15,6 +15,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Nothing downloads in a test: the Hugging Face hub (timm's pretrained weights) is offline
 # before huggingface_hub reads the variable, at its import.
 os.environ["HF_HUB_OFFLINE"] = "1"
+# and the caches are empty ones of the session's: with a developer's cached ImageNet weights,
+# --feature-net auto would start RGB runs from them (ats_cli.config._feature_net) and the
+# tests would run another model than CI's
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+_EMPTY_CACHE = tempfile.mkdtemp(prefix="ats-tests-cache-")
+atexit.register(shutil.rmtree, _EMPTY_CACHE, ignore_errors=True)
+os.environ["HF_HUB_CACHE"] = os.path.join(_EMPTY_CACHE, "huggingface")
+os.environ["TORCH_HOME"] = os.path.join(_EMPTY_CACHE, "torch")
 # Output to a pipe keeps its natural width unless COLUMNS says otherwise
 # (ats_cli.cli.OutputConsole); pytest-xdist's workers get COLUMNS=80, which would fold
 # the tables whose long paths the tests look for. The tests that want a width set it.

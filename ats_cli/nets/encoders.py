@@ -22,6 +22,17 @@ and patches arrive as [N, C, ph, pw] in [0, 1] at whatever size attention sampli
 doing it on the device keeps the data pipeline the same for every feature net. Patches are
 resized whole (no centre crop: a patch's border is as much its content as its centre) and
 grey patches repeated to three channels. timm is imported only when a ``timm:`` name is used.
+
+**Pretrained weights, from the cache or the network, decided at once** (:func:`weights_location`,
+:func:`network_problem`, :func:`pretrained_availability`). The weights of a ``timm:`` or
+``torchvision:`` name are read from the library's cache (the Hugging Face hub cache, or torch
+hub's) without asking the network; when they are not there, one TCP connection to the host
+that serves them, with a timeout of :data:`PROBE_SECONDS` and asked once a run, says whether
+they can be downloaded now. ``HF_HUB_OFFLINE``, ``TRANSFORMERS_OFFLINE`` and ``ATS_OFFLINE``
+say no without asking. Why: offline, the hub's own client retried five times a file, two
+files, and failed after ~50 s; ``--feature-net auto`` (:func:`ats_cli.config.settle`) must
+know before training starts whether the pretrained default can be had, and say in one line
+when not.
 """
 
 from __future__ import annotations
@@ -29,9 +40,14 @@ from __future__ import annotations
 import json
 import os
 import re
-from contextlib import nullcontext
+import socket
+import sys
+import threading
+import urllib.request
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 import torch.nn as nn
@@ -41,7 +57,9 @@ from ats_cli.registry import register_net_prefix
 
 __all__ = ["Encoder", "EncoderError", "MissingExtraError", "HubUnavailableError", "EXTRA", "FORMAT", "VERSION",
            "CONFIG", "WEIGHTS", "create_encoder", "feature_spec", "load_start_weights", "pretrained_source",
-           "freeze", "apply_feature_train", "read_weights", "is_local", "import_extra"]
+           "freeze", "apply_feature_train", "read_weights", "is_local", "import_extra", "PROBE_SECONDS",
+           "weights_location", "network_problem", "pretrained_availability",
+           "check_weights_can_be_had"]
 
 EXTRA = 'pip install -e ".[encoders]"'
 FORMAT = "ats-encoder"
@@ -195,6 +213,185 @@ def _hub_error(name: str, e: BaseException, what: str) -> HubUnavailableError:
         "architecture, or an encoder directory from ats export --encoder")
 
 
+# ---------------------------------------------------------------- where pretrained weights are, and can they be had
+
+PROBE_SECONDS = 2.0  # one TCP connection to the weights' host; the hub's client took ~50 s offline
+_OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "ATS_OFFLINE")
+_probed: dict[tuple[str, int], bool] = {}  # (host, port) -> reachable, once a process (a run)
+_HF_FILES = ("model.safetensors", "pytorch_model.bin")  # what timm fetches of a hub model, in its order
+# hub repos of timm models known without importing timm (2.5 s on a loaded 2-core machine):
+# --feature-net auto's default is looked for on every RGB run (tests check it against timm's)
+_HUB_REPOS = {"convnext_atto.d2_in1k": "timm/convnext_atto.d2_in1k"}
+
+
+def _is_set(value: str | None) -> bool:
+    return (value or "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _offline_var() -> str:
+    """The variable that says no network (``HF_HUB_OFFLINE``, also as huggingface_hub read
+    it at its import; ``TRANSFORMERS_OFFLINE``; ``ATS_OFFLINE``, the demo's), "" when none does."""
+    hub = sys.modules.get("huggingface_hub.constants")
+    if hub is not None and getattr(hub, "HF_HUB_OFFLINE", False):
+        return "HF_HUB_OFFLINE"
+    return next((var for var in _OFFLINE_VARS if _is_set(os.environ.get(var))), "")
+
+
+def _reachable(host: str, port: int, timeout: float) -> bool:
+    """Whether a TCP connection to ``host:port`` opens within ``timeout`` seconds, name
+    lookup included (in a thread: the resolver has no timeout of its own)."""
+    answer: list[bool] = []
+
+    def connect() -> None:
+        try:
+            with socket.create_connection((host, port), timeout=timeout):
+                answer.append(True)
+        except OSError:
+            answer.append(False)
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(answer and answer[0])
+
+
+def network_problem(url: str, timeout: float | None = None) -> str:
+    """Why ``url`` cannot be downloaded from now, in words ("" when it can): an offline
+    variable, or its host (the https proxy's, when one is set) not answering within
+    ``timeout`` seconds (default :data:`PROBE_SECONDS`). The host is asked once a process."""
+    timeout = PROBE_SECONDS if timeout is None else timeout
+    var = _offline_var()
+    if var:
+        return f"{var} is set"
+    parsed = urlparse(url)
+    proxy = urllib.request.getproxies().get(parsed.scheme or "https")
+    if proxy and not urllib.request.proxy_bypass(parsed.hostname or ""):
+        parsed = urlparse(proxy if "://" in proxy else f"http://{proxy}")
+    host = parsed.hostname or ""
+    port = parsed.port or (80 if parsed.scheme == "http" else 443)
+    if (host, port) not in _probed:
+        _probed[(host, port)] = bool(host) and _reachable(host, port, timeout)
+    return "" if _probed[(host, port)] else f"{host}:{port} could not be reached within {timeout:g} s"
+
+
+def _hf_cached(repo: str, filenames: tuple[str, ...]) -> tuple[str | None, str, str]:
+    """The first of ``filenames`` of hub repo ``repo`` (``ORG/NAME[@REVISION]``) in the
+    Hugging Face cache, the cache folder, and the hub's address."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    repo_id, _, revision = repo.partition("@")
+    for filename in filenames:
+        found = try_to_load_from_cache(repo_id, filename, revision=revision or None)
+        if isinstance(found, str):  # not the "known to be missing" marker
+            return found, constants.HF_HUB_CACHE, constants.ENDPOINT
+    return None, constants.HF_HUB_CACHE, constants.ENDPOINT
+
+
+def _url_cached(url: str) -> tuple[str | None, str, str]:
+    """A download URL's file in torch hub's cache (where torchvision and timm's URL weights
+    go), the cache folder, and the URL."""
+    folder = Path(torch.hub.get_dir()) / "checkpoints"
+    file = folder / os.path.basename(urlparse(url).path)
+    return (str(file) if file.is_file() else None), str(folder), url
+
+
+def weights_location(name: str) -> tuple[str | None, str, str]:
+    """Where ``--feature-net NAME``'s pretrained weights are: the file in the library's cache
+    (None when not there), the cache folder, and the URL they download from. Reads the
+    cache only; the network is not asked. Raises :class:`EncoderError` for a timm model
+    that has no pretrained weights."""
+    prefix, _, arch = name.partition(":")
+    if prefix == "torchvision":
+        from torchvision import models
+
+        return _url_cached(models.get_model_weights(arch).DEFAULT.url)
+    arch, _ = _split_args(arch, name)
+    if arch in _HUB_REPOS:
+        return _hf_cached(_HUB_REPOS[arch], _HF_FILES)
+    timm = import_extra("timm", f"--feature-net {name}")
+    hub = _hub_id(arch)
+    if hub:
+        return _hf_cached(hub, _HF_FILES)
+    cfg = timm.models.get_pretrained_cfg(arch)
+    if cfg is None or not (cfg.hf_hub_id or cfg.url):
+        raise EncoderError(f"--feature-net {name}: timm has no pretrained weights for {arch}; give them with "
+                           "--feature-weights FILE, or --feature-weights none for random ones")
+    if cfg.hf_hub_id:
+        return _hf_cached(cfg.hf_hub_id, (cfg.hf_hub_filename,) if cfg.hf_hub_filename else _HF_FILES)
+    return _url_cached(cfg.url)
+
+
+def pretrained_availability(name: str) -> tuple[str, str]:
+    """Whether ``--feature-net NAME``'s pretrained weights can be had now, at once: (where
+    from, in words; "" when they cannot) and (why not, one clause; "" when they can). The
+    cache is read; the network asked only when they are not in it (:func:`network_problem`)."""
+    try:
+        cached, folder, url = weights_location(name)
+    except EncoderError as e:  # no timm, no weights for that model
+        return "", str(e).removeprefix(f"--feature-net {name}: ")
+    except ImportError:  # huggingface_hub (timm's) not installed
+        return "", f"timm is not installed; {EXTRA}"
+    problem = "" if cached else network_problem(url)
+    if problem:
+        return "", f"no pretrained weights for {name} in the cache ({folder}) and no network ({problem})"
+    if name.startswith("timm:"):
+        try:  # they can be had: training builds the model with timm (imported only now, 2.5 s)
+            import_extra("timm", f"--feature-net {name}")
+        except MissingExtraError as e:
+            return "", str(e).removeprefix(f"--feature-net {name}: ")
+    arch = name.partition(":")[2]
+    if cached:
+        return f"{arch}'s pretrained weights, in the cache {folder}", ""
+    return f"{arch}'s pretrained weights, downloaded from {urlparse(url).hostname} to the cache {folder}", ""
+
+
+@contextmanager
+def _fetching(name: str, what: str, location: tuple[str | None, str, str], *, client_offline: bool = False):
+    """Around a timm / huggingface_hub call that may fetch ``what`` of ``--feature-net
+    NAME`` (``location``: :func:`weights_location`'s): from the cache, the hub is not asked
+    (offline mode for the call: no update check, nothing to wait for); not cached and no
+    network: :class:`HubUnavailableError` now, naming the model and the cache, instead of
+    the client's ~50 s of retries; else the call downloads as it always did.
+    ``client_offline``: with the hub's own offline variable set, the call is made (it fails
+    at once by itself, and a test may stand in for it)."""
+    cached, folder, url = location
+    if cached:
+        try:
+            from huggingface_hub import constants
+        except ImportError:  # torchvision without timm: torch hub reads its cache without asking
+            yield
+            return
+        was = constants.HF_HUB_OFFLINE
+        constants.HF_HUB_OFFLINE = True
+        try:
+            yield
+        finally:
+            constants.HF_HUB_OFFLINE = was
+        return
+    problem = network_problem(url)
+    if problem and not (client_offline and _offline_var() in _OFFLINE_VARS[:2]):
+        raise _unavailable(name, what, folder, problem)
+    yield
+
+
+def _unavailable(name: str, what: str, folder: str, problem: str) -> HubUnavailableError:
+    return HubUnavailableError(
+        f"--feature-net {name}: no {what} for it in the cache ({folder}) and no network ({problem}); download "
+        "them once where the network is (the same command), or pass local weights: --feature-weights FILE "
+        "(safetensors or a state dict), or an encoder directory from ats export --encoder")
+
+
+def check_weights_can_be_had(name: str) -> None:
+    """Raise :class:`HubUnavailableError` now when the pretrained weights of ``timm:`` /
+    ``torchvision:`` ``name`` are neither in the cache nor downloadable: ``ats train``
+    asks before it prepares a single image, not after."""
+    if name.partition(":")[0] not in _RECIPES:
+        return
+    cached, folder, url = weights_location(name)
+    if not cached and (problem := network_problem(url)):
+        raise _unavailable(name, "pretrained weights", folder, problem)
+
+
 def _timm_recipe(name: str, arch: str) -> dict[str, Any]:
     """timm: the architecture to rebuild, its keyword arguments, input size and normalisation."""
     timm = import_extra("timm", f"--feature-net {name}")
@@ -204,7 +401,10 @@ def _timm_recipe(name: str, arch: str) -> dict[str, Any]:
     hub = _hub_id(arch)
     if hub:
         try:
-            pretrained_cfg, model_name, model_args = timm.models.load_model_config_from_hf(hub)
+            with _fetching(name, "config", _hf_cached(hub, ("config.json",)), client_offline=True):
+                pretrained_cfg, model_name, model_args = timm.models.load_model_config_from_hf(hub)
+        except HubUnavailableError:
+            raise
         except OSError as e:  # offline, gated, missing: huggingface_hub's errors are OSErrors
             raise _hub_error(name, e, "config") from None
         args = {**model_args, **user_args}
@@ -276,7 +476,13 @@ def feature_spec(name: str, *, channels: int, width: int, train: str = "all") ->
     A registered net keeps ``{"in_channels", "width"}`` (the spec of every run before
     encoders); a ``timm:``/``torchvision:`` name gets its recipe; an exported encoder the
     name and arguments it was trained with. ``train`` ``head`` adds a projection to
-    ``width`` channels (to an encoder that has none yet)."""
+    ``width`` channels (to an encoder that has none yet). ``auto`` not yet settled
+    (:func:`ats_cli.config.settle` decides it from the data and the cache) is read as
+    settling finds it without pretrained weights: the random-initialised net."""
+    if name == "auto":
+        from ats_cli.config import RANDOM_FEATURE_NET
+
+        name = RANDOM_FEATURE_NET
     if is_local(name):
         _, config = _local(name)
         net, kwargs = config["feature_net"], dict(config["feature_kwargs"])
@@ -489,18 +695,25 @@ def load_start_weights(feature_net: nn.Module, name: str, weights: str, kwargs: 
         folder, _ = _local(name)
         _load_whole(feature_net, read_weights(folder / WEIGHTS, flag=f"--feature-net {name}:"), f"--feature-net {name}")
         return str(folder / WEIGHTS)
+    location = weights_location(name)
+    where = f"the cache {location[1]}" if location[0] else f"{urlparse(location[2]).hostname}, downloaded"
     if prefix == "timm":
-        _load(target, _timm_backbone(name, kwargs, pretrained=True).state_dict(), f"--feature-net {name}")
-        return f"{arch}'s pretrained weights (timm)"
+        with _fetching(name, "pretrained weights", location):
+            backbone = _timm_backbone(name, kwargs, pretrained=True)
+        _load(target, backbone.state_dict(), f"--feature-net {name}")
+        return f"{arch}'s pretrained weights (timm, from {where})"
     from torchvision import models
 
     try:
-        state = models.get_model_weights(arch).DEFAULT.get_state_dict(progress=False)
+        with _fetching(name, "pretrained weights", location):
+            state = models.get_model_weights(arch).DEFAULT.get_state_dict(progress=False)
+    except HubUnavailableError:
+        raise
     except Exception as e:  # urllib's many errors when offline
         raise HubUnavailableError(f"--feature-net {name}: cannot fetch its pretrained weights ({_first_line(e)}); "
                                   "pass a local copy with --feature-weights FILE, or --feature-weights none") from None
     _load(target, state, f"--feature-net {name}", ignore=encoder.dropped)
-    return f"{arch}'s pretrained weights (torchvision)"
+    return f"{arch}'s pretrained weights (torchvision, from {where})"
 
 
 # ---------------------------------------------------------------- freezing
