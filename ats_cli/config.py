@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ats_cli.registry import extension_choices
+from ats_cli.extensions import extension_choices
 
 if TYPE_CHECKING:
     from collections.abc import Mapping

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ats_cli.registry import register_extension
+from ats_cli.extensions import register_extension
 
 __all__ = ["Pooling", "FeaturePooling", "Where"]
 
@@ -77,7 +77,7 @@ class Pooling(nn.Module):
         raise NotImplementedError
 
 
-@register_extension("pooling", "features", note="their features, then the classifier: the thesis")
+@register_extension("pooling", "features")
 class FeaturePooling(Pooling):
     """The thesis's pooling: the features, then the classifier."""
 

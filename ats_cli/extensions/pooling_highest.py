@@ -43,9 +43,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ats_cli.extensions import register_extension
 from ats_cli.extensions.pooling import FeaturePooling
 from ats_cli.extensions.pooling_counts import CountPooling
-from ats_cli.registry import register_extension
 
 __all__ = ["HighestPooling", "HighestCountPooling", "RuleLikelihood", "highest_logits", "highest_count_logits",
            "poisson_presence"]
@@ -106,7 +106,7 @@ class RuleLikelihood:
         return -logits.float().gather(-1, target[:, None]).mean()
 
 
-@register_extension("pooling", "highest", note="the label is the highest class present: a grade, task max")
+@register_extension("pooling", "highest")
 class HighestPooling(RuleLikelihood, FeaturePooling):
     """Pooled features, as the thesis's; the classifier's logits read as each class's
     presence, and the label as the highest class present (:func:`highest_logits`)."""
@@ -115,7 +115,7 @@ class HighestPooling(RuleLikelihood, FeaturePooling):
         return highest_logits(classifier(pooled))
 
 
-@register_extension("pooling", "highest-counts", note="highest, each object once: presence from counts")
+@register_extension("pooling", "highest-counts")
 class HighestCountPooling(RuleLikelihood, CountPooling):
     """Counts, as :class:`~ats_cli.extensions.pooling_counts.CountPooling`; the label read
     as the highest class present (:func:`highest_count_logits`)."""

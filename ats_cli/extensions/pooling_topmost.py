@@ -39,10 +39,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ats_cli.extensions import register_extension
 from ats_cli.extensions.pooling import Where
 from ats_cli.extensions.pooling_counts import CountPooling
 from ats_cli.extensions.pooling_highest import RuleLikelihood, poisson_presence
-from ats_cli.registry import register_extension
 
 __all__ = ["TopmostCountPooling", "topmost_count_logits"]
 
@@ -57,7 +57,7 @@ def topmost_count_logits(counts: torch.Tensor) -> torch.Tensor:
     return (present - above[..., None]).logsumexp(-2)
 
 
-@register_extension("pooling", "topmost-counts", note="the class of the top-most object: task top")
+@register_extension("pooling", "topmost-counts")
 class TopmostCountPooling(RuleLikelihood, CountPooling):
     """Counts, as :class:`~ats_cli.extensions.pooling_counts.CountPooling`, per attention row;
     the label read as the class of the top-most object (:func:`topmost_count_logits`)."""

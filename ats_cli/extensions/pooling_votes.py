@@ -22,13 +22,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ats_cli.extensions import register_extension
 from ats_cli.extensions.pooling import Pooling, Where
-from ats_cli.registry import register_extension
 
 __all__ = ["VotePooling"]
 
 
-@register_extension("pooling", "votes", note="each patch's class probabilities: a soft vote")
+@register_extension("pooling", "votes")
 class VotePooling(Pooling):
     def __init__(self, features: int, n_classes: int, *, none_class: bool = False):
         super().__init__()
