@@ -15,12 +15,15 @@ at the training images (``--min-brightness``, ``--rarity-prior``, ``--augment``,
 ``--patch-gain``), with ``--rarity-cap`` and, for two levels, ``--region-temperature``,
 which follow from them. Two steps decide them:
 
-* :func:`gather_facts` reads what the rules need from the dataset, once: the hints, the
-  microns per pixel the training files record, and a look at the first training images
-  (:class:`DataFacts`, a plain record).
+* the data layer reads what the rules need from the dataset (:mod:`ats_cli.data.facts`:
+  the hints, the microns per pixel and sizes the training files' headers record, and a
+  look at the first training images; :class:`~ats_cli.data.facts.DataFacts`, a plain record).
 * :func:`settle` decides, from the flags and the facts alone: no I/O, nothing mutated, the
   same answer every time. It returns the settled configuration (no auto value left) and
-  one :class:`Reason` per value, "scale 0.12: dataset.json hint".
+  one :class:`Reason` per value, "scale 0.12: dataset.json hint". The look at the images
+  needs the sizes settled from the headers (the images are read as training reads them),
+  so settle takes it as a function it calls once they are decided: :func:`settle_data`
+  runs the whole, and settle runs once a run.
 
 ``ats train`` prints the reasons, saves them with the facts in ``RUN/settled.json`` and
 builds the model from the settled configuration, which ``RUN/config.json`` holds.
@@ -38,17 +41,18 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ats_cli.data.facts import DataFacts, probe_images, read_facts
 from ats_cli.extensions import extension_choices
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
     from ats_cli.data.dataset import Dataset
 
 __all__ = ["TrainConfig", "ConfigError", "allowed_values", "load_config_file", "resolve_config",
-           "AUTO_MIN_BRIGHTNESS", "AUTO_PROBE_IMAGES", "AUTO_VIEW_PIXELS", "AUTO_RARITY_PRIOR", "DATA_DEFAULTS",
-           "TWO_LEVEL_RARITY_CAP", "TWO_LEVEL_RARITY_PRIOR", "TWO_LEVEL_REGION_TEMPERATURE", "DataFacts", "Reason",
-           "SETTLED_JSON", "Settled", "gather_facts", "load_facts", "looks_at_images", "save_settled", "settle",
+           "AUTO_MIN_BRIGHTNESS", "AUTO_VIEW_PIXELS", "AUTO_RARITY_PRIOR", "DATA_DEFAULTS",
+           "TWO_LEVEL_RARITY_CAP", "TWO_LEVEL_RARITY_PRIOR", "TWO_LEVEL_REGION_TEMPERATURE", "Reason",
+           "Settled", "looks_at_images", "settle", "settle_data",
            "usable_hints", "levels_spec", "rarity_cap", "view_scale"]
 
 
@@ -425,45 +429,6 @@ GAIN_LATE_START = 0.5  # --patch-gain late: the gain trains from this fraction o
 # (every cell at least 4.5 times as unusual as the typical one starts alike) the mass
 # spreads over the slide's unusual regions, 0.28 of it on the nests'.
 TWO_LEVEL_RARITY_PRIOR, TWO_LEVEL_RARITY_CAP, TWO_LEVEL_REGION_TEMPERATURE = 10.0, 4.5, 0.1
-AUTO_PROBE_IMAGES = 16  # the first training images looked at
-DARK = 0.05  # a low-res pixel at or below this in every channel is dark
-SETTLED_JSON = "settled.json"
-
-
-@dataclass(frozen=True)
-class DataFacts:
-    """What the rules know of a dataset, as the run's reading flags (--reader, --level,
-    --tissue-mask) read it. Plain values, saved in ``RUN/settled.json``."""
-
-    hints: Mapping[str, float] = field(default_factory=dict)  # dataset.json's usable n_patches, patch_size, scale
-    channels: int = 1
-    files: int = 0  # training files
-    mpps: tuple[float, ...] = ()  # the microns per pixel the training files record (at --level), ascending
-    mpps_agree: bool = False  # every training file records one, all within the readers' tolerance
-    no_mpp: str = ""  # the first training file that records none
-    probed: int = 0  # readable images among the first AUTO_PROBE_IMAGES training images; 0: not looked at
-    dark: float = 0.0  # the median over those of the share of their low-res pixels that are dark
-    masked: int = 0  # how many of those have a tissue mask (slides and TIFFs, --tissue-mask auto)
-    pretrained: str = ""  # where the feature net's pretrained starting weights come from; "": random
-    sizes: tuple[str, ...] = ()  # the first 3 distinct sizes of the training images as read ("HxW [at MPP µm/px]")
-    n_sizes: int = 0  # how many distinct ones there are; 0: not read
-    pixels: int = 0  # the largest training image's pixels, H x W as its header says; 0: not read
-    long_side: int = 0  # the median of the training images' long sides (headers); 0: not read (sizes_for)
-    # the largest height and the largest width among them (a step's views are padded to them); 0: not read
-    frame_h: int = 0
-    frame_w: int = 0
-    position_hint: str = ""  # dataset.json hints.position_features ("on"/"off"); "": none
-    pooling_hint: str = ""  # dataset.json hints.pooling, a registered pooling's name; "": none
-    none_class_hint: str = ""  # dataset.json hints.none_class ("on"/"off"); "": none
-    count_floor_hint: float = -1.0  # dataset.json hints.count_floor in [0, 1]; -1: none
-    eval_count_floor_hint: float = -1.0  # dataset.json hints.eval_count_floor in [0, 1]; -1: none
-    multilabel: bool = False  # the labels hold several classes per image
-    ignored_hints: tuple[str, ...] = ()  # one line per dataset.json hint read as no hint (read_hints)
-
-    @property
-    def slides(self) -> bool:
-        """Most images looked at have a tissue mask."""
-        return self.masked * 2 > self.probed
 
 
 @dataclass(frozen=True)
@@ -483,17 +448,27 @@ class Reason:
 class Settled:
     """``config``: the flags with every value left to the data decided (the model spec is
     made from it); ``mpp``: the microns per pixel of the model's patches, None when unknown
-    (predict then reads slides by level)."""
+    (predict then reads slides by level); ``facts``: what they were decided from, with the
+    look at the images when :func:`settle` took one (``RUN/settled.json`` saves them)."""
 
     config: TrainConfig
     mpp: float | None
+    facts: DataFacts
 
 
-def settle(flags: TrainConfig, facts: DataFacts) -> tuple[Settled, list[Reason]]:
+def settle(flags: TrainConfig, facts: DataFacts, *,
+           probe: Callable[[DataFacts, float, int], DataFacts] | None = None) -> tuple[Settled, list[Reason]]:
     """Decide every value ``flags`` leaves to the data from ``facts``; pure. The reasons
     come in the order decided, a value given by the user as "given". Raises ConfigError
     for settings that cannot hold together (microns without a microns per pixel, two
-    forms of one setting that disagree)."""
+    forms of one setting that disagree).
+
+    ``probe``: where the facts do not hold the look at the first training images yet and
+    a value is left to them (:func:`looks_at_images`), ``probe(facts, scale, patch_size)``
+    gives the facts with it (:func:`ats_cli.data.facts.probe_images`), called once the
+    sizes are decided from the headers, at the view scale and patch size they give: the
+    images are read as training will read them. The rules after it see its facts, which
+    :attr:`Settled.facts` returns (:func:`settle_data`)."""
     mpp, reasons = _model_mpp(flags, facts)
     out: dict[str, Any] = {}
 
@@ -508,6 +483,9 @@ def settle(flags: TrainConfig, facts: DataFacts) -> tuple[Settled, list[Reason]]
     if flags.levels == 2:
         decide("eval_regions", *_at_evaluation(flags.eval_regions, flags.regions, "regions"))
         decide("eval_coarse_px", *_eval_coarse_px(flags))
+    if probe is not None and looks_at_images(flags):
+        sized = replace(flags, **out)
+        facts = probe(facts, view_scale(sized, mpp), sized.patch_size)
     decide("min_brightness", *_min_brightness(flags, facts))
     decide("augment", *_augment(flags, facts))
     decide("rarity_prior", *_rarity_prior(flags, facts))
@@ -522,7 +500,22 @@ def settle(flags: TrainConfig, facts: DataFacts) -> tuple[Settled, list[Reason]]
     decide("none_class", *_none_class(flags, facts, out["pooling"]))
     decide("count_floor", *_count_floor(flags, facts, out["pooling"]))
     decide("eval_count_floor", *_eval_count_floor(flags, facts, out["pooling"], out["count_floor"]))
-    return Settled(replace(flags, **out).validate(), mpp), reasons
+    return Settled(replace(flags, **out).validate(), mpp, facts), reasons
+
+
+def settle_data(flags: TrainConfig, data: Dataset, *, view_cache: Any = None) -> tuple[Settled, list[Reason]]:
+    """:func:`settle` ``flags`` on ``data``: its hints and headers read
+    (:func:`ats_cli.data.facts.read_facts`), then the one settle, which looks at the first
+    training images where a value is left to them (:func:`ats_cli.data.facts.probe_images`,
+    through ``view_cache``, where a slide's low-res view is then ready for training).
+    Deterministic, so every process of a run settles alike."""
+    hinted, ignored = read_hints(data.hints)
+    facts = read_facts(flags, data, hinted=hinted, ignored_hints=ignored)
+
+    def probe(facts: DataFacts, scale: float, patch_size: int) -> DataFacts:
+        return probe_images(facts, flags, data, scale=scale, patch_size=patch_size, view_cache=view_cache)
+
+    return settle(flags, facts, probe=probe)
 
 
 # ---------------------------------------------------------------------------- the rules
@@ -1060,80 +1053,6 @@ def eval_view_scale(cfg: TrainConfig, mpp: float | None) -> float:
     model's given ``--eval-coarse-px`` (:func:`levels_spec`), else :func:`view_scale`.
     Training's held-out evaluation reads at it, as ats predict does."""
     return levels_spec(cfg, mpp).get("eval_coarse_scale") or view_scale(cfg, mpp)
-
-
-def _median(values: list[int]) -> int:
-    return sorted(values)[len(values) // 2] if values else 0
-
-
-def gather_facts(flags: TrainConfig, data: Dataset, *, view_cache: Any = None) -> DataFacts:
-    """Read what :func:`settle` needs from ``data``, once: the hints, the microns per pixel
-    of every training file (headers only) and, when a value is left to the images, the
-    first AUTO_PROBE_IMAGES training images, read as training reads them: at the sizes
-    settled from the rest and through ``view_cache``, where a slide's low-res view is then
-    ready for training. Deterministic, so every process of a run gathers alike."""
-    from ats_cli.data.inputs import ImageDataset, Unreadable, file_facts
-    from ats_cli.data.slides import MPP_TOLERANCE
-    from ats_cli.nets.encoders import pretrained_source
-
-    reading = flags.input_options()
-    records = data["train"]
-    headers = [file_facts(r.path, reader=reading["reader"], level=reading["level"]) for r in records]
-    recorded = [mpp for mpp, _ in headers]
-    shapes = list(dict.fromkeys(f"{s[0]}x{s[1]}" + (f" at {m:.4g} µm/px" if m else "") for m, s in headers if s))
-    known = sorted(m for m in recorded if m is not None)
-    missing = [str(r.path) for r, m in zip(records, recorded, strict=True) if m is None]
-    agree = bool(known) and not missing and known[-1] <= known[0] * (1 + MPP_TOLERANCE)
-    hinted, ignored = read_hints(data.hints)
-    facts = DataFacts(**hinted, ignored_hints=ignored,
-                      files=len(records), mpps=tuple(known), mpps_agree=agree, no_mpp=missing[0] if missing else "",
-                      pretrained=pretrained_source(flags.feature_net, flags.feature_weights),
-                      sizes=tuple(shapes[:3]), n_sizes=len(shapes),
-                      pixels=max((s[0] * s[1] for _, s in headers if s), default=0),
-                      long_side=_median([max(s) for _, s in headers if s]),
-                      frame_h=max((s[0] for _, s in headers if s), default=0),
-                      frame_w=max((s[1] for _, s in headers if s), default=0),
-                      multilabel=bool(data.multilabel))
-    if not looks_at_images(flags):
-        return facts
-    settled = settle(flags, facts)[0]
-    sizes = settled.config
-    # the views training reads (a two-level model's coarse ones): a 100k slide's view at the
-    # fine scale would be 3,125² pixels, made for nothing and held while it is probed
-    probe = ImageDataset(records[:AUTO_PROBE_IMAGES], channels=facts.channels, scale=view_scale(sizes, settled.mpp),
-                         patch_size=(sizes.patch_size, sizes.patch_size), view_cache=view_cache, **reading)
-    dark, masked = [], 0
-    for i in range(len(probe)):
-        item = probe[i]
-        if isinstance(item, Unreadable):  # named when training reaches it
-            continue
-        dark.append(float((item[0].amax(0) <= DARK).float().mean()))
-        masked += int(item[4] is not None)
-    median = sorted(dark)[len(dark) // 2] if dark else 0.0
-    return replace(facts, probed=len(dark), dark=round(median, 4), masked=masked)
-
-
-def save_settled(run: str | Path, settled: Settled, reasons: list[Reason], facts: DataFacts) -> None:
-    """``RUN/settled.json`` (written whole or not at all): the reasons as printed, the
-    model's microns per pixel and the facts they were settled from."""
-    from ats_cli.io import atomic_write_text
-
-    record = {"reasons": [str(r) for r in reasons], "mpp": settled.mpp, "facts": asdict(facts)}
-    atomic_write_text(Path(run) / SETTLED_JSON, json.dumps(record, indent=2, ensure_ascii=False) + "\n")
-
-
-def load_facts(run: str | Path) -> DataFacts | None:
-    """The facts ``RUN/settled.json`` holds; None when it holds none (a run started by an
-    older ats)."""
-    path = Path(run) / SETTLED_JSON
-    if not path.is_file():
-        return None
-    try:
-        facts = json.loads(path.read_text())["facts"]
-        return DataFacts(**{**facts, "mpps": tuple(facts["mpps"]), "sizes": tuple(facts.get("sizes", ())),
-                            "ignored_hints": tuple(facts.get("ignored_hints", ()))})
-    except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{path}: not a settled.json written by ats train ({e})") from None
 
 
 def check_mpp_flag(value: float, flag: str = "--mpp") -> None:

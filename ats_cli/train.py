@@ -41,18 +41,10 @@ from torch.utils.data import DataLoader
 
 from ats_cli.augment import Augmentation
 from ats_cli.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from ats_cli.config import (
-    GAIN_LATE_START,
-    TrainConfig,
-    eval_view_scale,
-    gather_facts,
-    load_facts,
-    save_settled,
-    settle,
-    view_scale,
-)
+from ats_cli.config import GAIN_LATE_START, TrainConfig, eval_view_scale, settle, settle_data, view_scale
 from ats_cli.core.source import to_device
 from ats_cli.data.dataset import load_dataset
+from ats_cli.data.facts import load_facts, save_settled
 from ats_cli.data.images import ImageReadError
 from ats_cli.data.inputs import (
     Batch,
@@ -655,10 +647,10 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
         check_run_data(state, ckpt, train_identity, data.root)
     cache = view_cache_for(run)  # slides' low-res views and tissue masks: made once (ats_cli.data.inputs)
     # ---- the values left to the data (ats_cli.config); a resumed run's were settled when it started
+    # (settled once: the look at the images, where one is needed, happens inside the one settle)
     saved = load_facts(run) if resume else None
-    facts = saved or gather_facts(cfg, data, view_cache=cache)
-    settled, reasons = settle(cfg, facts)
-    cfg = settled.config
+    settled, reasons = settle(cfg, saved) if saved else settle_data(cfg, data, view_cache=cache)
+    cfg, facts = settled.config, settled.facts
     if saved is None:
         log(f"settled from the data ({run / 'settled.json'}):")
         for reason in reasons:
@@ -666,7 +658,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
         for line in facts.ignored_hints:
             log(f"warning: {line}")
         if ctx.is_main:
-            save_settled(run, settled, reasons, facts)
+            save_settled(run, settled, reasons)
     reading = {"channels": facts.channels, "scale": view_scale(cfg, settled.mpp),  # a two-level model's: coarse
                "patch_size": (cfg.patch_size, cfg.patch_size), "view_cache": cache, **cfg.input_options()}
     from ats_cli.data.prepared import prepare_for_run  # ordinary images: decoded once, then read by patch

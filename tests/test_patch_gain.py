@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ats_cli.config import DataFacts, resolve_config, settle
+from ats_cli.config import resolve_config, settle
+from ats_cli.data.facts import DataFacts
 from ats_cli.models import create_model, model_spec
 
 

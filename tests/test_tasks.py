@@ -18,7 +18,7 @@ import torch
 from typer.testing import CliRunner
 
 from ats_cli.cli import app
-from ats_cli.config import TrainConfig, gather_facts, settle
+from ats_cli.config import TrainConfig, settle_data
 from ats_cli.data.dataset import DatasetError, load_dataset, write_dataset
 from ats_cli.data.megapixel_mnist import TASKS, generate_megapixel_mnist, make_config
 from ats_cli.data.mnist import load_bundled_digits
@@ -71,7 +71,7 @@ def test_the_four_tasks_render_the_same_images_and_record_their_task(four):
         # max and top: a rule over the digits present, which the hinted pooling applies, with
         # more patches; the others (negative control): the thesis's model at the paper's 10
         rule = {"max": ("highest-counts", "on", 0.15, 20), "top": ("topmost-counts", "on", 0.15, 20)}
-        settled = settle(TrainConfig(), gather_facts(TrainConfig(), load_dataset(root)))[0].config
+        settled = settle_data(TrainConfig(), load_dataset(root))[0].config
         assert (settled.pooling, settled.none_class, settled.count_floor, settled.n_patches) == \
             rule.get(task, ("features", "off", 0.0, 10))
         assert meta["hints"].get("pooling") == rule.get(task, (None,))[0]

@@ -359,7 +359,7 @@ def test_cli_train_says_what_it_settled_and_resume_keeps_it_as_it_is(squares, tm
     def look_again(*args, **kwargs):
         raise AssertionError("--resume looked at the data again")
 
-    monkeypatch.setattr("ats_cli.train.gather_facts", look_again)
+    monkeypatch.setattr("ats_cli.train.settle_data", look_again)
     again = CliRunner().invoke(app, ["train", "--resume", str(run), "--epochs", "2"])
     assert again.exit_code == 0, again.output
     assert "settled from the data" not in again.output
