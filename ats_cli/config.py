@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ats_cli.data.facts import DataFacts, probe_images, read_facts
-from ats_cli.extensions import extension_choices
+from ats_cli.registry import extension_choices
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping

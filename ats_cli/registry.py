@@ -7,19 +7,22 @@ be rebuilt without pickling any Python object. One module, because it is one ide
 :class:`Registry` of factories by name, with a named :class:`UnknownNameError` subclass per
 thing so that a caller catches the one it means. The factories themselves live with what
 they build: a network module registers itself with :func:`register_net`, an extension
-module with :func:`ats_cli.extensions.register_extension` (that package holds the four
-extension registries and the table that lists their names without importing torch), a
-method with :func:`ats_cli.models.register_method`; importing their package registers them
-all (this module imports none of them).
+module with :func:`register_extension`, a method with :func:`ats_cli.models.register_method`;
+importing their package registers them all. This module imports none of them: an extension
+module is imported by name when its extension is made (:data:`EXTENSIONS`, the table of
+which module registers which name, lists the names for the flags and their help without
+importing torch, which every extension module does).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["KINDS", "Registry", "UnknownNameError", "UnknownNetworkError", "available_nets", "check_net", "create_net",
-           "register_net", "register_net_prefix"]
+__all__ = ["EXTENSIONS", "KINDS", "ExtensionError", "Registry", "UnknownExtensionError", "UnknownNameError",
+           "UnknownNetworkError", "available_extensions", "available_nets", "check_net", "create_extension",
+           "create_net", "extension_choices", "register_extension", "register_net", "register_net_prefix"]
 
 
 class UnknownNameError(KeyError):
@@ -136,6 +139,97 @@ def create_net(name: str, kind: str | None = None, **kwargs: Any) -> Any:
     return factory(name, **kwargs) if factory else _NETS.create(name, kind, **kwargs)
 
 
-# -- extensions (:mod:`ats_cli.extensions`, which holds their registries) ---------------------
+# -- extensions (:mod:`ats_cli.extensions`) --------------------------------------------------
 
 KINDS = ("pooling", "support", "prior", "gain")  # an extension's slot in the model
+
+# kind -> name -> (the module of ats_cli.extensions that registers it, the note beside the name
+# in its flag's help), in the order the flag lists them: a new extension file adds its line here
+EXTENSIONS: dict[str, dict[str, tuple[str, str]]] = {
+    "pooling": {
+        "features": ("pooling", "their features, then the classifier: the thesis"),
+        "votes": ("pooling_votes", "each patch's class probabilities: a soft vote"),
+        "counts": ("pooling_counts", "those over the attention mass around each patch: each object counts once"),
+        "highest": ("pooling_highest", "the label is the highest class present: a grade, task max"),
+        "highest-counts": ("pooling_highest", "highest, each object once: presence from counts"),
+        "topmost-counts": ("pooling_topmost", "the class of the top-most object: task top"),
+    },
+    "support": {"bright": ("support_bright", "")},
+    "prior": {"rarity": ("prior_rarity", "")},
+    "gain": {"learned": ("gain_learned", "")},
+}
+
+
+class UnknownExtensionError(UnknownNameError):
+    """An extension name that is not registered for its kind; the message lists those that are."""
+
+
+class ExtensionError(ValueError):
+    """An extension spec that is not a name plus options the extension takes."""
+
+
+_REGISTRIES = {kind: Registry(kind, error=UnknownExtensionError) for kind in KINDS}
+# names registered from outside the table (a module of one's own): name -> note, per kind
+_OTHERS: dict[str, dict[str, str]] = {kind: {} for kind in KINDS}
+
+
+def _registry(kind: str) -> Registry:
+    if kind not in _REGISTRIES:
+        raise ValueError(f"unknown kind of extension {kind!r}; choose from {', '.join(KINDS)}")
+    return _REGISTRIES[kind]
+
+
+def register_extension(kind: str, name: str, *, note: str = "") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: register a class (or factory) as the ``kind`` extension ``name``. It is
+    called with the model's dimensions its kind passes (see :func:`create_extension`) and
+    the spec's options as keyword arguments. ``note``: what it does in a few words, the text
+    beside its name in the flag's help, for a name registered from outside :data:`EXTENSIONS`
+    (a name in the table has its note there)."""
+    wrap = _registry(kind).register(name)
+    if name not in EXTENSIONS.get(kind, {}):
+        _OTHERS[kind][name] = note
+    return wrap
+
+
+def _load(kind: str, name: str | None = None) -> Registry:
+    """``kind``'s registry with the module that registers ``name`` imported (all of the
+    kind's modules in :data:`EXTENSIONS` for None): an import runs the registrations."""
+    registry = _registry(kind)
+    for known, (module, _) in EXTENSIONS[kind].items():
+        if name is None or known == name:
+            importlib.import_module(f"ats_cli.extensions.{module}")
+    return registry
+
+
+def available_extensions(kind: str) -> list[str]:
+    """The names registered for ``kind``: those of :data:`EXTENSIONS` in its order (their
+    modules imported), then any registered from elsewhere."""
+    registered = _load(kind).available()
+    return [n for n in EXTENSIONS[kind] if n in registered] + [n for n in registered if n not in EXTENSIONS[kind]]
+
+
+def extension_choices(kind: str) -> dict[str, str]:
+    """The ``kind`` extensions (name -> note), from :data:`EXTENSIONS` and what has been
+    registered from elsewhere so far, without importing any extension module: a flag's
+    allowed values (``--pooling``) and its help come from here, and ``ats --help`` must not
+    import torch."""
+    _registry(kind)
+    return {**{n: note for n, (_, note) in EXTENSIONS[kind].items()}, **_OTHERS[kind]}
+
+
+def create_extension(kind: str, spec: dict[str, Any], **dims: Any) -> Any:
+    """The ``kind`` extension ``spec`` describes: ``{"name": NAME, **options}``. ``dims``
+    are what the model knows and the extension may need (``features``, ``n_classes``).
+    Raises :class:`UnknownExtensionError` for a name not registered, :class:`ExtensionError`
+    for a spec that is not a dict with a name or holds an option the extension does not take."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise ExtensionError(f"a {kind} spec is a dict with a 'name', got {spec!r}")
+    options = {k: v for k, v in spec.items() if k != "name"}
+    registry = _load(kind, spec["name"])
+    if spec["name"] not in registry.available():
+        raise UnknownExtensionError(f"unknown {kind} {spec['name']!r}; available: "
+                                    f"{', '.join(available_extensions(kind))}")
+    try:
+        return registry.create(spec["name"], **dims, **options)
+    except TypeError as e:  # an option the extension does not take, or one missing
+        raise ExtensionError(f"{kind} {spec['name']!r}: {e}") from None

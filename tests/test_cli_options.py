@@ -212,8 +212,8 @@ def test_a_module_that_registers_an_extension_adds_its_flag_value(tmp_path):
     name a --pooling value (help and validation) without touching config.py, and the model
     builds it from the spec."""
     (tmp_path / "my_pooling.py").write_text(
-        "from ats_cli.extensions import register_extension\n"
-        "from ats_cli.extensions.pooling import FeaturePooling\n\n\n"
+        "from ats_cli.extensions.pooling import FeaturePooling\n"
+        "from ats_cli.registry import register_extension\n\n\n"
         '@register_extension("pooling", "mean", note="a test pooling")\n'
         "class MeanPooling(FeaturePooling):\n    pass\n")
     code = (
@@ -237,7 +237,7 @@ def test_a_module_that_registers_an_extension_adds_its_flag_value(tmp_path):
 
 
 def test_the_table_of_extensions_is_what_their_modules_register():
-    """``ats --help`` lists the extensions from ats_cli.extensions.EXTENSIONS without
+    """``ats --help`` lists the extensions from ats_cli.registry.EXTENSIONS without
     importing them; importing every module of the package registers exactly those names,
     each from the module the table gives, so that the help never lists a name that cannot
     be built nor misses one that can."""
@@ -245,7 +245,7 @@ def test_the_table_of_extensions_is_what_their_modules_register():
     import pkgutil
 
     import ats_cli.extensions as extensions
-    from ats_cli.extensions import EXTENSIONS, KINDS, _registry, available_extensions
+    from ats_cli.registry import EXTENSIONS, KINDS, _registry, available_extensions
 
     for module in pkgutil.iter_modules(extensions.__path__):
         importlib.import_module(f"ats_cli.extensions.{module.name}")

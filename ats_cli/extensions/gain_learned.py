@@ -19,8 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ats_cli.extensions import register_extension
 from ats_cli.extensions.gain import Gain
+from ats_cli.registry import register_extension
 
 __all__ = ["LearnedGain"]
 

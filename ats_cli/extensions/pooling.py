@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ats_cli.extensions import register_extension
+from ats_cli.registry import register_extension
 
 __all__ = ["Pooling", "FeaturePooling", "Where"]
 

@@ -40,9 +40,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ats_cli.extensions import ExtensionError, register_extension
 from ats_cli.extensions.pooling import Where
 from ats_cli.extensions.pooling_votes import VotePooling
+from ats_cli.registry import ExtensionError, register_extension
 
 __all__ = ["CountPooling", "local_mass"]
 

@@ -43,9 +43,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ats_cli.extensions import register_extension
 from ats_cli.extensions.pooling import FeaturePooling
 from ats_cli.extensions.pooling_counts import CountPooling
+from ats_cli.registry import register_extension
 
 __all__ = ["HighestPooling", "HighestCountPooling", "RuleLikelihood", "highest_logits", "highest_count_logits",
            "poisson_presence"]

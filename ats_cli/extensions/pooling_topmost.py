@@ -39,10 +39,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ats_cli.extensions import register_extension
 from ats_cli.extensions.pooling import Where
 from ats_cli.extensions.pooling_counts import CountPooling
 from ats_cli.extensions.pooling_highest import RuleLikelihood, poisson_presence
+from ats_cli.registry import register_extension
 
 __all__ = ["TopmostCountPooling", "topmost_count_logits"]
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ats_cli.extensions import register_extension
 from ats_cli.extensions.pooling import Pooling, Where
+from ats_cli.registry import register_extension
 
 __all__ = ["VotePooling"]
 

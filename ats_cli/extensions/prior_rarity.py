@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from ats_cli.extensions import ExtensionError, register_extension
 from ats_cli.extensions.prior import Prior
+from ats_cli.registry import ExtensionError, register_extension
 
 __all__ = ["RarityPrior", "rarity"]
 

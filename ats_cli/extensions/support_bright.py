@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ats_cli.extensions import ExtensionError, register_extension
 from ats_cli.extensions.support import Support
+from ats_cli.registry import ExtensionError, register_extension
 
 __all__ = ["BrightSupport"]
 
