@@ -39,8 +39,8 @@ runner = CliRunner(env={"COLUMNS": "1000"})
 
 def settle_physical_scale(cfg: TrainConfig, records: list[Record], _log=None) -> float | None:
     """The microns per pixel ats train settles for these training files (ats_cli.config), by the
-    same two steps: the files' facts, then the pure settling."""
-    from ats_cli.config import gather_facts, settle
+    same call: the files' facts read, then the one settle."""
+    from ats_cli.config import settle_data
 
     class Training:
         hints: dict = {}
@@ -49,7 +49,7 @@ def settle_physical_scale(cfg: TrainConfig, records: list[Record], _log=None) ->
         def __getitem__(self, split: str) -> list[Record]:
             return records
 
-    return settle(cfg, gather_facts(cfg, Training()))[0].mpp
+    return settle_data(cfg, Training())[0].mpp
 SLIDES_MODEL = Path(__file__).resolve().parents[1] / "models" / "synthetic-slides-ats.pt"
 
 
