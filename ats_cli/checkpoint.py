@@ -3,8 +3,10 @@
 A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts, loaded with
 ``torch.load(weights_only=True)``: loading a file never runs code from it. The model is
 rebuilt from its *spec* (method and network names from the registries plus plain
-settings) by :func:`ats_cli.models.create_model`, never unpickled; a spec of another
-layout than this ats writes (:data:`ats_cli.models.SPEC_VERSION`) is refused by name. Writes are
+settings) by :func:`ats_cli.models.create_model`, never unpickled. A spec of an earlier
+version is migrated to the current one as it is loaded (:func:`ats_cli.models.migrate_spec`:
+an old checkpoint builds the model it always built); a later or pre-release one is refused
+by name. Writes are
 atomic (temporary file + rename): a crash or Ctrl-C during a save leaves the previous
 checkpoint intact.
 """
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 
 from ats_cli.io import atomic_write_bytes, load_refusal
-from ats_cli.models import SPEC_VERSION, create_model
+from ats_cli.models import SpecVersionError, create_model, migrate_spec
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "load_model"]
 
@@ -45,7 +47,9 @@ def save_checkpoint(path: str | os.PathLike[str], *, spec: dict, classes: list[s
 
 def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """The checkpoint dict of ``path``; raises :class:`CheckpointError` naming the file when
-    it is missing, foreign, damaged, newer, or holds a model spec of another version."""
+    it is missing, foreign, damaged, newer, or holds a model spec of a version this ats cannot
+    read. Its spec is in the current layout (:func:`ats_cli.models.migrate_spec`), whatever
+    version the file holds."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: model file not found")
@@ -63,22 +67,11 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.devi
         raise CheckpointError(f"{path}: checkpoint version {ckpt['version']} is newer than this ats ({VERSION})")
     _check_finite(path, ckpt.get("model"))
     if isinstance(ckpt.get("spec"), dict):
-        _check_spec_version(path, ckpt["spec"])
+        try:
+            ckpt["spec"] = migrate_spec(ckpt["spec"])
+        except SpecVersionError as e:
+            raise CheckpointError(f"{path}: {e}") from None
     return ckpt
-
-
-def _check_spec_version(path: Path, spec: dict[str, Any]) -> None:
-    """Refuse a spec this ats does not write. Before the first release the spec went through
-    versions 0 to 6 of another layout, one of which was also numbered 1; every spec of that
-    layout holds ``smoothing``, which the released layout does not, so that one is told apart."""
-    version = spec.get("version", 0)
-    if version == SPEC_VERSION and "smoothing" not in spec:
-        return
-    if isinstance(version, int) and version > SPEC_VERSION and "smoothing" not in spec:
-        raise CheckpointError(f"{path}: model spec version {version} is newer than this ats ({SPEC_VERSION}); "
-                              "upgrade ats")
-    raise CheckpointError(f"{path}: model spec version {version!r} was written by a pre-release ats; this ats reads "
-                          f"spec version {SPEC_VERSION} only: retrain the model or convert its checkpoint")
 
 
 _IMAGE_MAGIC = ((b"\x89PNG", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"),

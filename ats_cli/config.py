@@ -15,12 +15,15 @@ at the training images (``--min-brightness``, ``--rarity-prior``, ``--augment``,
 ``--patch-gain``), with ``--rarity-cap`` and, for two levels, ``--region-temperature``,
 which follow from them. Two steps decide them:
 
-* :func:`gather_facts` reads what the rules need from the dataset, once: the hints, the
-  microns per pixel the training files record, and a look at the first training images
-  (:class:`DataFacts`, a plain record).
+* the data layer reads what the rules need from the dataset (:mod:`ats_cli.data.facts`:
+  the hints, the microns per pixel and sizes the training files' headers record, and a
+  look at the first training images; :class:`~ats_cli.data.facts.DataFacts`, a plain record).
 * :func:`settle` decides, from the flags and the facts alone: no I/O, nothing mutated, the
   same answer every time. It returns the settled configuration (no auto value left) and
-  one :class:`Reason` per value, "scale 0.12: dataset.json hint".
+  one :class:`Reason` per value, "scale 0.12: dataset.json hint". The look at the images
+  needs the sizes settled from the headers (the images are read as training reads them),
+  so settle takes it as a function it calls once they are decided: :func:`settle_data`
+  runs the whole, and settle runs once a run.
 
 ``ats train`` prints the reasons, saves them with the facts in ``RUN/settled.json`` and
 builds the model from the settled configuration, which ``RUN/config.json`` holds.
@@ -38,17 +41,18 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ats_cli.registry import extension_choices
+from ats_cli.data.facts import DataFacts, probe_images, read_facts
+from ats_cli.registry import PRETRAINED_FEATURE_NET, RANDOM_FEATURE_NET, extension_choices
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
     from ats_cli.data.dataset import Dataset
 
-__all__ = ["TrainConfig", "ConfigError", "allowed_values", "load_config_file", "resolve_config",
-           "AUTO_MIN_BRIGHTNESS", "AUTO_PROBE_IMAGES", "AUTO_VIEW_PIXELS", "AUTO_RARITY_PRIOR", "DATA_DEFAULTS",
-           "TWO_LEVEL_RARITY_CAP", "TWO_LEVEL_RARITY_PRIOR", "TWO_LEVEL_REGION_TEMPERATURE", "DataFacts", "Reason",
-           "SETTLED_JSON", "Settled", "gather_facts", "load_facts", "looks_at_images", "save_settled", "settle",
+__all__ = ["TrainConfig", "ConfigError", "allowed_values", "load_config_file", "typed_values",
+           "AUTO_MIN_BRIGHTNESS", "AUTO_VIEW_PIXELS", "AUTO_RARITY_PRIOR", "DATA_DEFAULTS",
+           "TWO_LEVEL_RARITY_CAP", "TWO_LEVEL_RARITY_PRIOR", "TWO_LEVEL_REGION_TEMPERATURE", "Reason",
+           "Settled", "looks_at_images", "settle", "settle_data",
            "usable_hints", "levels_spec", "rarity_cap", "view_scale"]
 
 
@@ -417,12 +421,12 @@ def config_values(text: str, where: str, *, json_text: bool = False) -> dict[str
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(sorted(known))} "
                           "(docs/configuration.md)")
     try:
-        return _typed(values)
+        return typed_values(values)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
 
 
-def _typed(values: dict[str, Any]) -> dict[str, Any]:
+def typed_values(values: dict[str, Any]) -> dict[str, Any]:
     """``values`` with each of its field's type (an int where a float is wanted becomes one);
     raises ConfigError naming the first key of another type."""
     types = {f.name: type(f.default) for f in fields(TrainConfig)}
@@ -436,55 +440,12 @@ def _typed(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-# two ways to give one size: a layer (recipe, file, flags) that gives either replaces the
-# other from the layers below it, so --patch-um overrides a recipe's patch_size
-ALTERNATIVES = (("patch_size", "patch_um"), ("scale", "low_res_um"))
-
-
-def resolve_config(file: str | Path | None = None, recipe: str | None = None, *, use_recipes: bool = True,
-                   **overrides: Any) -> TrainConfig:
-    """The run's configuration: the generic defaults, then the recipe, then the file (a TOML
-    file, or a run's config.json when it is resumed), then the overrides that are not None
-    (the flags of a run). What they leave to the data is settled when the run starts
-    (:mod:`ats_cli.config`).
-
-    The recipe (:mod:`ats_cli.recipes`): ``recipe`` (a name or a .toml path), else the
-    file's ``recipe`` key, else the one the dataset's dataset.json names; its name is
-    recorded in the configuration's ``recipe``. ``use_recipes`` False (a resumed run):
-    none is read, the file holds every value the recipe set when the run started."""
-    values: dict[str, Any] = load_config_file(file) if file else {}
-    given = {k: v for k, v in overrides.items() if v is not None}
-    base: dict[str, Any] = {}
-    if use_recipes:
-        from ats_cli.recipes import dataset_recipe, load_recipe
-
-        name = recipe or values.get("recipe") or dataset_recipe(given.get("data") or values.get("data") or "")
-        if name:
-            chosen = load_recipe(name)
-            base = {**chosen.values, "recipe": chosen.name}
-    merged: dict[str, Any] = {}
-    for layer in (base, values, _typed(given)):
-        for a, b in ALTERNATIVES:  # a size in microns given above replaces the recipe's in pixels, and back
-            if layer.get(a):
-                merged.pop(b, None)
-            if layer.get(b):
-                merged.pop(a, None)
-        merged.update(layer)
-    values = merged
-    if recipe:  # --recipe names the recipe even over a file's record of another
-        values["recipe"] = base["recipe"]
-    return TrainConfig(**values).validate()
-
-
 # ================================================ settling: the values left to the data
 # what n_patches, patch_size and scale become when neither the user nor the dataset says: the paper's Megapixel MNIST
 DATA_DEFAULTS: dict[str, Any] = {"n_patches": 10, "patch_size": 50, "scale": 0.12}
 AUTO_MIN_BRIGHTNESS = 0.15  # --min-brightness auto on a black background (docs/training.md)
 AUTO_RARITY_PRIOR = 2.0  # --rarity-prior auto on slides and photographs (docs/training.md)
 AUTO_PATCH_LOSS = 1.0  # --patch-loss auto on photographs (_patch_loss)
-# --feature-net auto (_feature_net): the pretrained encoder RGB images start from when its
-# weights can be had (the cache, or a download now), else the random-initialised net
-PRETRAINED_FEATURE_NET, RANDOM_FEATURE_NET = "timm:convnext_atto.d2_in1k", "small-cnn"
 PRETRAINED_FACTS = ("pretrained", "no_pretrained", "init_feature_net")  # DataFacts of the weights (_pretrained_facts)
 GAIN_LATE_START = 0.5  # --patch-gain late: the gain trains from this fraction of --epochs (_patch_gain says why)
 # --levels 2: --rarity-prior (on slides), --rarity-cap and --region-temperature auto (and
@@ -500,47 +461,6 @@ GAIN_LATE_START = 0.5  # --patch-gain late: the gain trains from this fraction o
 # one starts alike) the mass spreads over the slide's unusual regions, the nests' among them.
 # Figures: benchmarks/slides.md#the-coarse-attentions-start-rarity-prior-cap-and-region-temperature.
 TWO_LEVEL_RARITY_PRIOR, TWO_LEVEL_RARITY_CAP, TWO_LEVEL_REGION_TEMPERATURE = 10.0, 4.5, 0.1
-AUTO_PROBE_IMAGES = 16  # the first training images looked at
-DARK = 0.05  # a low-res pixel at or below this in every channel is dark
-SETTLED_JSON = "settled.json"
-
-
-@dataclass(frozen=True)
-class DataFacts:
-    """What the rules know of a dataset, as the run's reading flags (--reader, --level,
-    --tissue-mask) read it. Plain values, saved in ``RUN/settled.json``."""
-
-    hints: Mapping[str, float] = field(default_factory=dict)  # dataset.json's usable n_patches, patch_size, scale
-    channels: int = 1
-    files: int = 0  # training files
-    mpps: tuple[float, ...] = ()  # the microns per pixel the training files record (at --level), ascending
-    mpps_agree: bool = False  # every training file records one, all within the readers' tolerance
-    no_mpp: str = ""  # the first training file that records none
-    probed: int = 0  # readable images among the first AUTO_PROBE_IMAGES training images; 0: not looked at
-    dark: float = 0.0  # the median over those of the share of their low-res pixels that are dark
-    masked: int = 0  # how many of those have a tissue mask (slides and TIFFs, --tissue-mask auto)
-    pretrained: str = ""  # where the feature net's pretrained starting weights come from; "": random
-    no_pretrained: str = ""  # --feature-net auto on RGB images: why PRETRAINED_FEATURE_NET's weights cannot be had
-    init_feature_net: str = ""  # --feature-net auto with --init: the feature net of that checkpoint
-    sizes: tuple[str, ...] = ()  # the first 3 distinct sizes of the training images as read ("HxW [at MPP µm/px]")
-    n_sizes: int = 0  # how many distinct ones there are; 0: not read
-    pixels: int = 0  # the largest training image's pixels, H x W as its header says; 0: not read
-    long_side: int = 0  # the median of the training images' long sides (headers); 0: not read (sizes_for)
-    # the largest height and the largest width among them (a step's views are padded to them); 0: not read
-    frame_h: int = 0
-    frame_w: int = 0
-    position_hint: str = ""  # dataset.json hints.position_features ("on"/"off"); "": none
-    pooling_hint: str = ""  # dataset.json hints.pooling, a registered pooling's name; "": none
-    none_class_hint: str = ""  # dataset.json hints.none_class ("on"/"off"); "": none
-    count_floor_hint: float = -1.0  # dataset.json hints.count_floor in [0, 1]; -1: none
-    eval_count_floor_hint: float = -1.0  # dataset.json hints.eval_count_floor in [0, 1]; -1: none
-    multilabel: bool = False  # the labels hold several classes per image
-    ignored_hints: tuple[str, ...] = ()  # one line per dataset.json hint read as no hint (read_hints)
-
-    @property
-    def slides(self) -> bool:
-        """Most images looked at have a tissue mask."""
-        return self.masked * 2 > self.probed
 
 
 @dataclass(frozen=True)
@@ -560,17 +480,27 @@ class Reason:
 class Settled:
     """``config``: the flags with every value left to the data decided (the model spec is
     made from it); ``mpp``: the microns per pixel of the model's patches, None when unknown
-    (predict then reads slides by level)."""
+    (predict then reads slides by level); ``facts``: what they were decided from, with the
+    look at the images when :func:`settle` took one (``RUN/settled.json`` saves them)."""
 
     config: TrainConfig
     mpp: float | None
+    facts: DataFacts
 
 
-def settle(flags: TrainConfig, facts: DataFacts) -> tuple[Settled, list[Reason]]:
+def settle(flags: TrainConfig, facts: DataFacts, *,
+           probe: Callable[[DataFacts, float, int], DataFacts] | None = None) -> tuple[Settled, list[Reason]]:
     """Decide every value ``flags`` leaves to the data from ``facts``; pure. The reasons
     come in the order decided, a value given by the user as "given". Raises ConfigError
     for settings that cannot hold together (microns without a microns per pixel, two
-    forms of one setting that disagree)."""
+    forms of one setting that disagree).
+
+    ``probe``: where the facts do not hold the look at the first training images yet and
+    a value is left to them (:func:`looks_at_images`), ``probe(facts, scale, patch_size)``
+    gives the facts with it (:func:`ats_cli.data.facts.probe_images`), called once the
+    sizes are decided from the headers, at the view scale and patch size they give: the
+    images are read as training will read them. The rules after it see its facts, which
+    :attr:`Settled.facts` returns (:func:`settle_data`)."""
     mpp, reasons = _model_mpp(flags, facts)
     out: dict[str, Any] = {}
 
@@ -585,6 +515,9 @@ def settle(flags: TrainConfig, facts: DataFacts) -> tuple[Settled, list[Reason]]
     if flags.levels == 2:
         decide("eval_regions", *_at_evaluation(flags.eval_regions, flags.regions, "regions"))
         decide("eval_coarse_px", *_eval_coarse_px(flags))
+    if probe is not None and looks_at_images(flags):
+        sized = replace(flags, **out)
+        facts = probe(facts, view_scale(sized, mpp), sized.patch_size)
     decide("min_brightness", *_min_brightness(flags, facts))
     decide("augment", *_augment(flags, facts))
     decide("rarity_prior", *_rarity_prior(flags, facts))
@@ -600,7 +533,52 @@ def settle(flags: TrainConfig, facts: DataFacts) -> tuple[Settled, list[Reason]]
     decide("none_class", *_none_class(flags, facts, out["pooling"]))
     decide("count_floor", *_count_floor(flags, facts, out["pooling"]))
     decide("eval_count_floor", *_eval_count_floor(flags, facts, out["pooling"], out["count_floor"]))
-    return Settled(replace(flags, **out).validate(), mpp), reasons
+    return Settled(replace(flags, **out).validate(), mpp, facts), reasons
+
+
+def _pretrained_facts(flags: TrainConfig, channels: int, init_feature_net: str = "") -> dict[str, str]:
+    """``pretrained``, ``no_pretrained`` and ``init_feature_net`` of :class:`DataFacts`: where
+    the feature net's pretrained weights come from. For ``--feature-net auto`` on RGB images,
+    whether :data:`PRETRAINED_FEATURE_NET`'s can be had now: the cache is read, and the
+    network asked at most once, for :data:`ats_cli.nets.encoders.PROBE_SECONDS`. A
+    ``timm:``/``torchvision:`` name whose own weights cannot be had is refused here
+    (:class:`~ats_cli.nets.encoders.HubUnavailableError`), before the data is prepared."""
+    from ats_cli.nets.encoders import check_weights_can_be_had, pretrained_availability, pretrained_source
+
+    if flags.feature_net != "auto":
+        if flags.feature_weights == "auto" and not flags.init:  # a timm/torchvision name's own: refused now if
+            check_weights_can_be_had(flags.feature_net)          # they cannot be had, not after preparing the data
+        return {"pretrained": pretrained_source(flags.feature_net, flags.feature_weights)}
+    if flags.init and flags.method != "cnn":  # read from the checkpoint by the caller (ats_cli.train)
+        return {"init_feature_net": init_feature_net}
+    if flags.feature_weights != "auto":
+        return {"pretrained": pretrained_source(RANDOM_FEATURE_NET, flags.feature_weights)}
+    if channels != 3 or flags.method == "cnn":
+        return {}
+    where, why_not = pretrained_availability(PRETRAINED_FEATURE_NET)
+    return {"pretrained": where, "no_pretrained": why_not}
+
+
+def settle_data(flags: TrainConfig, data: Dataset, *, view_cache: Any = None,
+                agree: Callable[[DataFacts], DataFacts] | None = None, init_feature_net: str = ""
+                ) -> tuple[Settled, list[Reason]]:
+    """:func:`settle` ``flags`` on ``data``: its hints and headers read
+    (:func:`ats_cli.data.facts.read_facts`), then the one settle, which looks at the first
+    training images where a value is left to them (:func:`ats_cli.data.facts.probe_images`,
+    through ``view_cache``, where a slide's low-res view is then ready for training).
+    Deterministic, so every process of a run settles alike, but for where the pretrained
+    weights can be had (the cache, the network): ``agree`` hands every process rank 0's.
+    ``init_feature_net``: with ``--init``, the feature net that checkpoint's spec names."""
+    hinted, ignored = read_hints(data.hints)
+    facts = read_facts(flags, data, hinted=hinted, ignored_hints=ignored)
+    facts = replace(facts, **_pretrained_facts(flags, hinted.get("channels", 1), init_feature_net))
+    if agree is not None:
+        facts = agree(facts)
+
+    def probe(facts: DataFacts, scale: float, patch_size: int) -> DataFacts:
+        return probe_images(facts, flags, data, scale=scale, patch_size=patch_size, view_cache=view_cache)
+
+    return settle(flags, facts, probe=probe)
 
 
 # ---------------------------------------------------------------------------- the rules
@@ -1005,7 +983,7 @@ def _is_number(value: Any) -> bool:
 def _feature_net(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
     """--feature-net auto: RGB images start from :data:`PRETRAINED_FEATURE_NET`, an encoder
     pretrained on ImageNet, when its weights can be had (in the cache, or downloadable now:
-    :func:`gather_facts` asks, :func:`ats_cli.nets.encoders.pretrained_availability`), as
+    :func:`settle_data` asks, :func:`ats_cli.nets.encoders.pretrained_availability`), as
     the peers start (IPS and CLAM from ImageNet-pretrained ResNets): a random feature net
     gives the attention's first gradients little to go on. Else :data:`RANDOM_FEATURE_NET`
     from random weights, the default before, which is what runs offline (the tests, the
@@ -1015,10 +993,9 @@ def _feature_net(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
 
     Why ConvNeXt-atto (timm ``convnext_atto.d2_in1k``): the smallest of the usual
     ImageNet encoders that transfer well, for CPU and GPU users alike: 3.4 M parameters (a
-    14 MB download), 320 features, 75.7% ImageNet top-1 at 224 px (ResNet-18: 11.7 M, 47 MB,
-    ~71%), and a frozen forward pass at about half ResNet-18's time on a CPU core (24 vs
-    51 ms a 224-px patch, measured here); layer norms, so no batch-norm statistics tie a
-    patch's feature to the others drawn."""
+    14 MB download, 320 features), better on ImageNet than ResNet-18 at a third of its size
+    and cheaper a patch on a CPU; layer norms, so no batch-norm statistics tie a patch's
+    feature to the others drawn."""
     if flags.feature_net != "auto":
         return flags.feature_net, "given"
     if flags.method == "cnn":
@@ -1174,104 +1151,6 @@ def eval_view_scale(cfg: TrainConfig, mpp: float | None) -> float:
     model's given ``--eval-coarse-px`` (:func:`levels_spec`), else :func:`view_scale`.
     Training's held-out evaluation reads at it, as ats predict does."""
     return levels_spec(cfg, mpp).get("eval_coarse_scale") or view_scale(cfg, mpp)
-
-
-def _median(values: list[int]) -> int:
-    return sorted(values)[len(values) // 2] if values else 0
-
-
-def gather_facts(flags: TrainConfig, data: Dataset, *, view_cache: Any = None) -> DataFacts:
-    """Read what :func:`settle` needs from ``data``, once: the hints, the microns per pixel
-    of every training file (headers only) and, when a value is left to the images, the
-    first AUTO_PROBE_IMAGES training images, read as training reads them: at the sizes
-    settled from the rest and through ``view_cache``, where a slide's low-res view is then
-    ready for training. Deterministic, so every process of a run gathers alike."""
-    from ats_cli.data.inputs import ImageDataset, Unreadable, file_facts
-    from ats_cli.data.slides import MPP_TOLERANCE
-
-    reading = flags.input_options()
-    records = data["train"]
-    headers = [file_facts(r.path, reader=reading["reader"], level=reading["level"]) for r in records]
-    recorded = [mpp for mpp, _ in headers]
-    shapes = list(dict.fromkeys(f"{s[0]}x{s[1]}" + (f" at {m:.4g} µm/px" if m else "") for m, s in headers if s))
-    known = sorted(m for m in recorded if m is not None)
-    missing = [str(r.path) for r, m in zip(records, recorded, strict=True) if m is None]
-    agree = bool(known) and not missing and known[-1] <= known[0] * (1 + MPP_TOLERANCE)
-    hinted, ignored = read_hints(data.hints)
-    facts = DataFacts(**hinted, ignored_hints=ignored,
-                      files=len(records), mpps=tuple(known), mpps_agree=agree, no_mpp=missing[0] if missing else "",
-                      **_pretrained_facts(flags, hinted.get("channels", 1)),
-                      sizes=tuple(shapes[:3]), n_sizes=len(shapes),
-                      pixels=max((s[0] * s[1] for _, s in headers if s), default=0),
-                      long_side=_median([max(s) for _, s in headers if s]),
-                      frame_h=max((s[0] for _, s in headers if s), default=0),
-                      frame_w=max((s[1] for _, s in headers if s), default=0),
-                      multilabel=bool(data.multilabel))
-    if not looks_at_images(flags):
-        return facts
-    settled = settle(flags, facts)[0]
-    sizes = settled.config
-    # the views training reads (a two-level model's coarse ones): a 100k slide's view at the
-    # fine scale would be 3,125² pixels, made for nothing and held while it is probed
-    probe = ImageDataset(records[:AUTO_PROBE_IMAGES], channels=facts.channels, scale=view_scale(sizes, settled.mpp),
-                         patch_size=(sizes.patch_size, sizes.patch_size), view_cache=view_cache, **reading)
-    dark, masked = [], 0
-    for i in range(len(probe)):
-        item = probe[i]
-        if isinstance(item, Unreadable):  # named when training reaches it
-            continue
-        dark.append(float((item[0].amax(0) <= DARK).float().mean()))
-        masked += int(item[4] is not None)
-    median = sorted(dark)[len(dark) // 2] if dark else 0.0
-    return replace(facts, probed=len(dark), dark=round(median, 4), masked=masked)
-
-
-def _pretrained_facts(flags: TrainConfig, channels: int) -> dict[str, str]:
-    """``pretrained``, ``no_pretrained`` and ``init_feature_net`` of :class:`DataFacts`: where
-    the feature net's pretrained weights come from. For ``--feature-net auto`` on RGB images,
-    whether :data:`PRETRAINED_FEATURE_NET`'s can be had now: the cache is read, and the
-    network asked at most once, for :data:`ats_cli.nets.encoders.PROBE_SECONDS`. A
-    ``timm:``/``torchvision:`` name whose own weights cannot be had is refused here
-    (:class:`~ats_cli.nets.encoders.HubUnavailableError`), before the data is prepared."""
-    from ats_cli.nets.encoders import check_weights_can_be_had, pretrained_availability, pretrained_source
-
-    if flags.feature_net != "auto":
-        if flags.feature_weights == "auto" and not flags.init:  # a timm/torchvision name's own: refused now if
-            check_weights_can_be_had(flags.feature_net)          # they cannot be had, not after preparing the data
-        return {"pretrained": pretrained_source(flags.feature_net, flags.feature_weights)}
-    if flags.init and flags.method != "cnn":
-        from ats_cli.checkpoint import load_checkpoint
-
-        return {"init_feature_net": str(load_checkpoint(flags.init).get("spec", {}).get("feature_net", ""))}
-    if flags.feature_weights != "auto":
-        return {"pretrained": pretrained_source(RANDOM_FEATURE_NET, flags.feature_weights)}
-    if channels != 3 or flags.method == "cnn":
-        return {}
-    where, why_not = pretrained_availability(PRETRAINED_FEATURE_NET)
-    return {"pretrained": where, "no_pretrained": why_not}
-
-
-def save_settled(run: str | Path, settled: Settled, reasons: list[Reason], facts: DataFacts) -> None:
-    """``RUN/settled.json`` (written whole or not at all): the reasons as printed, the
-    model's microns per pixel and the facts they were settled from."""
-    from ats_cli.io import atomic_write_text
-
-    record = {"reasons": [str(r) for r in reasons], "mpp": settled.mpp, "facts": asdict(facts)}
-    atomic_write_text(Path(run) / SETTLED_JSON, json.dumps(record, indent=2, ensure_ascii=False) + "\n")
-
-
-def load_facts(run: str | Path) -> DataFacts | None:
-    """The facts ``RUN/settled.json`` holds; None when it holds none (a run started by an
-    older ats)."""
-    path = Path(run) / SETTLED_JSON
-    if not path.is_file():
-        return None
-    try:
-        facts = json.loads(path.read_text())["facts"]
-        return DataFacts(**{**facts, "mpps": tuple(facts["mpps"]), "sizes": tuple(facts.get("sizes", ())),
-                            "ignored_hints": tuple(facts.get("ignored_hints", ()))})
-    except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{path}: not a settled.json written by ats train ({e})") from None
 
 
 def check_mpp_flag(value: float, flag: str = "--mpp") -> None:

@@ -13,17 +13,26 @@ under its name, so a checkpoint is rebuilt without unpickling anything. The meth
 A new method is a function from a spec to a model, decorated with
 ``@register_method("name")``.
 
-The spec layout (:data:`SPEC_VERSION`): the method and network names with their keyword
+The spec layout (:data:`SPEC_VERSION`, 2): the method and network names with their keyword
 arguments, ``n_classes``, ``channels``, the sampling settings of
 :class:`~ats_cli.core.model.ATSModel` (``n_patches``, ``eval_n_patches``, ``patch_size``,
-``scale``, ``replace``, ``estimator``, ``entropy_weight``, ``feature_scale``), the four
-extension slots as plain specs (``"pooling": {"name": "counts", "none_class": true,
-"floor": 0.02}``; ``support``, ``prior`` and ``gain`` likewise or null:
-:mod:`ats_cli.extensions`) and ``input``, how training read its inputs. A two-level
-``ats`` model (:class:`~ats_cli.core.nested_model.NestedATSModel`) adds ``levels`` (2),
-``regions``, ``region_size``, ``coarse_scale``, ``region_temperature`` and
+``scale``, ``replace``, ``estimator``, ``entropy_weight``, ``feature_scale``,
+``patch_loss``), the four extension slots as plain specs (``"pooling": {"name": "counts",
+"none_class": true, "floor": 0.02}``; ``support``, ``prior`` and ``gain`` likewise or null:
+:mod:`ats_cli.extensions`), ``position`` (the position features' options, or null),
+``multilabel`` (one sigmoid per class: :mod:`ats_cli.multilabel`), ``levels`` and
+``input``, how training read its inputs. A two-level ``ats`` model
+(:class:`~ats_cli.core.nested_model.NestedATSModel`, ``levels`` 2) adds ``regions``,
+``eval_regions``, ``region_size``, ``coarse_scale``, ``region_temperature`` and
 ``eval_coarse_scale`` (:func:`ats_cli.config.levels_spec`; training or ``ats export`` may
-set the last); a one-level spec has none of them.
+set the last); a one-level spec (``levels`` 1) has none of them. Every key is written:
+an off setting is written as its off value, never left out.
+
+Version 1 (the released models of 0.1.0) left a setting out when it was off and the reader
+filled in what it meant. :func:`migrate_spec` turns a spec of any version this ats knows
+into the current layout, one step per version (:data:`MIGRATIONS`), when a checkpoint is
+loaded and when a model is created, so that an old checkpoint builds the very model it
+built before.
 """
 
 from __future__ import annotations
@@ -39,12 +48,51 @@ from ats_cli.core.model import ATSModel
 from ats_cli.nets.encoders import feature_spec
 from ats_cli.registry import Registry, UnknownNameError
 
-__all__ = ["SPEC_VERSION", "UnknownMethodError", "available_methods", "check_model", "check_patch_size",
-           "create_model", "model_spec", "register_method"]
+__all__ = ["MIGRATIONS", "SPEC_VERSION", "SpecVersionError", "UnknownMethodError", "available_methods",
+           "check_model", "check_patch_size", "create_model", "migrate_spec", "model_spec", "register_method"]
 
-# The spec layout this ats writes and reads (see the module docstring). A change of what a
-# key means bumps it; a checkpoint of another version is refused by name (ats_cli.checkpoint).
-SPEC_VERSION = 1
+# The spec layout this ats writes (see the module docstring). A change of which keys a spec
+# holds or what one means bumps it and adds the migration from the previous version to
+# MIGRATIONS; a spec of a later version is refused by name (ats_cli.checkpoint).
+SPEC_VERSION = 2
+
+
+class SpecVersionError(ValueError):
+    """A model spec of a version this ats cannot read: a later one, or a pre-release layout."""
+
+
+def _v1_to_v2(spec: dict[str, Any]) -> dict[str, Any]:
+    """Version 1 left a setting out when it was off: fill in what version 1's reader
+    assumed for each absent key (no patch loss, no position features, one label per image,
+    one level; a two-level model's evaluation regions and coarse view as trained, a region
+    temperature of 1; an input option absent read as its default, None)."""
+    new = {"patch_loss": 0.0, "position": None, "multilabel": False, "levels": 1, **spec, "version": 2}
+    if new["levels"] == 2:
+        new = {"eval_regions": 0, "eval_coarse_scale": 0.0, "region_temperature": 1.0, **new}
+    new["input"] = {**dict.fromkeys(("reader", "level", "mpp", "tissue", "resample")), **(spec.get("input") or {})}
+    return new
+
+
+# version -> the function from a spec of that version to one of the next
+MIGRATIONS = {1: _v1_to_v2}
+
+
+def migrate_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """``spec`` in the current layout (:data:`SPEC_VERSION`), through one migration per
+    version from its own; a new dict, ``spec`` itself untouched. Raises
+    :class:`SpecVersionError` for a later version, and for the layout before the first
+    release: it went through versions 0 to 6, one of which was also numbered 1, and every
+    spec of it holds ``smoothing``, which no released layout does, so that one is told apart."""
+    version = spec.get("version", 0)
+    if "smoothing" in spec or not isinstance(version, int) or version < min(MIGRATIONS):
+        raise SpecVersionError(f"model spec version {version!r} was written by a pre-release ats; this ats reads "
+                               f"spec versions {min(MIGRATIONS)} to {SPEC_VERSION}: retrain the model")
+    if version > SPEC_VERSION:
+        raise SpecVersionError(f"model spec version {version} is newer than this ats ({SPEC_VERSION}); upgrade ats")
+    while version < SPEC_VERSION:
+        spec = MIGRATIONS[version](spec)
+        version = spec["version"]
+    return dict(spec)
 
 CNN_NET = "resnet18"  # the CNN baseline's network name (thesis: a ResNet on the downsampled image)
 
@@ -68,10 +116,13 @@ def available_methods() -> list[str]:
 
 def create_model(spec: dict[str, Any]) -> nn.Module:
     """The model ``spec`` describes, with fresh weights (load a state dict into it).
-    Raises :class:`UnknownMethodError` for a method that is not registered. A spec with
+    ``spec`` may be of any version :func:`migrate_spec` reads. Raises
+    :class:`UnknownMethodError` for a method that is not registered, :class:`SpecVersionError`
+    for a spec of a version this ats cannot read. A spec with
     ``"multilabel": true`` gives a model read with one sigmoid per class (:mod:`ats_cli.multilabel`)."""
+    spec = migrate_spec(spec)
     model = _METHODS.create(spec["method"], spec=spec)
-    if spec.get("multilabel"):
+    if spec["multilabel"]:
         model.multilabel = True
     return model
 
@@ -102,10 +153,11 @@ def model_spec(cfg: TrainConfig, *, n_classes: int, channels: int, mpp: float | 
         "estimator": cfg.estimator,
         "entropy_weight": cfg.entropy,
         "feature_scale": cfg.feature_scale,
-        # present only when on, so that the spec of a model without it is what it always was
-        **({"patch_loss": float(cfg.patch_loss)} if cfg.patch_loss > 0 and cfg.method == "ats" else {}),
+        "patch_loss": float(cfg.patch_loss) if cfg.patch_loss > 0 and cfg.method == "ats" else 0.0,
+        "multilabel": False,  # one sigmoid per class: set by ats train for multi-label data
         **extension_specs(cfg),
-        **levels_spec(cfg, mpp),
+        "levels": 1,
+        **levels_spec(cfg, mpp),  # a two-level model's keys, levels 2 among them
         # how inputs were read in training: predict and visualize read them alike by default
         "input": {**cfg.input_options(), **({"mpp": float(mpp)} if mpp else {}), "resample": True},
     }
@@ -134,9 +186,8 @@ def extension_specs(cfg: TrainConfig) -> dict[str, dict[str, Any] | None]:
                   **({"cap": float(cap)} if (cap := rarity_cap(cfg)) > 0 else {})}  # absent: as it always was
         if cfg.rarity_prior > 0 and cfg.method != "uniform" else None,
         "gain": {"name": "learned"} if cfg.patch_gain in ("on", "late") else None,  # late: train._optimizer
-        # present only when on, so that the spec of a model without it is what it always was
-        # (its features, and the attention's view: ats_cli.extensions.position)
-        **({"position": {"frequencies": 4, "attention": True}} if cfg.position_features == "on" else {}),
+        # its features, and the attention's view (ats_cli.extensions.position)
+        "position": {"frequencies": 4, "attention": True} if cfg.position_features == "on" else None,
     }
 
 
@@ -169,15 +220,15 @@ def _sampling_settings(spec: dict[str, Any]) -> dict[str, Any]:
         prior=spec["prior"],
         gain=spec["gain"],
         # the feature side's options; "attention" is the attention net's (_ats)
-        position={k: v for k, v in spec["position"].items() if k != "attention"} if spec.get("position") else None,
-        patch_loss=spec.get("patch_loss", 0.0),
+        position={k: v for k, v in spec["position"].items() if k != "attention"} if spec["position"] else None,
+        patch_loss=spec["patch_loss"],
     )
 
 
 @register_method("ats")
 def _ats(spec: dict[str, Any]) -> nn.Module:
     kwargs = spec["attention_kwargs"]
-    positional = (spec.get("position") or {}).get("attention")  # the view and each cell's place
+    positional = (spec["position"] or {}).get("attention")  # the view and each cell's place
     if positional:
         kwargs = {**kwargs, "in_channels": kwargs["in_channels"] + 2}  # (ats_cli.extensions.position)
     attention = nets.create(spec["attention_net"], kind="attention", **kwargs)
@@ -185,14 +236,14 @@ def _ats(spec: dict[str, Any]) -> nn.Module:
         from ats_cli.extensions.position import PositionalAttention
 
         attention = PositionalAttention(attention)
-    if spec.get("levels", 1) == 2:  # the coarse attention is a second net of the same kind
+    if spec["levels"] == 2:  # the coarse attention is a second net of the same kind
         from ats_cli.core.nested_model import NestedATSModel
 
         coarse = nets.create(spec["attention_net"], kind="attention", **spec["attention_kwargs"])
         return NestedATSModel(coarse, attention, _features(spec), spec["n_classes"], regions=spec["regions"],
-                              eval_regions=spec.get("eval_regions", 0), region_size=spec["region_size"],
-                              eval_coarse_scale=spec.get("eval_coarse_scale", 0.0),
-                              coarse_scale=spec["coarse_scale"], region_temperature=spec.get("region_temperature", 1.0),
+                              eval_regions=spec["eval_regions"], region_size=spec["region_size"],
+                              eval_coarse_scale=spec["eval_coarse_scale"],
+                              coarse_scale=spec["coarse_scale"], region_temperature=spec["region_temperature"],
                               **_sampling_settings(spec))
     return _sampling_model(spec, attention)
 

@@ -8,21 +8,22 @@ be rebuilt without pickling any Python object. One module, because it is one ide
 thing so that a caller catches the one it means. The factories themselves live with what
 they build: a network module registers itself with :func:`register_net`, an extension
 module with :func:`register_extension`, a method with :func:`ats_cli.models.register_method`;
-importing their package registers them all (this module imports none of them).
+importing their package registers them all. This module imports none of them: an extension
+module is imported by name when its extension is made (:data:`EXTENSIONS`, the table of
+which module registers which name, lists the names for the flags and their help without
+importing torch, which every extension module does).
 """
 
 from __future__ import annotations
 
-import ast
-import importlib.util
-import pkgutil
+import importlib
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-__all__ = ["KINDS", "ExtensionError", "Registry", "UnknownExtensionError", "UnknownNameError", "UnknownNetworkError",
-           "available_extensions", "available_nets", "check_net", "create_extension", "create_net",
-           "extension_choices", "register_extension", "register_net", "register_net_prefix"]
+__all__ = ["PRETRAINED_FEATURE_NET", "RANDOM_FEATURE_NET",
+           "EXTENSIONS", "KINDS", "ExtensionError", "Registry", "UnknownExtensionError", "UnknownNameError",
+           "UnknownNetworkError", "available_extensions", "available_nets", "check_net", "create_extension",
+           "create_net", "extension_choices", "register_extension", "register_net", "register_net_prefix"]
 
 
 class UnknownNameError(KeyError):
@@ -88,6 +89,9 @@ class UnknownNetworkError(UnknownNameError):
     """A network name that is not in the registry."""
 
 
+# --feature-net auto settles to one of these (ats_cli.config._feature_net says why): the
+# pretrained encoder RGB images start from when its weights can be had, else a random net
+PRETRAINED_FEATURE_NET, RANDOM_FEATURE_NET = "timm:convnext_atto.d2_in1k", "small-cnn"
 _NETS = Registry("network", kinds=("attention", "features"), error=UnknownNetworkError)
 # families of networks named "PREFIX:NAME" (timm:resnet50): prefix -> (kind, factory(name, **kwargs))
 _NET_PREFIXES: dict[str, tuple[str, Callable[..., Any]]] = {}
@@ -141,7 +145,23 @@ def create_net(name: str, kind: str | None = None, **kwargs: Any) -> Any:
 
 # -- extensions (:mod:`ats_cli.extensions`) --------------------------------------------------
 
-KINDS = ("pooling", "support", "prior", "gain")
+KINDS = ("pooling", "support", "prior", "gain")  # an extension's slot in the model
+
+# kind -> name -> (the module of ats_cli.extensions that registers it, the note beside the name
+# in its flag's help), in the order the flag lists them: a new extension file adds its line here
+EXTENSIONS: dict[str, dict[str, tuple[str, str]]] = {
+    "pooling": {
+        "features": ("pooling", "their features, then the classifier: the thesis"),
+        "votes": ("pooling_votes", "each patch's class probabilities: a soft vote"),
+        "counts": ("pooling_counts", "those over the attention mass around each patch: each object counts once"),
+        "highest": ("pooling_highest", "the label is the highest class present: a grade, task max"),
+        "highest-counts": ("pooling_highest", "highest, each object once: presence from counts"),
+        "topmost-counts": ("pooling_topmost", "the class of the top-most object: task top"),
+    },
+    "support": {"bright": ("support_bright", "")},
+    "prior": {"rarity": ("prior_rarity", "")},
+    "gain": {"learned": ("gain_learned", "")},
+}
 
 
 class UnknownExtensionError(UnknownNameError):
@@ -152,28 +172,53 @@ class ExtensionError(ValueError):
     """An extension spec that is not a name plus options the extension takes."""
 
 
-_EXTENSIONS = {kind: Registry(kind, error=UnknownExtensionError) for kind in KINDS}
+_REGISTRIES = {kind: Registry(kind, error=UnknownExtensionError) for kind in KINDS}
+# names registered from outside the table (a module of one's own): name -> note, per kind
+_OTHERS: dict[str, dict[str, str]] = {kind: {} for kind in KINDS}
 
 
-def _extensions(kind: str) -> Registry:
-    if kind not in _EXTENSIONS:
+def _registry(kind: str) -> Registry:
+    if kind not in _REGISTRIES:
         raise ValueError(f"unknown kind of extension {kind!r}; choose from {', '.join(KINDS)}")
-    return _EXTENSIONS[kind]
+    return _REGISTRIES[kind]
 
 
 def register_extension(kind: str, name: str, *, note: str = "") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: register a class (or factory) as the ``kind`` extension ``name``. It is
     called with the model's dimensions its kind passes (see :func:`create_extension`) and
-    the spec's options as keyword arguments. ``note``: what it does in a few words, the
-    text beside its name in the flag's help (:func:`extension_choices` reads it, as written,
-    from the file)."""
-    return _extensions(kind).register(name)
+    the spec's options as keyword arguments. ``note``: what it does in a few words, the text
+    beside its name in the flag's help, for a name registered from outside :data:`EXTENSIONS`
+    (a name in the table has its note there)."""
+    wrap = _registry(kind).register(name)
+    if name not in EXTENSIONS.get(kind, {}):
+        _OTHERS[kind][name] = note
+    return wrap
+
+
+def _load(kind: str, name: str | None = None) -> Registry:
+    """``kind``'s registry with the module that registers ``name`` imported (all of the
+    kind's modules in :data:`EXTENSIONS` for None): an import runs the registrations."""
+    registry = _registry(kind)
+    for known, (module, _) in EXTENSIONS[kind].items():
+        if name is None or known == name:
+            importlib.import_module(f"ats_cli.extensions.{module}")
+    return registry
 
 
 def available_extensions(kind: str) -> list[str]:
-    """The names registered for ``kind``, in registration order (the extension modules are
-    registered when :mod:`ats_cli.extensions` is imported)."""
-    return _extensions(kind).available()
+    """The names registered for ``kind``: those of :data:`EXTENSIONS` in its order (their
+    modules imported), then any registered from elsewhere."""
+    registered = _load(kind).available()
+    return [n for n in EXTENSIONS[kind] if n in registered] + [n for n in registered if n not in EXTENSIONS[kind]]
+
+
+def extension_choices(kind: str) -> dict[str, str]:
+    """The ``kind`` extensions (name -> note), from :data:`EXTENSIONS` and what has been
+    registered from elsewhere so far, without importing any extension module: a flag's
+    allowed values (``--pooling``) and its help come from here, and ``ats --help`` must not
+    import torch."""
+    _registry(kind)
+    return {**{n: note for n, (_, note) in EXTENSIONS[kind].items()}, **_OTHERS[kind]}
 
 
 def create_extension(kind: str, spec: dict[str, Any], **dims: Any) -> Any:
@@ -184,44 +229,11 @@ def create_extension(kind: str, spec: dict[str, Any], **dims: Any) -> Any:
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
         raise ExtensionError(f"a {kind} spec is a dict with a 'name', got {spec!r}")
     options = {k: v for k, v in spec.items() if k != "name"}
-    registry = _extensions(kind)
-    registry.check(spec["name"])
+    registry = _load(kind, spec["name"])
+    if spec["name"] not in registry.available():
+        raise UnknownExtensionError(f"unknown {kind} {spec['name']!r}; available: "
+                                    f"{', '.join(available_extensions(kind))}")
     try:
         return registry.create(spec["name"], **dims, **options)
     except TypeError as e:  # an option the extension does not take, or one missing
         raise ExtensionError(f"{kind} {spec['name']!r}: {e}") from None
-
-
-def extension_choices(kind: str) -> dict[str, str]:
-    """The ``kind`` extensions (name -> note) as the extension files register them, read
-    from the files rather than imported: a flag's allowed values (``--pooling``) and its help
-    come from here, and ``ats --help`` must not import torch, which every extension does.
-    Adding a file to :mod:`ats_cli.extensions` thus adds its flag value. The files are read
-    in the order :mod:`ats_cli.extensions` imports them, so this lists what
-    :func:`available_extensions` lists after the import, in the same order (tested)."""
-    _extensions(kind)
-    spec = importlib.util.find_spec("ats_cli.extensions")  # finds the package without running it
-    files = {m.name: Path(m.module_finder.path) / f"{m.name}.py"  # type: ignore[union-attr]
-             for m in pkgutil.iter_modules(spec.submodule_search_locations if spec else ())}
-    choices: dict[str, str] = {}
-    done: set[str] = set()
-
-    def read(name: str) -> None:  # as an import runs it: the sibling extensions it imports first
-        done.add(name)
-        if not files[name].is_file():
-            return
-        for node in ast.walk(ast.parse(files[name].read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ats_cli.extensions."):
-                sibling = node.module.rpartition(".")[2]  # type: ignore[union-attr]
-                if sibling in files and sibling not in done:
-                    read(sibling)
-            elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "register_extension"
-                    and len(node.args) == 2 and all(isinstance(a, ast.Constant) for a in node.args)
-                    and node.args[0].value == kind):
-                notes = [k.value.value for k in node.keywords if k.arg == "note" and isinstance(k.value, ast.Constant)]
-                choices[node.args[1].value] = notes[0] if notes else ""
-
-    for name in files:
-        if name not in done:
-            read(name)
-    return choices

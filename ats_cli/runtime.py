@@ -44,7 +44,7 @@ epoch journal). ``ats train --out RUN`` writes ``config.json``, ``settled.json``
   runs. The OS drops that lock when the process ends, however it ends (kill -9
   included), so a lock file left behind by a dead process is stale and the next writer
   takes it over; the lock of a live writer refuses every other writer with its pid and
-  host. No forked worker holds it (:mod:`ats_cli.locks`), and a lock still held after
+  host. No forked worker holds it (:mod:`ats_cli.io`), and a lock still held after
   its recorded writer died (by processes that inherited it) is taken over too. Where
   the file system has no locks, the pid alone decides (same host only).
 * **An epoch's record is atomic.** At the end of an epoch the checkpoints are written
@@ -90,8 +90,7 @@ from typing import Any, NoReturn, TypeVar
 import torch
 import torch.distributed as dist
 
-from ats_cli.io import atomic_write_text
-from ats_cli.locks import alive, held, owner_gone, released
+from ats_cli.io import alive, atomic_write_text, held, owner_gone, released
 
 try:
     import fcntl
@@ -532,7 +531,7 @@ class RunLock:
                         time.sleep(0.25)
                         continue
                     # held, but not by its recorded owner, which is gone: by processes that
-                    # inherited it (ats_cli.locks); a new lock file leaves them holding nothing
+                    # inherited it (ats_cli.io); a new lock file leaves them holding nothing
                     self.took_over = holder
                     with contextlib.suppress(OSError):
                         if os.stat(self.path).st_ino == os.fstat(fd).st_ino:

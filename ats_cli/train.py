@@ -46,14 +46,13 @@ from ats_cli.config import (
     PRETRAINED_FACTS,
     TrainConfig,
     eval_view_scale,
-    gather_facts,
-    load_facts,
-    save_settled,
     settle,
+    settle_data,
     view_scale,
 )
 from ats_cli.core.source import to_device
 from ats_cli.data.dataset import load_dataset
+from ats_cli.data.facts import load_facts, save_settled
 from ats_cli.data.images import ImageReadError
 from ats_cli.data.inputs import (
     Batch,
@@ -656,12 +655,17 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
         check_run_data(state, ckpt, train_identity, data.root)
     cache = view_cache_for(run)  # slides' low-res views and tissue masks: made once (ats_cli.data.inputs)
     # ---- the values left to the data (ats_cli.config); a resumed run's were settled when it started
+    # (settled once: the look at the images, where one is needed, happens inside the one settle)
     saved = load_facts(run) if resume else None
-    facts = saved or gather_facts(cfg, data, view_cache=cache)
-    if saved is None and ctx.enabled:  # the weights' cache and network as rank 0 found them: every rank settles alike
-        facts = replace(facts, **from_main(lambda: {k: getattr(facts, k) for k in PRETRAINED_FACTS}, ctx))
-    settled, reasons = settle(cfg, facts)
-    cfg = settled.config
+    def agree(facts):  # the weights' cache and network as rank 0 found them: every rank settles alike
+        return replace(facts, **from_main(lambda: {k: getattr(facts, k) for k in PRETRAINED_FACTS}, ctx))
+
+    # with --init, --feature-net auto is that checkpoint's feature net (ats_cli.config._feature_net)
+    init_net = str(load_checkpoint(cfg.init).get("spec", {}).get("feature_net", "")) \
+        if cfg.init and cfg.feature_net == "auto" and cfg.method != "cnn" and not saved else ""
+    settled, reasons = settle(cfg, saved) if saved else settle_data(
+        cfg, data, view_cache=cache, agree=agree if ctx.enabled else None, init_feature_net=init_net)
+    cfg, facts = settled.config, settled.facts
     if saved is None:
         log(f"settled from the data ({run / 'settled.json'}):")
         for reason in reasons:
@@ -669,7 +673,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
         for line in facts.ignored_hints:
             log(f"warning: {line}")
         if ctx.is_main:
-            save_settled(run, settled, reasons, facts)
+            save_settled(run, settled, reasons)
     reading = {"channels": facts.channels, "scale": view_scale(cfg, settled.mpp),  # a two-level model's: coarse
                "patch_size": (cfg.patch_size, cfg.patch_size), "view_cache": cache, **cfg.input_options()}
     from ats_cli.data.prepared import prepare_for_run  # ordinary images: decoded once, then read by patch

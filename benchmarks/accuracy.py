@@ -20,7 +20,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ats_cli.config import resolve_config
+from ats_cli.recipes import resolve_config
 from ats_cli.train import train
 
 LABELS = {"ats": "ATS-10", "uniform": "U-10", "deepmil": "Deep MIL", "cnn": "CNN (ResNet-18, low-res)"}

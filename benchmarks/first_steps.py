@@ -19,12 +19,13 @@ from pathlib import Path
 
 import torch
 
-from ats_cli.config import gather_facts, resolve_config, settle, view_scale
+from ats_cli.config import settle_data, view_scale
 from ats_cli.core.model import exploration
 from ats_cli.core.source import source_shapes
 from ats_cli.data.dataset import load_dataset
 from ats_cli.data.inputs import ImageDataset, collate
 from ats_cli.models import create_model, model_spec
+from ats_cli.recipes import resolve_config
 from ats_cli.train import _optimizer, step_loss
 
 
@@ -57,9 +58,8 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = resolve_config(data=args.data, out="/tmp/first-steps", workers=0, **_parse(args.settings))
     data = load_dataset(cfg.data)
-    facts = gather_facts(cfg, data)
-    settled, _ = settle(cfg, facts)
-    cfg = settled.config
+    settled, _ = settle_data(cfg, data)
+    cfg, facts = settled.config, settled.facts
     scale = view_scale(cfg, settled.mpp)
     ds = ImageDataset(data["train"], channels=facts.channels, scale=scale,
                       patch_size=(cfg.patch_size, cfg.patch_size), **cfg.input_options())

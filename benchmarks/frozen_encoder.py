@@ -37,10 +37,10 @@ def _rss_mb() -> float:
 def child(mode: str, net: str, steps: int, device_name: str) -> dict:
     import torch
 
-    from ats_cli.config import resolve_config
     from ats_cli.core.source import low_res_view
     from ats_cli.models import create_model, model_spec
     from ats_cli.nets.encoders import apply_feature_train
+    from ats_cli.recipes import resolve_config
     from ats_cli.train import _optimizer, train_mode
 
     device = torch.device(device_name)

@@ -18,10 +18,12 @@ from typer.testing import CliRunner
 from ats_cli import augment
 from ats_cli.augment import Augmentation, brightness_contrast, dihedral, hed_jitter
 from ats_cli.cli import app
-from ats_cli.config import DataFacts, resolve_config, settle
+from ats_cli.config import settle
 from ats_cli.core.model import ATSModel
+from ats_cli.data.facts import DataFacts
 from ats_cli.data.synthetic_slides import SyntheticSlidesConfig, fingerprint, render_slide
 from ats_cli.models import create_model, model_spec
+from ats_cli.recipes import resolve_config
 from ats_cli.train import TrainingInterrupted, train
 
 

@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from ats_cli.cli import app
 from ats_cli.cli.options import config_help
-from ats_cli.config import DATA_DEFAULTS, ConfigError, TrainConfig, allowed_values, resolve_config
+from ats_cli.config import DATA_DEFAULTS, ConfigError, TrainConfig, allowed_values
+from ats_cli.recipes import resolve_config
 
 COMMANDS = typer.main.get_command(app).commands
 CLI_ONLY = {"config", "resume", "overwrite", "devices", "recipes", "set_"}  # ats train's parameters, not fields
@@ -216,41 +217,65 @@ def test_info_on_an_image_and_doctor_leave_heavy_packages_unimported(tmp_path):
     assert done.stdout.strip() == "False", done.stdout
 
 
-def test_an_extension_file_adds_its_flag_value(tmp_path):
-    """Adding a pooling is adding a file: its name becomes a --pooling value (help and
-    validation) without touching config.py, and the model builds it from the spec."""
-    import shutil
-    from pathlib import Path
-
-    import ats_cli
-
-    package = tmp_path / "ats_cli"
-    shutil.copytree(Path(ats_cli.__file__).parent, package, ignore=shutil.ignore_patterns("__pycache__"))
-    (package / "extensions" / "pooling_mean.py").write_text(
+def test_a_module_that_registers_an_extension_adds_its_flag_value(tmp_path):
+    """An extension is registered by running code, not by its source being parsed: a module
+    of one's own (outside ats_cli) that registers a pooling when it is imported makes its
+    name a --pooling value (help and validation) without touching config.py, and the model
+    builds it from the spec."""
+    (tmp_path / "my_pooling.py").write_text(
         "from ats_cli.extensions.pooling import FeaturePooling\n"
         "from ats_cli.registry import register_extension\n\n\n"
         '@register_extension("pooling", "mean", note="a test pooling")\n'
         "class MeanPooling(FeaturePooling):\n    pass\n")
     code = (
-        "import sys\n"
+        "import my_pooling\n"
         "from typer.testing import CliRunner\n"
         "from ats_cli.cli import app\n"
         "from ats_cli.config import TrainConfig, allowed_values\n"
-        "assert 'torch' not in sys.modules\n"
         "assert allowed_values()['pooling'] == ('auto', 'features', 'votes', 'counts', 'highest', 'highest-counts', "
-        "'mean', 'topmost-counts'), "
-        "allowed_values()['pooling']\n"
+        "'topmost-counts', 'mean'), allowed_values()['pooling']\n"
         "TrainConfig(data='d', out='o', pooling='mean').validate()\n"
         "out = CliRunner().invoke(app, ['train', '--help'], env={'COLUMNS': '1000'}, terminal_width=1000).output\n"
         "assert 'mean (a test pooling)' in out, out\n"
         "from ats_cli.extensions import available_extensions, create_extension\n"
         "assert available_extensions('pooling') == ['features', 'votes', 'counts', 'highest', 'highest-counts', "
-        "'mean', 'topmost-counts']\n"
+        "'topmost-counts', 'mean']\n"
         "made = create_extension('pooling', {'name': 'mean'}, features=4, n_classes=2)\n"
         "assert type(made).__name__ == 'MeanPooling'\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=tmp_path)
+
+
+def test_the_table_of_extensions_is_what_their_modules_register():
+    """``ats --help`` lists the extensions from ats_cli.registry.EXTENSIONS without
+    importing them; importing every module of the package registers exactly those names,
+    each from the module the table gives, so that the help never lists a name that cannot
+    be built nor misses one that can."""
+    import importlib
+    import pkgutil
+
+    import ats_cli.extensions as extensions
+    from ats_cli.registry import EXTENSIONS, KINDS, _registry, available_extensions
+
+    for module in pkgutil.iter_modules(extensions.__path__):
+        importlib.import_module(f"ats_cli.extensions.{module.name}")
+    for kind in KINDS:
+        assert available_extensions(kind) == list(EXTENSIONS[kind]), kind
+        for name, (module, _) in EXTENSIONS[kind].items():
+            factory = _registry(kind)._factories[name][1]
+            assert factory.__module__ == f"ats_cli.extensions.{module}", (kind, name)
+
+
+def test_ats_help_and_train_help_import_no_torch():
+    """The reason the extension names sit in a table: listing the commands and the flags'
+    values must not import torch (`python -X importtime -m ats_cli --help`)."""
+    for command in ([], ["train"]):
+        done = subprocess.run([sys.executable, "-X", "importtime", "-m", "ats_cli", *command, "--help"],
+                              capture_output=True, text=True, check=True)
+        imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in done.stderr.splitlines()
+                    if line.startswith("import time:")}
+        assert "ats_cli" in imported and "torch" not in imported, command
 
 
 @pytest.mark.parametrize("command", ["train", "predict", "visualize", "make-dataset megapixel-mnist"])

@@ -26,9 +26,9 @@ import ats_cli.train
 from ats_cli import nets
 from ats_cli.checkpoint import load_checkpoint
 from ats_cli.cli import app
-from ats_cli.config import resolve_config
 from ats_cli.core import ATSModel, Draw, low_res_view
 from ats_cli.models import create_model
+from ats_cli.recipes import resolve_config
 from ats_cli.runtime import Dist, launch_command, shard_batches
 from ats_cli.train import TrainingInterrupted, train
 

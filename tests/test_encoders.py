@@ -168,7 +168,8 @@ def test_a_frozen_encoder_does_not_change_in_training_and_holds_no_optimizer_sta
 
 def test_pretrained_weights_freeze_the_encoder_by_default():
     """--feature-train auto is settled with the rest of the configuration, with its reason."""
-    from ats_cli.config import DataFacts, TrainConfig, settle
+    from ats_cli.config import TrainConfig, settle
+    from ats_cli.data.facts import DataFacts
     from ats_cli.nets.encoders import pretrained_source
 
     def settled(train: str, weights: str, name: str) -> tuple[str, str]:

@@ -30,10 +30,11 @@ import ats_cli.predict as predict_mod
 import ats_cli.train as train_mod
 from ats_cli.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ats_cli.cli import app
-from ats_cli.config import TrainConfig, resolve_config
+from ats_cli.config import TrainConfig
 from ats_cli.data.dataset import DatasetError, load_dataset, write_dataset
 from ats_cli.data.slides import SlideReadError, open_image
 from ats_cli.models import create_model, model_spec
+from ats_cli.recipes import resolve_config
 from ats_cli.train import TrainingInterrupted, train
 
 runner = CliRunner(env={"COLUMNS": "1000"})  # rich wraps at 80 columns otherwise

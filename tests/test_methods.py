@@ -10,11 +10,20 @@ from typer.testing import CliRunner
 from ats_cli.baselines import CNNClassifier, DeepMIL, UniformAttention, grid_offsets
 from ats_cli.checkpoint import CheckpointError, load_model, save_checkpoint
 from ats_cli.cli import app
-from ats_cli.config import ConfigError, TrainConfig, resolve_config
+from ats_cli.config import ConfigError, TrainConfig
 from ats_cli.core.model import ATSModel
 from ats_cli.core.source import low_res_view
-from ats_cli.models import UnknownMethodError, available_methods, create_model, model_spec
+from ats_cli.models import (
+    SPEC_VERSION,
+    SpecVersionError,
+    UnknownMethodError,
+    available_methods,
+    create_model,
+    migrate_spec,
+    model_spec,
+)
 from ats_cli.nets import create
+from ats_cli.recipes import resolve_config
 from ats_cli.train import train
 from tests.test_train import _cfg, _write_squares_dataset
 
@@ -78,7 +87,7 @@ def test_create_model_round_trips_through_a_checkpoint_with_identical_outputs(tm
     model = create_model(spec).eval()
     save_checkpoint(tmp_path / "m.pt", spec=spec, classes=["a", "b"], model=model)
     loaded, ckpt = load_model(tmp_path / "m.pt")
-    assert ckpt["spec"] == spec and type(loaded) is type(model) and not loaded.training
+    assert ckpt["spec"] == spec and type(loaded) is type(model) and not loaded.training  # the current layout
     images, _ = _coloured(3, 0)
     low = low_res_view(images, SCALE)
     with torch.no_grad():
@@ -88,23 +97,75 @@ def test_create_model_round_trips_through_a_checkpoint_with_identical_outputs(tm
         assert torch.equal(getattr(before, field), getattr(after, field)), field
 
 
-def test_a_checkpoint_of_a_pre_release_spec_is_refused_in_one_line_naming_the_file(tmp_path):
+def test_a_checkpoint_of_a_pre_release_or_later_spec_is_refused_in_one_line_naming_the_file(tmp_path):
     """Specs of the layout before the first release (versions 0 to 6, one of them also 1;
     all hold ``smoothing``) are refused, not guessed at; a later version asks for a newer ats."""
     good = _spec("ats")
     model = create_model(good)
+    later = SPEC_VERSION + 1
     for name, spec, message in (("v6.pt", {**good, "version": 6, "smoothing": 0.0}, "version 6 was written by a "
                                                                                       "pre-release ats"),
-                                ("v1.pt", {**good, "smoothing": 0.0}, "version 1 was written by a pre-release ats"),
+                                ("v1.pt", {**good, "version": 1, "smoothing": 0.0},
+                                 "version 1 was written by a pre-release ats"),
                                 ("v0.pt", {k: v for k, v in good.items() if k != "version"} | {"smoothing": 0.0},
                                  "version 0 was written by a pre-release ats"),
-                                ("v2.pt", {**good, "version": 2}, "version 2 is newer than this ats")):
+                                ("later.pt", {**good, "version": later},
+                                 f"version {later} is newer than this ats \\({SPEC_VERSION}\\); upgrade ats")):
         save_checkpoint(tmp_path / name, spec=spec, classes=["a", "b"], model=model)
         with pytest.raises(CheckpointError, match=f"{name}: model spec {message}") as e:
             load_model(tmp_path / name)
         assert "\n" not in str(e.value)
     save_checkpoint(tmp_path / "ok.pt", spec=good, classes=["a", "b"], model=model)
-    assert load_model(tmp_path / "ok.pt")[1]["spec"]["version"] == 1
+    assert load_model(tmp_path / "ok.pt")[1]["spec"]["version"] == SPEC_VERSION
+
+
+# A spec as ats 0.1.0 wrote it (version 1): a setting that is off is absent.
+V1_ONE_LEVEL = {"version": 1, "method": "ats", "attention_net": "mnist-attention",
+                "attention_kwargs": {"in_channels": 2, "width": 8}, "feature_net": "small-cnn",
+                "feature_kwargs": {"in_channels": 2, "width": 8}, "n_classes": 2, "channels": 2, "n_patches": 4,
+                "eval_n_patches": 0, "patch_size": [16, 16], "scale": SCALE, "replace": False, "estimator": "auto",
+                "entropy_weight": 0.01, "feature_scale": 10.0, "pooling": {"name": "features"}, "support": None,
+                "prior": None, "gain": None,
+                "input": {"reader": None, "level": None, "mpp": None, "tissue": None, "resample": True}}
+
+
+def test_a_version_1_spec_migrates_to_the_current_one_with_what_version_1_assumed():
+    """Version 1 carried "off" by leaving a key out; the migration writes the value its
+    reader assumed, so that the spec says it and the model built is the one it always was."""
+    assert SPEC_VERSION == 2
+    assert migrate_spec(V1_ONE_LEVEL) == {**V1_ONE_LEVEL, "version": 2, "patch_loss": 0.0, "position": None,
+                                          "multilabel": False, "levels": 1}
+    assert V1_ONE_LEVEL["version"] == 1 and "levels" not in V1_ONE_LEVEL  # the caller's dict is untouched
+    two = {**V1_ONE_LEVEL, "levels": 2, "regions": 4, "region_size": 32, "coarse_scale": 0.125,
+           "input": {"reader": None, "level": None, "mpp": 0.5, "tissue": None}}  # before eval_* and temperature
+    migrated = migrate_spec(two)
+    assert {k: migrated[k] for k in ("eval_regions", "eval_coarse_scale", "region_temperature")} == {
+        "eval_regions": 0, "eval_coarse_scale": 0.0, "region_temperature": 1.0}
+    assert migrated["input"] == {"reader": None, "level": None, "mpp": 0.5, "tissue": None, "resample": None}
+    current = migrate_spec(V1_ONE_LEVEL)
+    assert migrate_spec(current) == current  # the current version passes through as it is
+    # and what ats train writes now is of the current layout: every key the migration fills is there
+    assert set(current) == set(_spec("ats"))
+    with pytest.raises(SpecVersionError, match="version 3 is newer than this ats"):
+        migrate_spec({**current, "version": 3})
+
+
+def test_a_version_1_checkpoint_loads_and_predicts_as_the_model_it_always_built(tmp_path):
+    """A checkpoint holding a version-1 spec (written as 0.1.0 wrote it) loads through the
+    migration: the same weights, the same outputs as a model built from the spec in the
+    current layout, and the loaded spec says version 2."""
+    torch.manual_seed(0)
+    model = create_model(V1_ONE_LEVEL).eval()
+    save_checkpoint(tmp_path / "v1.pt", spec=V1_ONE_LEVEL, classes=["a", "b"], model=model)
+    assert torch.load(tmp_path / "v1.pt", weights_only=True)["spec"]["version"] == 1  # as written
+    loaded, ckpt = load_model(tmp_path / "v1.pt")
+    assert ckpt["spec"] == migrate_spec(V1_ONE_LEVEL)
+    images, _ = _coloured(3, 0)
+    low = low_res_view(images, SCALE)
+    with torch.no_grad():
+        before = model(low, images, generator=torch.Generator().manual_seed(7))
+        after = loaded(low, images, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(before.logits, after.logits) and torch.equal(before.attention, after.attention)
 
 
 def test_an_unknown_method_is_refused_naming_the_available_ones(tmp_path):

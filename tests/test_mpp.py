@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from ats_cli.checkpoint import save_checkpoint
 from ats_cli.cli import app
-from ats_cli.config import ConfigError, TrainConfig, gather_facts, settle
+from ats_cli.config import ConfigError, TrainConfig, settle_data
 from ats_cli.data.dataset import load_dataset, write_dataset
 from ats_cli.data.slides import choose_level, open_image
 from ats_cli.data.synthetic_slides import SyntheticSlidesConfig, render_slide, write_pyramid
@@ -180,7 +180,7 @@ def _settle(tmp_path, paths, **flags):
                                                                                      "label": "normal"}]}
     write_dataset(root, CLASSES, rows, hints={"channels": 3})
     cfg = TrainConfig(min_brightness=0.0, rarity_prior=0.0, augment="none", patch_gain="off", **flags)
-    settled, reasons = settle(cfg, gather_facts(cfg, load_dataset(root)))
+    settled, reasons = settle_data(cfg, load_dataset(root))
     return settled, {r.key: str(r) for r in reasons}
 
 

@@ -340,7 +340,7 @@ def test_a_late_gain_run_resumes_exactly_across_half_way(slides, tmp_path):
     interrupted in epoch 1, before the gain trains, and resumed ends with the weights of the
     uninterrupted run, the gain's among them (and the gain did train)."""
     from ats_cli.checkpoint import load_checkpoint
-    from ats_cli.config import resolve_config
+    from ats_cli.recipes import resolve_config
     from ats_cli.train import TrainingInterrupted, train
 
     def cfg(out):

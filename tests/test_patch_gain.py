@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ats_cli.config import DataFacts, resolve_config, settle
+from ats_cli.config import settle
+from ats_cli.data.facts import DataFacts
 from ats_cli.models import create_model, model_spec
+from ats_cli.recipes import resolve_config
 
 
 def _spec(**kw):

@@ -8,12 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ats_cli.config import ConfigError, TrainConfig, resolve_config
+from ats_cli.config import ConfigError, TrainConfig
 from ats_cli.extensions import ExtensionError, UnknownExtensionError
 from ats_cli.extensions.pooling import FeaturePooling
 from ats_cli.extensions.pooling_counts import CountPooling, local_mass
 from ats_cli.extensions.pooling_votes import VotePooling
 from ats_cli.models import create_model, extension_specs, model_spec
+from ats_cli.recipes import resolve_config
 
 
 def test_counts_weigh_every_object_once_where_votes_follow_the_attention_mass():

@@ -53,14 +53,14 @@ def test_the_check_rejects_positions_relative_to_the_draws():
 
 
 def test_the_option_is_in_the_spec_and_rebuilds_the_same_model():
-    """--position-features on: the spec says so (a model without it keeps its old spec), and
+    """--position-features on: the spec says so (a model without it says null), and
     a model rebuilt from the spec has the module, so predict uses the positions too."""
     cfg = TrainConfig(position_features="on", n_patches=2, patch_size=28, scale=0.25, feature_width=8,
                       attention_width=4, eval_n_patches=0, min_brightness=0, rarity_prior=0, patch_gain="off")
     spec = model_spec(cfg, n_classes=3, channels=1)
     assert spec["position"] == {"frequencies": 4, "attention": True}
-    assert "position" not in model_spec(TrainConfig(**{**cfg.to_dict(), "position_features": "off"}), n_classes=3,
-                                        channels=1)
+    assert model_spec(TrainConfig(**{**cfg.to_dict(), "position_features": "off"}), n_classes=3,
+                      channels=1)["position"] is None
     m = create_model(spec)
     assert isinstance(m.position, PositionFeatures) and isinstance(m.attention_net, PositionalAttention)
     again = create_model(spec)

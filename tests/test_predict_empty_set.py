@@ -17,8 +17,8 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from ats_cli.cli import app
-from ats_cli.config import resolve_config
 from ats_cli.data.dataset import write_dataset
+from ats_cli.recipes import resolve_config
 from ats_cli.train import train
 
 runner = CliRunner(env={"COLUMNS": "1000"})

@@ -22,11 +22,11 @@ import pytest
 import torch
 from PIL import Image
 
-from ats_cli.config import resolve_config
 from ats_cli.core.source import gather_patches
 from ats_cli.data.dataset import load_dataset, write_dataset
 from ats_cli.data.inputs import ImageDataset, Unreadable, collate, open_input
 from ats_cli.data.prepared import PreparedSource, PreparedStore, prepare, preparer_lock, store_folder
+from ats_cli.recipes import resolve_config
 from ats_cli.train import train
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -200,8 +200,9 @@ def _test_patches(data: Path) -> tuple[torch.Tensor, np.ndarray]:
 def test_attention_targets_weigh_each_digit_alike(tmp_path: Path) -> None:
     """Stage 1b's target: every digit of the image gets the same mass, over cells ats train
     may sample whose patch (cut where ats train would cut it) holds that digit whole."""
-    from ats_cli.config import DataFacts, settle, usable_hints
+    from ats_cli.config import settle, usable_hints
     from ats_cli.core.source import positions_to_offsets
+    from ats_cli.data.facts import DataFacts
     from ats_cli.data.megapixel_mnist import box_fractions
     from ats_cli.models import create_model, model_spec
     from ats_cli.render.records import parse_boxes

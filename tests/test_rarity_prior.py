@@ -8,12 +8,14 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ats_cli.config import AUTO_RARITY_PRIOR, DataFacts, TrainConfig, gather_facts, resolve_config, settle
+from ats_cli.config import AUTO_RARITY_PRIOR, TrainConfig, settle, settle_data
 from ats_cli.core.model import ATSModel
 from ats_cli.core.source import low_res_view
 from ats_cli.data.dataset import load_dataset, write_dataset
+from ats_cli.data.facts import DataFacts
 from ats_cli.extensions.prior_rarity import SELECT_FROM, _median, _median_by_sort, rarity
 from ats_cli.nets import create
+from ats_cli.recipes import resolve_config
 
 
 def _tissue(seed=0, size=32) -> torch.Tensor:
@@ -100,10 +102,10 @@ def test_auto_turns_the_prior_on_for_slides_and_photographs_and_off_on_a_black_b
     for tissue in ("on", "auto"):  # a tissue mask (as on a slide) / a photograph: on both
         cfg = resolve_config(None, data=str(tmp_path), out="o", tissue_mask=tissue)
         assert cfg.rarity_prior == -1
-        assert settle(cfg, gather_facts(cfg, data))[0].config.rarity_prior == AUTO_RARITY_PRIOR
+        assert settle_data(cfg, data)[0].config.rarity_prior == AUTO_RARITY_PRIOR
     black = DataFacts(probed=16, dark=0.9)  # Megapixel MNIST's canvas: the brightness support's job
     assert settle(TrainConfig(), black)[0].config.rarity_prior == 0.0
     cfg = resolve_config(None, data=str(tmp_path), out="o", tissue_mask="on", rarity_prior=0.5)  # a value given
-    assert settle(cfg, gather_facts(cfg, data))[0].config.rarity_prior == 0.5
+    assert settle_data(cfg, data)[0].config.rarity_prior == 0.5
     cfg = resolve_config(None, data=str(tmp_path), out="o", tissue_mask="on", method="uniform")  # as the thesis's
-    assert settle(cfg, gather_facts(cfg, data))[0].config.rarity_prior == 0.0
+    assert settle_data(cfg, data)[0].config.rarity_prior == 0.0

@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 
 from ats_cli.cli import app
 from ats_cli.cli.train import resolve_train_config
-from ats_cli.config import ConfigError, gather_facts, resolve_config, settle
+from ats_cli.config import ConfigError, settle_data
 from ats_cli.data.dataset import DatasetError, load_dataset
-from ats_cli.recipes import RecipeError, load_recipe, packaged_recipes
+from ats_cli.recipes import RecipeError, load_recipe, packaged_recipes, resolve_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_RECIPE = Path(__file__).parent / "recipes" / "tiny-counts.toml"
@@ -183,8 +183,8 @@ def _settled(cfg, root: Path) -> tuple[dict, dict]:
     from ats_cli.models import model_spec
 
     data = load_dataset(root)
-    facts = gather_facts(cfg, data)
-    settled = settle(cfg, facts)[0]
+    settled = settle_data(cfg, data)[0]
+    facts = settled.facts
     values = {k: v for k, v in asdict(settled.config).items() if k not in ("data", "out", "recipe")}
     spec = model_spec(settled.config, n_classes=data.num_classes, channels=facts.channels, mpp=settled.mpp)
     return values, spec

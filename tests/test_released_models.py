@@ -9,7 +9,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from ats_cli.checkpoint import load_checkpoint
 from ats_cli.cli import app
+from ats_cli.models import SPEC_VERSION, migrate_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -30,8 +32,11 @@ def test_released_model_loads_safely_and_predicts_the_samples(name, samples, cla
     ckpt = torch.load(path, weights_only=True)  # plain tensors and values only, never pickled objects
     assert ckpt["format"] == "ats-checkpoint" and ckpt["classes"] == classes
     assert "optimizer" not in ckpt  # a release, not a training state
-    spec = ckpt["spec"]  # the released spec layout: the extensions as nested plain specs
+    spec = ckpt["spec"]  # the released spec layout (version 1): the extensions as nested plain specs
     assert spec["version"] == 1 and isinstance(spec["pooling"], dict)
+    migrated = load_checkpoint(path)["spec"]  # read in the current layout: every key of the file kept
+    assert migrated["version"] == SPEC_VERSION and migrated == migrate_spec(spec)
+    assert all(migrated[k] == v for k, v in spec.items() if k not in ("version", "input"))
     assert all(spec[k] is None or isinstance(spec[k], dict) for k in ("support", "prior", "gain"))
     out = tmp_path / "preds.csv"
     result = runner.invoke(app, ["predict", str(ROOT / samples), "--model", str(path), "--out", str(out)])

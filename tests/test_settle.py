@@ -22,15 +22,13 @@ from ats_cli.config import (
     TWO_LEVEL_RARITY_PRIOR,
     TWO_LEVEL_REGION_TEMPERATURE,
     ConfigError,
-    DataFacts,
     TrainConfig,
-    gather_facts,
-    load_facts,
     read_hints,
-    save_settled,
     settle,
+    settle_data,
 )
 from ats_cli.data.dataset import load_dataset, write_dataset
+from ats_cli.data.facts import DataFacts, SettledFileError, load_facts, save_settled
 
 SETTLED = ("n_patches", "patch_size", "scale", "batch_size", "eval_n_patches", "min_brightness", "augment",
            "rarity_prior", "rarity_cap", "patch_loss", "patch_gain", "feature_net", "feature_train",
@@ -242,6 +240,11 @@ def _pngs(root, background: int, channels: int = 1, sides=(64, 64, 64, 64)):
     return load_dataset(root)
 
 
+def gather_facts(flags, data):
+    """The facts the one settle of ``flags`` on ``data`` read (the look at the images included)."""
+    return settle_data(flags, data)[0].facts
+
+
 def test_the_facts_are_read_from_the_first_training_images(tmp_path):
     dark = gather_facts(TrainConfig(), _pngs(tmp_path / "dark", background=0))
     assert (dark.probed, dark.masked, dark.dark > 0.5, dark.hints) == (4, 0, True, {"scale": 0.25, "patch_size": 16})
@@ -319,14 +322,14 @@ def test_an_exif_rotated_photo_counts_at_the_size_it_is_read(tmp_path):
 
 def test_the_facts_and_reasons_are_saved_with_the_run(tmp_path):
     settled, reasons = settle(TrainConfig(), SLIDES)
-    save_settled(tmp_path, settled, reasons, SLIDES)
+    save_settled(tmp_path, settled, reasons)
     saved = json.loads((tmp_path / "settled.json").read_text())
     assert saved["reasons"][0] == "mpp 0.5 µm/px: the training slides' own (12 of 12 record it)"
     assert saved["mpp"] == 0.5 and load_facts(tmp_path) == SLIDES
     assert settle(settled.config, load_facts(tmp_path))[0] == settled  # a settled config settles to itself
     assert load_facts(tmp_path / "older") is None
     (tmp_path / "settled.json").write_text("{}")
-    with pytest.raises(ConfigError, match="not a settled.json"):
+    with pytest.raises(SettledFileError, match="settled.json: not a settled.json"):
         load_facts(tmp_path)
 
 
@@ -406,7 +409,7 @@ def test_a_hint_ats_cannot_use_is_named_not_dropped_in_silence(tmp_path):
     facts = gather_facts(TrainConfig(), data)
     assert facts.ignored_hints == (ignored[0],)
     (tmp_path / "run").mkdir()
-    save_settled(tmp_path / "run", *settle(TrainConfig(), facts), facts)
+    save_settled(tmp_path / "run", *settle(TrainConfig(), facts))
     assert load_facts(tmp_path / "run") == facts
 
 

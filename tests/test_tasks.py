@@ -18,11 +18,12 @@ import torch
 from typer.testing import CliRunner
 
 from ats_cli.cli import app
-from ats_cli.config import gather_facts, resolve_config, settle
+from ats_cli.config import settle_data
 from ats_cli.data.dataset import DatasetError, load_dataset, write_dataset
 from ats_cli.data.megapixel_mnist import TASKS, generate_megapixel_mnist, make_config
 from ats_cli.data.mnist import load_bundled_digits
 from ats_cli.multilabel import average_precision, metrics
+from ats_cli.recipes import resolve_config
 
 runner = CliRunner()
 TINY = dict(n_train=6, n_test=4, width=160, height=140, n_noise=6, seed=0)
@@ -72,7 +73,7 @@ def test_the_four_tasks_render_the_same_images_and_record_their_task(four):
         # with more patches; the others (negative control): the thesis's model at the paper's 10
         rule = {"max": ("highest-counts", "on", 0.15, 20), "top": ("topmost-counts", "on", 0.15, 20)}
         flags = resolve_config(data=str(root), out="run")  # as ats train DATA: the recipe dataset.json names
-        settled = settle(flags, gather_facts(flags, load_dataset(root)))[0].config
+        settled = settle_data(flags, load_dataset(root))[0].config
         assert (settled.pooling, settled.none_class, settled.count_floor, settled.n_patches) == \
             rule.get(task, ("features", "off", 0.0, 10))
         assert meta["recipe"] == settled.recipe == {"max": "megapixel-mnist-max", "top": "megapixel-mnist-top"}.get(

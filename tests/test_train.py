@@ -17,9 +17,10 @@ from typer.testing import CliRunner
 
 from ats_cli.checkpoint import CheckpointError, load_checkpoint, load_model
 from ats_cli.cli import app
-from ats_cli.config import ConfigError, resolve_config
+from ats_cli.config import ConfigError
 from ats_cli.data.dataset import write_dataset
 from ats_cli.data.images import ImageReadError
+from ats_cli.recipes import resolve_config
 from ats_cli.train import TrainingInterrupted, train
 
 cli_train = importlib.import_module("ats_cli.cli.train")  # the module; the package exports the command
@@ -359,7 +360,7 @@ def test_cli_train_says_what_it_settled_and_resume_keeps_it_as_it_is(squares, tm
     def look_again(*args, **kwargs):
         raise AssertionError("--resume looked at the data again")
 
-    monkeypatch.setattr("ats_cli.train.gather_facts", look_again)
+    monkeypatch.setattr("ats_cli.train.settle_data", look_again)
     again = CliRunner().invoke(app, ["train", "--resume", str(run), "--epochs", "2"])
     assert again.exit_code == 0, again.output
     assert "settled from the data" not in again.output

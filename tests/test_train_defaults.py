@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 from test_train import _write_squares_dataset
 
-from ats_cli.config import resolve_config
+from ats_cli.recipes import resolve_config
 from ats_cli.train import train
 
 SIZES = dict(n_patches=2, patch_size=16, scale=0.125, batch_size=16, epochs=3, workers=0, feature_width=16)

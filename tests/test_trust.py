@@ -24,13 +24,14 @@ import ats_cli.data.slides as slides_mod
 import ats_cli.train as train_mod
 from ats_cli.checkpoint import save_checkpoint
 from ats_cli.cli import app
-from ats_cli.config import ConfigError, TrainConfig, resolve_config
+from ats_cli.config import ConfigError, TrainConfig
 from ats_cli.data import dataset_from_folder
 from ats_cli.data.dataset import DatasetError, Record, load_dataset, write_dataset
 from ats_cli.data.images import ImageReadError, read_image
 from ats_cli.data.inputs import ViewCache, open_input, view_cache_for
 from ats_cli.data.slides import SlideReadError, open_image
 from ats_cli.models import create_model, model_spec
+from ats_cli.recipes import resolve_config
 from ats_cli.runtime import RunDirError
 from ats_cli.train import train
 
@@ -39,8 +40,8 @@ runner = CliRunner(env={"COLUMNS": "1000"})
 
 def settle_physical_scale(cfg: TrainConfig, records: list[Record], _log=None) -> float | None:
     """The microns per pixel ats train settles for these training files (ats_cli.config), by the
-    same two steps: the files' facts, then the pure settling."""
-    from ats_cli.config import gather_facts, settle
+    same call: the files' facts read, then the one settle."""
+    from ats_cli.config import settle_data
 
     class Training:
         hints: dict = {}
@@ -49,7 +50,7 @@ def settle_physical_scale(cfg: TrainConfig, records: list[Record], _log=None) ->
         def __getitem__(self, split: str) -> list[Record]:
             return records
 
-    return settle(cfg, gather_facts(cfg, Training()))[0].mpp
+    return settle_data(cfg, Training())[0].mpp
 SLIDES_MODEL = Path(__file__).resolve().parents[1] / "models" / "synthetic-slides-ats.pt"
 
 

@@ -32,8 +32,9 @@ def prepare_dataset(
     read patch by patch already and are left alone."""
     import os
 
-    from ats_cli.config import ConfigError, DataFacts, TrainConfig, settle, usable_hints
+    from ats_cli.config import ConfigError, TrainConfig, settle, usable_hints
     from ats_cli.data.dataset import DatasetError, load_dataset
+    from ats_cli.data.facts import DataFacts
     from ats_cli.data.prepared import PreparedStore, prepare, store_folder
     from ats_cli.recipes import dataset_values
 

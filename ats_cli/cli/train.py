@@ -80,11 +80,12 @@ def set_values(items: list[str] | None) -> dict[str, Any]:
 
 def resolve_train_config(data: Path | None, out: Path | None, config: Path | None, recipe: str | None,
                          resume: Path | None, sets: list[str] | None, flags: dict[str, Any]) -> Any:
-    """The command's configuration (a TrainConfig), as :func:`ats_cli.config.resolve_config`
+    """The command's configuration (a TrainConfig), as :func:`ats_cli.recipes.resolve_config`
     makes it from the defaults, the recipe, the --config file, then the flags and ``--set``
     (one key given by both is refused); a resumed run: its config.json, no recipe read.
     Raises ConfigError (or ValueError) in one line; SystemExit 2 without DATA and --out."""
-    from ats_cli.config import ConfigError, resolve_config
+    from ats_cli.config import ConfigError
+    from ats_cli.recipes import resolve_config
 
     overrides = dict(flags)  # the TrainConfig fields' flags; None = not given
     extra = set_values(sets)

@@ -98,7 +98,7 @@ at a time (an OS lock on ``.lock`` in the store, dropped by the OS however the h
 ends): a second one waits, then finds the work done. Under that lock the temporary files
 of a killed preparer are swept. The workers neither inherit the lock nor outlive their
 preparer, and a lock left held by leftovers of a dead preparer is taken over
-(:mod:`ats_cli.locks`), so a ``kill -9`` at any moment leaves nothing that blocks the next
+(:mod:`ats_cli.io`), so a ``kill -9`` at any moment leaves nothing that blocks the next
 preparation.
 
 A file's digest is taken before it is decoded and its stat compared before and after,
@@ -143,12 +143,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from ats_cli import locks
 from ats_cli.core.source import low_res_size
 from ats_cli.data.dataset import LAZY_BACKENDS, backend
 from ats_cli.data.images import ImageReadError, max_pixels_limit, over_budget, read_image
 from ats_cli.data.inputs import OpenedImage, low_res_view
-from ats_cli.io import atomic_path, sweep_temporaries
+from ats_cli.io import (
+    atomic_path,
+    die_with_parent,
+    held,
+    owner_gone,
+    read_record,
+    released,
+    sweep_temporaries,
+    write_record,
+)
 from ats_cli.io import settled as _settled
 
 try:
@@ -675,7 +683,7 @@ LOCK_POLL_S = 0.25  # how often a waiting preparer looks at the lock (and at its
 def preparer_lock(folder: Path, log: Callable[[str], None]) -> Iterator[None]:
     """Hold the store's preparer lock; when another process holds it, say so and wait.
 
-    The lock file records its holder (:mod:`ats_cli.locks`). Waiting polls rather than
+    The lock file records its holder (:mod:`ats_cli.io`). Waiting polls rather than
     blocks, so that a holder that dies is noticed: a lock still held when its recorded
     holder is gone (held by processes that inherited it, such as the orphaned workers of
     a preparer killed by an older version) is taken over with one line saying so, as is
@@ -690,9 +698,9 @@ def preparer_lock(folder: Path, log: Callable[[str], None]) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = locks.read_record(fd)
+            holder = read_record(fd)
             # seen twice, LOCK_POLL_S apart: a new holder writes its record just after locking
-            if locks.owner_gone(holder) and holder == suspect:
+            if owner_gone(holder) and holder == suspect:
                 log(f"taking over the preparation lock {path}: its holder, pid {holder.get('pid')}, is gone "
                     "(processes it left behind still hold the old lock file)")
                 with contextlib.suppress(OSError):
@@ -702,7 +710,7 @@ def preparer_lock(folder: Path, log: Callable[[str], None]) -> Iterator[None]:
                 continue
             os.close(fd)
             suspect = holder
-            if not waiting and not locks.owner_gone(holder):
+            if not waiting and not owner_gone(holder):
                 log(f"waiting for another preparation of {folder} to finish")
                 waiting = True
             time.sleep(LOCK_POLL_S)
@@ -717,16 +725,16 @@ def preparer_lock(folder: Path, log: Callable[[str], None]) -> Iterator[None]:
         if same:
             break
         os.close(fd)
-    locks.held(fd)
+    held(fd)
     try:
-        previous = locks.read_record(fd)
-        if previous and locks.owner_gone(previous):
+        previous = read_record(fd)
+        if previous and owner_gone(previous):
             log(f"taking over the preparation lock {path} of pid {previous.get('pid')}, which stopped without "
                 "releasing it; its unfinished files are swept")
-        locks.write_record(fd)
+        write_record(fd)
         yield
     finally:
-        locks.released(fd)
+        released(fd)
         with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)  # released on purpose: nobody to take it over from
         os.close(fd)  # drops the lock
@@ -796,9 +804,9 @@ def _run(store: PreparedStore, pending: list[str], workers: int,
 def _worker_init(parent: int) -> None:
     """One thread per preparing process (the work is per image), and Ctrl-C goes to the
     parent alone, which stops the pool: finished entries are kept. A worker dies with
-    its parent (:func:`ats_cli.locks.die_with_parent`): after a kill -9 of the preparer
+    its parent (:func:`ats_cli.io.die_with_parent`): after a kill -9 of the preparer
     no orphan goes on, and none holds the store's lock (that is closed at the fork)."""
-    locks.die_with_parent(parent)
+    die_with_parent(parent)
     import torch
 
     torch.set_num_threads(1)

@@ -40,6 +40,7 @@ never held in float whole.
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 import warnings
@@ -723,6 +724,16 @@ class VirtualSlideReader(SlideReader):
         return 256
 
 
+# readers that live in modules of their own, by name, imported when a file needs one (as
+# extensions are: ats_cli.registry); the module builds on this one's SlideReader
+_READER_MODULES = {OMEZARR: ("ats_cli.data.omezarr", "OmeZarrReader")}
+
+
+def _reader_class(name: str) -> type[SlideReader]:
+    module, cls = _READER_MODULES[name]
+    return getattr(importlib.import_module(module), cls)
+
+
 def open_image(
     path: str | os.PathLike[str], reader: str = "auto", max_pixels: int | None = None
 ) -> SlideReader:
@@ -744,7 +755,7 @@ def open_image(
     if not path.exists():
         raise SlideReadError(path, "file not found")
     if reader == OMEZARR or (reader == "auto" and backend(path) == OMEZARR):
-        from ats_cli.data.omezarr import OmeZarrReader  # zarr: imported only for a store
+        OmeZarrReader = _reader_class(OMEZARR)  # zarr: imported only for a store
 
         if not path.is_dir():
             raise SlideReadError(path, "is a file; an OME-Zarr store is a directory")

@@ -1,7 +1,8 @@
 """Extensions of attention sampling: the named pieces a kind of data adds to the thesis's model.
 
 :class:`ats_cli.core.model.ATSModel` is the method of the thesis. What a task needs beyond
-it plugs into one of four slots, each with a registry of its own (in :mod:`ats_cli.registry`):
+it plugs into one of four slots, each with a registry of its own (in :mod:`ats_cli.registry`,
+re-exported here):
 
 * ``pooling`` -- what the estimator averages and how the logits are read from the estimate
   (:mod:`.pooling`: ``features``, the thesis's; :mod:`.pooling_votes`; :mod:`.pooling_counts`;
@@ -12,9 +13,17 @@ it plugs into one of four slots, each with a registry of its own (in :mod:`ats_c
 
 Each is created from a plain spec, ``{"name": ..., **options}`` (:func:`create_extension`),
 the form a checkpoint stores, so that a model is rebuilt without unpickling anything.
-Adding one is adding a file to this package: every module in it is imported here, and
-registers what it defines with :func:`ats_cli.registry.register_extension` (its name is then
-also a value of the kind's flag, ``--pooling``: :func:`ats_cli.registry.extension_choices`).
+
+Adding one is adding a file to this package that registers what it defines with
+:func:`register_extension` when it is imported, and one line in :data:`EXTENSIONS`
+(:mod:`ats_cli.registry`, beside ``register_extension``) saying which module registers the
+name (and what it does, in a few words). Why the table:
+the name is also a value of the kind's flag (``--pooling``), and ``ats --help`` lists the
+values without importing torch, which every extension module does; the table is read
+instead, and the modules are imported when an extension is made or the registry is listed
+(:func:`available_extensions`). A test holds the table and what the modules register to the
+same names and order. A module outside this package that registers a name before the
+configuration is read (``ats_cli.config``) adds its value too.
 
 Why they all keep the estimator unbiased: its argument (step (*) of
 :func:`ats_cli.core.sampling.expectation`) asks only that the value pooled for a cell be a
@@ -27,12 +36,16 @@ tests/test_extensions.py checks each by Monte Carlo, beside a biased variant it 
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
+from ats_cli.registry import (
+    EXTENSIONS,
+    KINDS,
+    ExtensionError,
+    UnknownExtensionError,
+    available_extensions,
+    create_extension,
+    extension_choices,
+    register_extension,
+)
 
-from ats_cli.registry import KINDS, ExtensionError, UnknownExtensionError, available_extensions, create_extension
-
-__all__ = ["KINDS", "ExtensionError", "UnknownExtensionError", "available_extensions", "create_extension"]
-
-for _module in pkgutil.iter_modules(__path__):
-    importlib.import_module(f"{__name__}.{_module.name}")
+__all__ = ["EXTENSIONS", "KINDS", "ExtensionError", "UnknownExtensionError", "available_extensions",
+           "create_extension", "extension_choices", "register_extension"]

@@ -77,7 +77,7 @@ class Pooling(nn.Module):
         raise NotImplementedError
 
 
-@register_extension("pooling", "features", note="their features, then the classifier: the thesis")
+@register_extension("pooling", "features")
 class FeaturePooling(Pooling):
     """The thesis's pooling: the features, then the classifier."""
 

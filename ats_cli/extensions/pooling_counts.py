@@ -72,8 +72,7 @@ def local_mass(probs: torch.Tensor, att_shape: tuple[int, int], sizes: torch.Ten
     return out
 
 
-@register_extension("pooling", "counts",
-                    note="those over the attention mass around each patch: each object counts once")
+@register_extension("pooling", "counts")
 class CountPooling(VotePooling):
     def __init__(self, features: int, n_classes: int, *, none_class: bool = False, floor: float = 0.0,
                  eval_floor: float | None = None):

@@ -105,7 +105,7 @@ class RuleLikelihood:
         return -logits.float().gather(-1, target[:, None]).mean()
 
 
-@register_extension("pooling", "highest", note="the label is the highest class present: a grade, task max")
+@register_extension("pooling", "highest")
 class HighestPooling(RuleLikelihood, FeaturePooling):
     """Pooled features, as the thesis's; the classifier's logits read as each class's
     presence, and the label as the highest class present (:func:`highest_logits`)."""
@@ -114,7 +114,7 @@ class HighestPooling(RuleLikelihood, FeaturePooling):
         return highest_logits(classifier(pooled))
 
 
-@register_extension("pooling", "highest-counts", note="highest, each object once: presence from counts")
+@register_extension("pooling", "highest-counts")
 class HighestCountPooling(RuleLikelihood, CountPooling):
     """Counts, as :class:`~ats_cli.extensions.pooling_counts.CountPooling`; the label read
     as the highest class present (:func:`highest_count_logits`)."""

@@ -57,7 +57,7 @@ def topmost_count_logits(counts: torch.Tensor) -> torch.Tensor:
     return (present - above[..., None]).logsumexp(-2)
 
 
-@register_extension("pooling", "topmost-counts", note="the class of the top-most object: task top")
+@register_extension("pooling", "topmost-counts")
 class TopmostCountPooling(RuleLikelihood, CountPooling):
     """Counts, as :class:`~ats_cli.extensions.pooling_counts.CountPooling`, per attention row;
     the label read as the class of the top-most object (:func:`topmost_count_logits`)."""

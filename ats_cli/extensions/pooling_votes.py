@@ -28,7 +28,7 @@ from ats_cli.registry import register_extension
 __all__ = ["VotePooling"]
 
 
-@register_extension("pooling", "votes", note="each patch's class probabilities: a soft vote")
+@register_extension("pooling", "votes")
 class VotePooling(Pooling):
     def __init__(self, features: int, n_classes: int, *, none_class: bool = False):
         super().__init__()

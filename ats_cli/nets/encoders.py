@@ -53,7 +53,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ats_cli.registry import register_net_prefix
+from ats_cli.registry import RANDOM_FEATURE_NET, register_net_prefix
 
 __all__ = ["Encoder", "EncoderError", "MissingExtraError", "HubUnavailableError", "EXTRA", "FORMAT", "VERSION",
            "CONFIG", "WEIGHTS", "create_encoder", "feature_spec", "load_start_weights", "pretrained_source",
@@ -480,8 +480,6 @@ def feature_spec(name: str, *, channels: int, width: int, train: str = "all") ->
     (:func:`ats_cli.config.settle` decides it from the data and the cache) is read as
     settling finds it without pretrained weights: the random-initialised net."""
     if name == "auto":
-        from ats_cli.config import RANDOM_FEATURE_NET
-
         name = RANDOM_FEATURE_NET
     if is_local(name):
         _, config = _local(name)

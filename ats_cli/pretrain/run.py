@@ -105,7 +105,7 @@ def pretrain(opts: PretrainOptions, log: Callable[[str], None] = print) -> dict:
     import torch
 
     from ats_cli.checkpoint import save_checkpoint
-    from ats_cli.config import ConfigError, gather_facts, settle
+    from ats_cli.config import ConfigError, settle_data
     from ats_cli.data.dataset import DatasetError, load_dataset
     from ats_cli.models import check_patch_size, create_model, model_spec
 
@@ -122,7 +122,7 @@ def pretrain(opts: PretrainOptions, log: Callable[[str], None] = print) -> dict:
         # sizes, support and the rest settled as ats train settles them on this data (a black
         # canvas: only bright cells are sampled), so the attention is taught over the cells
         # that ats train and ats predict draw from
-        cfg = settle(cfg, gather_facts(cfg, data))[0].config
+        cfg = settle_data(cfg, data)[0].config
     except ConfigError as e:
         raise PretrainError(str(e).splitlines()[0]) from None
     size = cfg.patch_size

@@ -11,7 +11,7 @@ levels for 100k² slides) are then one file each, read the same way as any ``--c
 file, instead of flags every user scrolls past and hints only a generator can write. A
 maintainer adds a task by adding a file here; nothing else changes.
 
-Precedence (:func:`ats_cli.config.resolve_config`): the generic defaults < the recipe < a
+Precedence (:func:`resolve_config`): the generic defaults < the recipe < a
 ``--config`` file < flags. Without ``--recipe``, the recipe a dataset's ``dataset.json``
 names (``"recipe": "megapixel-mnist-max"``, which the generators write) is used. The run's
 ``config.json`` records the recipe's name beside every value, so ``--resume`` and
@@ -30,9 +30,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ats_cli.config import ConfigError, config_values
+from ats_cli.config import ConfigError, TrainConfig, config_values, load_config_file, typed_values
 
-__all__ = ["Recipe", "RecipeError", "dataset_recipe", "dataset_values", "load_recipe", "packaged_recipes"]
+__all__ = ["Recipe", "RecipeError", "dataset_recipe", "dataset_values", "load_recipe", "packaged_recipes",
+           "resolve_config"]
 
 SUFFIX = ".toml"
 # keys a recipe may not set: the command line's (where the data is, where the run goes)
@@ -133,3 +134,41 @@ def dataset_values(root: str | Path) -> dict[str, Any]:
     benchmark) start from."""
     name = dataset_recipe(root)
     return load_recipe(name).values if name else {}
+
+
+# two ways to give one size: a layer (recipe, file, flags) that gives either replaces the
+# other from the layers below it, so --patch-um overrides a recipe's patch_size
+ALTERNATIVES = (("patch_size", "patch_um"), ("scale", "low_res_um"))
+
+
+def resolve_config(file: str | Path | None = None, recipe: str | None = None, *, use_recipes: bool = True,
+                   **overrides: Any) -> TrainConfig:
+    """The run's configuration: the generic defaults, then the recipe, then the file (a TOML
+    file, or a run's config.json when it is resumed), then the overrides that are not None
+    (the flags of a run). What they leave to the data is settled when the run starts
+    (:mod:`ats_cli.config`).
+
+    The recipe (:mod:`ats_cli.recipes`): ``recipe`` (a name or a .toml path), else the
+    file's ``recipe`` key, else the one the dataset's dataset.json names; its name is
+    recorded in the configuration's ``recipe``. ``use_recipes`` False (a resumed run):
+    none is read, the file holds every value the recipe set when the run started."""
+    values: dict[str, Any] = load_config_file(file) if file else {}
+    given = {k: v for k, v in overrides.items() if v is not None}
+    base: dict[str, Any] = {}
+    if use_recipes:
+        name = recipe or values.get("recipe") or dataset_recipe(given.get("data") or values.get("data") or "")
+        if name:
+            chosen = load_recipe(name)
+            base = {**chosen.values, "recipe": chosen.name}
+    merged: dict[str, Any] = {}
+    for layer in (base, values, typed_values(given)):
+        for a, b in ALTERNATIVES:  # a size in microns given above replaces the recipe's in pixels, and back
+            if layer.get(a):
+                merged.pop(b, None)
+            if layer.get(b):
+                merged.pop(a, None)
+        merged.update(layer)
+    values = merged
+    if recipe:  # --recipe names the recipe even over a file's record of another
+        values["recipe"] = base["recipe"]
+    return TrainConfig(**values).validate()
