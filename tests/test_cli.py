@@ -158,11 +158,13 @@ def test_train_writes_a_run_with_the_flags_and_the_defaults(run, mnist):
     del defaults["eval_n_patches"]
     del defaults["feature_train"], defaults["position_features"], defaults["pooling"], defaults["none_class"]
     del defaults["count_floor"], defaults["eval_count_floor"]
+    del defaults["feature_net"]  # auto: grey images start from the random-initialised net
     assert {k: saved[k] for k in given} == given
     assert {k: saved[k] for k in defaults} == defaults
     assert saved["min_brightness"] == AUTO_MIN_BRIGHTNESS  # Megapixel MNIST: a black background
     assert saved["rarity_prior"] == 0.0 and saved["rarity_cap"] == 0.0  # a black background: the support's job
     assert saved["patch_loss"] == 0.0  # not photographs
+    assert saved["feature_net"] == "small-cnn"  # grey: no ImageNet encoder
     assert saved["augment"] == "none"  # not slides: a turned 6 is a 9
     assert saved["patch_gain"] == "off"  # not slides: a majority of digits weighs each digit alike
     assert saved["eval_n_patches"] == 2 * saved["n_patches"]  # auto: twice the training count
