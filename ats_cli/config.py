@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ats_cli.data.facts import DataFacts, probe_images, read_facts
-from ats_cli.registry import PRETRAINED_FEATURE_NET, RANDOM_FEATURE_NET, extension_choices
+from ats_cli.registry import PRETRAINED_FEATURE_NET, RANDOM_FEATURE_NET, discover_extensions, extension_choices
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -331,6 +331,8 @@ class TrainConfig:
         if self.level and self.mpp:
             problems.append("give level or mpp, not both")
         problems += self._levels_problems()
+        if self.pooling not in allowed_values()["pooling"]:  # a file added to ats_cli/extensions
+            discover_extensions()                            # registers it when imported
         for key, allowed in allowed_values().items():
             if getattr(self, key) not in allowed:
                 problems.append(f"{key} must be one of {', '.join(allowed)} (got {getattr(self, key)!r})")
@@ -382,8 +384,11 @@ class TrainConfig:
 
 
 def allowed_values() -> dict[str, tuple[str, ...]]:
-    """The fields that take one of a few values, and those values (from the fields' metadata)."""
-    return {f.name: tuple(f.metadata["choices"]) for f in fields(TrainConfig) if f.metadata.get("choices")}
+    """The fields that take one of a few values, and those values (from the fields' metadata;
+    the poolings as registered now: a module may have registered one since)."""
+    allowed = {f.name: tuple(f.metadata["choices"]) for f in fields(TrainConfig) if f.metadata.get("choices")}
+    allowed["pooling"] = tuple(dict.fromkeys((*allowed["pooling"], *extension_choices("pooling"))))
+    return allowed
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from typing import Any
 __all__ = ["PRETRAINED_FEATURE_NET", "RANDOM_FEATURE_NET",
            "EXTENSIONS", "KINDS", "ExtensionError", "Registry", "UnknownExtensionError", "UnknownNameError",
            "UnknownNetworkError", "available_extensions", "available_nets", "check_net", "create_extension",
-           "create_net", "extension_choices", "register_extension", "register_net", "register_net_prefix"]
+           "create_net", "discover_extensions", "extension_choices", "register_extension", "register_net", "register_net_prefix"]
 
 
 class UnknownNameError(KeyError):
@@ -197,12 +197,36 @@ def register_extension(kind: str, name: str, *, note: str = "") -> Callable[[Cal
 
 def _load(kind: str, name: str | None = None) -> Registry:
     """``kind``'s registry with the module that registers ``name`` imported (all of the
-    kind's modules in :data:`EXTENSIONS` for None): an import runs the registrations."""
+    kind's modules in :data:`EXTENSIONS` for None): an import runs the registrations. A
+    name the table does not know, and nothing has registered, is looked for in every
+    module of the package (:func:`discover_extensions`)."""
     registry = _registry(kind)
     for known, (module, _) in EXTENSIONS[kind].items():
         if name is None or known == name:
             importlib.import_module(f"ats_cli.extensions.{module}")
+    if name is not None and name not in EXTENSIONS[kind] and name not in registry.available():
+        discover_extensions()
     return registry
+
+
+_DISCOVERED = False
+
+
+def discover_extensions() -> None:
+    """Import every module of :mod:`ats_cli.extensions` (each of its ``__path__`` folders),
+    so that a file added there registers its names with no other file touched: a name
+    outside :data:`EXTENSIONS` is found when a configuration or a checkpoint names it. Why
+    only then: the table lists the shipped ones for ``ats --help`` without importing torch,
+    which every extension module does. Once a process."""
+    global _DISCOVERED
+    if _DISCOVERED:
+        return
+    import pkgutil
+
+    package = importlib.import_module("ats_cli.extensions")
+    for info in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"ats_cli.extensions.{info.name}")
+    _DISCOVERED = True
 
 
 def available_extensions(kind: str) -> list[str]:

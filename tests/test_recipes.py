@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import subprocess
+import sys
 import tomllib
 from dataclasses import asdict
 from pathlib import Path
@@ -248,3 +250,38 @@ def test_the_key_reference_in_the_docs_lists_every_key_as_the_code_has_it():
     assert block == key_reference()  # to regenerate: print(key_reference()) into the block
     for recipe in packaged_recipes():
         assert f"| `{recipe.name}` | {recipe.description} |" in text
+
+
+def test_a_task_with_a_rule_of_its_own_is_a_recipe_file_and_an_extension_file(tmp_path):
+    """A maintainer adds a task that needs a new rule by adding two files and touching no
+    other: an extension module in ats_cli/extensions/ (here a folder added to the package's
+    path, as if the file were there) and a recipe naming it. Training finds the extension by
+    the recipe's name for it, prediction by the checkpoint's; a process that lacks the file
+    says so in one line (the negative control)."""
+    data = _megapixel(tmp_path / "data", "majority")
+    ext = tmp_path / "ext"
+    ext.mkdir()
+    (ext / "pooling_plain.py").write_text(
+        "from ats_cli.extensions.pooling import FeaturePooling\n"
+        "from ats_cli.registry import register_extension\n\n\n"
+        '@register_extension("pooling", "plain", note="the thesis\'s pooling under a name of its own")\n'
+        "class PlainPooling(FeaturePooling):\n    pass\n")
+    recipe = tmp_path / "plain.toml"
+    recipe.write_text('description = "a task whose rule is an extension file"\n\n[train]\n'
+                      'pooling = "plain"  # the rule this task adds (ext/pooling_plain.py)\n')
+    run, preds = tmp_path / "run", tmp_path / "preds.csv"
+    prefix = f"import ats_cli.extensions as e\ne.__path__.append({str(ext)!r})\n"
+    cli = ("import sys\nfrom typer.testing import CliRunner\nfrom ats_cli.cli import app\n"
+           "r = CliRunner().invoke(app, sys.argv[1:])\nprint(r.output)\nsys.exit(r.exit_code)\n")
+    train = ["train", str(data), "--out", str(run), "--recipe", str(recipe), *TINY_TRAIN]
+    predict = ["predict", str(data / "test.csv"), "--model", str(run / "best.pt"), "--out", str(preds),
+               "--device", "cpu"]
+    done = subprocess.run([sys.executable, "-c", prefix + cli, *train], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads((run / "config.json").read_text())["pooling"] == "plain"
+    without = subprocess.run([sys.executable, "-c", cli, *predict], capture_output=True, text=True)
+    assert without.returncode != 0 and "unknown pooling 'plain'" in without.stdout + without.stderr
+    assert "Traceback" not in without.stdout + without.stderr
+    done = subprocess.run([sys.executable, "-c", prefix + cli, *predict], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(preds.read_text().splitlines()) == 1 + len((data / "test.csv").read_text().splitlines()) - 1

@@ -15,15 +15,17 @@ Each is created from a plain spec, ``{"name": ..., **options}`` (:func:`create_e
 the form a checkpoint stores, so that a model is rebuilt without unpickling anything.
 
 Adding one is adding a file to this package that registers what it defines with
-:func:`register_extension` when it is imported, and one line in :data:`EXTENSIONS`
+:func:`register_extension` when it is imported: a configuration (a recipe) or a checkpoint
+that names it finds it (:func:`ats_cli.registry.discover_extensions` imports the package's
+modules when a name is not known). A shipped one also has a line in :data:`EXTENSIONS`
 (:mod:`ats_cli.registry`, beside ``register_extension``) saying which module registers the
-name (and what it does, in a few words). Why the table:
-the name is also a value of the kind's flag (``--pooling``), and ``ats --help`` lists the
-values without importing torch, which every extension module does; the table is read
-instead, and the modules are imported when an extension is made or the registry is listed
-(:func:`available_extensions`). A test holds the table and what the modules register to the
-same names and order. A module outside this package that registers a name before the
-configuration is read (``ats_cli.config``) adds its value too.
+name (and what it does, in a few words). Why the table: the name is also a value of the
+kind's flag (``--pooling``), and ``ats --help`` lists the values without importing torch,
+which every extension module does; the table is read instead, and the modules are imported
+when an extension is made or the registry is listed (:func:`available_extensions`). A test
+holds the table and what the modules register to the same names and order. A module
+outside this package that registers a name before the configuration is read
+(``ats_cli.config``) adds its value too.
 
 Why they all keep the estimator unbiased: its argument (step (*) of
 :func:`ats_cli.core.sampling.expectation`) asks only that the value pooled for a cell be a
