@@ -248,3 +248,16 @@ def test_the_key_reference_in_the_docs_lists_every_key_as_the_code_has_it():
     assert block == key_reference()  # to regenerate: print(key_reference()) into the block
     for recipe in packaged_recipes():
         assert f"| `{recipe.name}` | {recipe.description} |" in text
+
+
+def test_each_keys_help_names_only_flags_ats_train_has():
+    """The key reference (docs/configuration.md) and ``ats train --help`` show each key's help:
+    a key's help that says "with --levels 2" names a flag the command refuses; it names the
+    key (levels 2). Another command's own flags (make-dataset --task, ats export --encoder)
+    are theirs."""
+    from ats_cli.cli.options import FIELDS, config_help
+    from tests.test_settle import _train_flags, named_flags
+
+    flags = _train_flags()
+    wrong = {name: sorted(named_flags(config_help(name)) - flags) for name in FIELDS}
+    assert not {k: v for k, v in wrong.items() if v}
