@@ -595,19 +595,27 @@ def _model_mpp(flags: TrainConfig, facts: DataFacts) -> tuple[float | None, list
     record one and they agree; else none. Nothing to say for images without microns.
     A --mpp outside the plausible range is refused by name (:func:`check_mpp_flag`)."""
     check_mpp_flag(flags.mpp)
+    unknown = f"scale unknown: {facts.scale_unknown}" if facts.scale_unknown else ""
     if flags.mpp:
         if facts.no_mpp:
             raise ConfigError(f"{facts.no_mpp}: records no microns per pixel, so it cannot be read at --mpp "
                               f"{flags.mpp:g} ({facts.files - len(facts.mpps)} of {facts.files} training files do "
-                              "not)")
+                              "not" + (f"; {unknown}" if unknown else "") + ")")
         return flags.mpp, [Reason("mpp", _um(flags.mpp), "given: every training slide is read at it")]
     if facts.mpps_agree:
         mpp = facts.mpps[len(facts.mpps) // 2]
         return mpp, [Reason("mpp", _um(mpp), f"the training slides' own ({facts.files} of {facts.files} record it)")]
     if not facts.mpps:
-        return None, []
+        if not facts.unscaled:  # images that are not slides: pixels are all they have, nothing to say
+            return None, []
+        # slides or TIFFs without a scale (a tool's 72 dpi: ats_cli.data.tiff_meta.not_a_microscope_scale):
+        # said once, as ats info says it, so a user who expected microns learns they are pixels
+        why = unknown or "the training slides and TIFFs record no microns per pixel"
+        return None, [Reason("mpp", "none", f"{why}; read as pixels ({facts.unscaled} of {facts.files} training "
+                                            "files record no scale); predict reads slides by level")]
     if facts.no_mpp:
-        why = f"{facts.files - len(facts.mpps)} of {facts.files} training files record no microns per pixel"
+        why = f"{facts.files - len(facts.mpps)} of {facts.files} training files record no microns per pixel" + \
+            (f" ({unknown})" if unknown else "")
     else:
         why = (f"the training slides range from {_um(facts.mpps[0])} to {_um(facts.mpps[-1])} (give --mpp to "
                "train at one physical scale; slides are resampled to it)")

@@ -475,7 +475,7 @@ def test_no_settle_or_validate_message_names_a_flag_ats_train_lacks(tmp_path):
     texts = []
     for cfg in configs:
         for facts in (MNIST, SLIDES, photos, DataFacts(files=2, mpps=(0.25, 0.5)),
-                      DataFacts(files=2, mpps=(0.5,), no_mpp="b.tif")):
+                      DataFacts(files=2, mpps=(0.5,), no_mpp="b.tif", unscaled=1, scale_unknown="b.tif: 72 dpi")):
             texts += [str(r) for r in settle(cfg, facts)[1]]
     data = _pngs(tmp_path / "pngs", background=0)
     texts += [str(r) for r in settle_data(TrainConfig(), data)[1]]
