@@ -10,9 +10,9 @@ their help and allowed values) come first, then the settling.
 **Settling: every value left to the data, decided in one place.** Some training
 settings mean "decide from the data": the sizes at 0 (dataset.json's hint, else
 :data:`DATA_DEFAULTS`), ``--patch-um`` / ``--low-res-um`` (microns, turned into
-pixels at the model's microns per pixel), ``--eval-n-patches -1`` and the four that look
-at the training images (``--min-brightness``, ``--rarity-prior``, ``--augment``,
-``--patch-gain``), with ``--rarity-cap`` and, for two levels, ``--region-temperature``,
+pixels at the model's microns per pixel), ``eval_n_patches -1`` and the four that look
+at the training images (``min_brightness``, ``rarity_prior``, ``--augment``,
+``patch_gain``), with ``rarity_cap`` and, for two levels, ``region_temperature``,
 which follow from them. Two steps decide them:
 
 * the data layer reads what the rules need from the dataset (:mod:`ats_cli.data.facts`:
@@ -68,7 +68,7 @@ OPT_PANEL = "Optimisation"
 RUN_PANEL = "Running"
 
 
-# The poolings with a per-patch vote (so a none logit: --none-class) and those that count
+# The poolings with a per-patch vote (so a none logit: none_class) and those that count
 # objects (so a floor, and one attention grid): ats_cli.extensions.pooling_votes, pooling_counts
 # and their subclasses. Named here, not read from the classes, so that flags and their checks
 # stay free of torch.
@@ -141,11 +141,11 @@ class TrainConfig:
     # (ats_cli.extensions.prior_rarity); -1 = auto
     rarity_prior: float = _key(-1.0, "Weight beta of the attention's starting prior exp(beta r), r = how unusual a "
                                "low-res cell's colour is in its image (1 = typical); 0 = off (the thesis); -1 = auto: "
-                               "on for slides (tissue mask): 2, or 10 with --levels 2; else off", METHOD_PANEL,
+                               "on for slides (tissue mask): 2, or 10 with levels 2; else off", METHOD_PANEL,
                                means="auto")
-    rarity_cap: float = _key(-1.0, "With --rarity-prior: cells at least this unusual (r >= cap) start alike, so "
+    rarity_cap: float = _key(-1.0, "With rarity_prior: cells at least this unusual (r >= cap) start alike, so "
                              "that a large weight does not hand all the mass to the single most unusual cell; 0 = no "
-                             "cap; -1 = auto: 4.5 with --levels 2, else none", METHOD_PANEL, means="auto")
+                             "cap; -1 = auto: 4.5 with levels 2, else none", METHOD_PANEL, means="auto")
     # each drawn patch's own logits against its image's label (ATSModel.patch_nll says why)
     patch_loss: float = _key(-1.0, "Weight of the per-patch loss: each drawn patch classified alone against its "
                              "image's label, so that the few patches showing a small object teach the feature net "
@@ -170,18 +170,18 @@ class TrainConfig:
                         choices={"auto": "an older dataset.json's hint, else features; a recipe names the "
                                          "others, as megapixel-mnist-max: highest-counts",
                                  **extension_choices("pooling")}, flag=True)
-    none_class: str = _key("auto", "A per-patch logit for no class here, with --pooling votes, counts, "
+    none_class: str = _key("auto", "A per-patch logit for no class here, with pooling votes, counts, "
                            "highest-counts or topmost-counts: {choices}",
                            METHOD_PANEL, choices={"auto": "the dataset.json hint none_class; else off",
                                                   "off": "every patch spreads a whole vote over the classes",
                                                   "on": "a patch read as none votes little"})
-    count_floor: float = _key(-1.0, "With --pooling counts, highest-counts or topmost-counts: an object with less "
+    count_floor: float = _key(-1.0, "With pooling counts, highest-counts or topmost-counts: an object with less "
                               "than this share of the attention counts in proportion to it, not once (0 = every "
                               "object once, 1 = votes; -1 = auto: the dataset.json hint count_floor, else 0)",
                               METHOD_PANEL)
     # the floor evaluation and prediction read at (the model records it; why: ats_cli.extensions.pooling_counts)
     eval_count_floor: float = _key(-1.0, "The count floor at evaluation and prediction (the model records it; "
-                                   "-1 = auto: the dataset.json hint eval_count_floor, else --count-floor's)",
+                                   "-1 = auto: the dataset.json hint eval_count_floor, else count_floor's)",
                                    METHOD_PANEL)
     # on: each patch's position in the image goes into its feature (ats_cli.extensions.position)
     position_features: str = _key("auto", "Each patch's position in the image in its feature and the attention's "
@@ -196,36 +196,37 @@ class TrainConfig:
     eval_n_patches: int = _key(-1, "Patches sampled at evaluation and prediction (the model records it); 0 = as "
                                "many as in training; -1 = auto: twice the training count", METHOD_PANEL, means="auto")
     # two levels (ats_cli.core.nested_model): a coarse attention over regions of the whole
-    # image draws --regions of them, each drawn region's view (at --scale) draws --n-patches
-    levels: int = _key(1, "Attention levels: 1, or 2 = a coarse attention over regions draws --regions of them, "
-                       "then --n-patches in each region's own view at --scale (docs/slides.md)", METHOD_PANEL)
-    regions: int = _key(4, "With --levels 2: regions drawn per image", METHOD_PANEL)
+    # image draws `regions` of them, each drawn region's view (at --scale) draws --n-patches
+    levels: int = _key(1, "Attention levels: 1, or 2 = a coarse attention over the image's regions draws some "
+                       "(the key regions), then --n-patches in each region's own view at --scale (docs/slides.md)",
+                       METHOD_PANEL)
+    regions: int = _key(4, "With levels 2: regions drawn per image", METHOD_PANEL)
     # as eval_n_patches: more regions at evaluation cost no gradient memory and keep the estimate
     # unbiased; where regions look alike at the coarse scale, k of them can miss the one that decides
-    eval_regions: int = _key(-1, "With --levels 2: regions drawn at evaluation and prediction (the model records "
-                             "it); 0 = as many as in training; -1 = auto: twice --regions", METHOD_PANEL,
+    eval_regions: int = _key(-1, "With levels 2: regions drawn at evaluation and prediction (the model records "
+                             "it); 0 = as many as in training; -1 = auto: twice the key regions", METHOD_PANEL,
                              means="auto")
-    region_size: int = _key(0, "With --levels 2: region side in full-res pixels (a multiple of --patch-size)",
+    region_size: int = _key(0, "With levels 2: region side in full-res pixels (a multiple of --patch-size)",
                             METHOD_PANEL, means="off")
-    region_um: float = _key(0.0, "With --levels 2, slides: region side in microns, instead of --region-size (at "
+    region_um: float = _key(0.0, "With levels 2, slides: region side in microns, instead of region_size (at "
                             "--mpp, else the training slides' microns per pixel)", METHOD_PANEL, means="off")
     # 4: the coarse view of a 200k slide in 4096-pixel regions stays 195², less than the four
     # region views together, so a step costs the same from 25k to 200k slides (benchmarks/
     # slides.md#cost-as-slides-grow); a pixel of 1/1024 still tells tissue from glass. At 8 the
     # coarse view (391²) outgrows the region views and the step grows with the slide
-    coarse_px: int = _key(4, "With --levels 2: coarse-view pixels per region side (the coarse attention's "
-                          "resolution; the coarse view of an H-pixel slide is H / region-size x this)", METHOD_PANEL)
+    coarse_px: int = _key(4, "With levels 2: coarse-view pixels per region side (the coarse attention's "
+                          "resolution; the coarse view of an H-pixel slide is H / region_size x this)", METHOD_PANEL)
     # auto: a coarse view twice as fine, tried on the held-out split after the last epoch and
     # kept only where it scores better (ats_cli.train.choose_coarse_view says why)
-    eval_coarse_px: int = _key(-1, "With --levels 2: coarse-view pixels per region side at evaluation and "
+    eval_coarse_px: int = _key(-1, "With levels 2: coarse-view pixels per region side at evaluation and "
                                "prediction (the model records it); 0 = as in training; -1 = auto: twice "
-                               "--coarse-px where the held-out split scores better with it after the last epoch, "
+                               "coarse_px where the held-out split scores better with it after the last epoch, "
                                "else as in training (docs/slides.md)", METHOD_PANEL, means="auto")
-    region_temperature: float = _key(-1.0, "With --levels 2: a region's score is t x the log-mean-exp of its "
+    region_temperature: float = _key(-1.0, "With levels 2: a region's score is t x the log-mean-exp of its "
                                      "coarse cells' scores / t: 1 = the log-mean-exp, towards 0 its largest cell "
                                      "(docs/slides.md); -1 = auto: 0.1", METHOD_PANEL, means="auto")
     # reading slides and TIFFs (saved in the model, so predict and visualize read alike; their
-    # --reader/--level/--mpp/--tissue-mask are these fields too: ats_cli/cli/options.py)
+    # reader/level/--mpp/tissue_mask are these fields too: ats_cli/cli/options.py)
     reader: str = _key("auto", "Force a reader: {choices}", READ_PANEL, choices={
         "auto": "TIFFs and slide formats are read lazily, other images whole", "openslide": "", "tifffile": "",
         "pillow": ""})
@@ -254,16 +255,16 @@ class TrainConfig:
                               choices={"auto": "none when it starts from pretrained weights, else all",
                                        "none": "frozen: no gradients, no optimizer state",
                                        "head": "a frozen encoder under a trainable linear+ReLU projection to "
-                                               "--feature-width", "all": ""})
+                                               "feature_width", "all": ""})
     # optimisation
     optimizer: str = _key("adam", "{choices}", OPT_PANEL, choices={"adam": "", "adamw": "", "sgd": ""})
     # docs/training.md: faster off the plateau than the reference's 1e-3, same budget
     lr: float = _key(3e-3, "Learning rate", OPT_PANEL, flag=True)
     weight_decay: float = _key(0.0, "Weight decay", OPT_PANEL)
-    # fine-tuning a pretrained encoder (--init) gently, or not at all: CLAM-style frozen
-    # features. Frozen also keeps its batch norms' statistics as --init left them (train.py)
+    # fine-tuning a pretrained encoder (init) gently, or not at all: CLAM-style frozen
+    # features. Frozen also keeps its batch norms' statistics as init left them (train.py)
     feature_lr: float = _key(1.0, "Feature network's learning rate, relative to --lr; 0 = frozen: its weights and "
-                             "batch-norm statistics stay as --init left them", OPT_PANEL)
+                             "batch-norm statistics stay as they start (init's, or the pretrained ones)", OPT_PANEL)
     schedule: str = _key("cosine", "{choices}", OPT_PANEL, choices={"constant": "", "cosine": ""})
     warmup_epochs: int = _key(0, "Linear warm-up epochs", OPT_PANEL)
     clip_norm: float = _key(1.0, "Gradient norm clip, 0 = off", OPT_PANEL)
@@ -341,7 +342,7 @@ class TrainConfig:
         return self
 
     def _levels_problems(self) -> list[str]:
-        """What is wrong with --levels/--regions/--region-size (ats_cli.core.nested_model)."""
+        """What is wrong with levels/regions/region_size (ats_cli.core.nested_model)."""
         if self.levels == 1:
             return []
         if self.levels != 2:
@@ -448,13 +449,13 @@ def typed_values(values: dict[str, Any]) -> dict[str, Any]:
 # ================================================ settling: the values left to the data
 # what n_patches, patch_size and scale become when neither the user nor the dataset says: the paper's Megapixel MNIST
 DATA_DEFAULTS: dict[str, Any] = {"n_patches": 10, "patch_size": 50, "scale": 0.12}
-AUTO_MIN_BRIGHTNESS = 0.15  # --min-brightness auto on a black background (docs/training.md)
-AUTO_RARITY_PRIOR = 2.0  # --rarity-prior auto on slides and photographs (docs/training.md)
-AUTO_PATCH_LOSS = 1.0  # --patch-loss auto on photographs (_patch_loss)
+AUTO_MIN_BRIGHTNESS = 0.15  # min_brightness auto on a black background (docs/training.md)
+AUTO_RARITY_PRIOR = 2.0  # rarity_prior auto on slides and photographs (docs/training.md)
+AUTO_PATCH_LOSS = 1.0  # patch_loss auto on photographs (_patch_loss)
 PRETRAINED_FACTS = ("pretrained", "no_pretrained", "init_feature_net")  # DataFacts of the weights (_pretrained_facts)
-GAIN_LATE_START = 0.5  # --patch-gain late: the gain trains from this fraction of --epochs (_patch_gain says why)
-# --levels 2: --rarity-prior (on slides), --rarity-cap and --region-temperature auto (and
-# --patch-gain late: _patch_gain). Where a two-level model's coarse attention starts decides
+GAIN_LATE_START = 0.5  # patch_gain late: the gain trains from this fraction of --epochs (_patch_gain says why)
+# levels 2: rarity_prior (on slides), rarity_cap and region_temperature auto (and
+# patch_gain late: _patch_gain). Where a two-level model's coarse attention starts decides
 # whether training gets a signal at all: at initialisation the coarse net adds nothing (its
 # last layer is zero), so the coarse attention is the prior's, and on a large slide the
 # region that decides the label is one of thousands, its object perhaps one coarse pixel.
@@ -573,7 +574,7 @@ def settle_data(flags: TrainConfig, data: Dataset, *, view_cache: Any = None,
     through ``view_cache``, where a slide's low-res view is then ready for training).
     Deterministic, so every process of a run settles alike, but for where the pretrained
     weights can be had (the cache, the network): ``agree`` hands every process rank 0's.
-    ``init_feature_net``: with ``--init``, the feature net that checkpoint's spec names."""
+    ``init_feature_net``: with ``init``, the feature net that checkpoint's spec names."""
     hinted, ignored = read_hints(data.hints)
     facts = read_facts(flags, data, hinted=hinted, ignored_hints=ignored)
     facts = replace(facts, **_pretrained_facts(flags, hinted.get("channels", 1), init_feature_net))
@@ -599,19 +600,27 @@ def _model_mpp(flags: TrainConfig, facts: DataFacts) -> tuple[float | None, list
     record one and they agree; else none. Nothing to say for images without microns.
     A --mpp outside the plausible range is refused by name (:func:`check_mpp_flag`)."""
     check_mpp_flag(flags.mpp)
+    unknown = f"scale unknown: {facts.scale_unknown}" if facts.scale_unknown else ""
     if flags.mpp:
         if facts.no_mpp:
             raise ConfigError(f"{facts.no_mpp}: records no microns per pixel, so it cannot be read at --mpp "
                               f"{flags.mpp:g} ({facts.files - len(facts.mpps)} of {facts.files} training files do "
-                              "not)")
+                              "not" + (f"; {unknown}" if unknown else "") + ")")
         return flags.mpp, [Reason("mpp", _um(flags.mpp), "given: every training slide is read at it")]
     if facts.mpps_agree:
         mpp = facts.mpps[len(facts.mpps) // 2]
         return mpp, [Reason("mpp", _um(mpp), f"the training slides' own ({facts.files} of {facts.files} record it)")]
     if not facts.mpps:
-        return None, []
+        if not facts.unscaled:  # images that are not slides: pixels are all they have, nothing to say
+            return None, []
+        # slides or TIFFs without a scale (a tool's 72 dpi: ats_cli.data.tiff_meta.not_a_microscope_scale):
+        # said once, as ats info says it, so a user who expected microns learns they are pixels
+        why = unknown or "the training slides and TIFFs record no microns per pixel"
+        return None, [Reason("mpp", "none", f"{why}; read as pixels ({facts.unscaled} of {facts.files} training "
+                                            "files record no scale); predict reads slides by level")]
     if facts.no_mpp:
-        why = f"{facts.files - len(facts.mpps)} of {facts.files} training files record no microns per pixel"
+        why = f"{facts.files - len(facts.mpps)} of {facts.files} training files record no microns per pixel" + \
+            (f" ({unknown})" if unknown else "")
     else:
         why = (f"the training slides range from {_um(facts.mpps[0])} to {_um(facts.mpps[-1])} (give --mpp to "
                "train at one physical scale; slides are resampled to it)")
@@ -843,7 +852,7 @@ def _photos(facts: DataFacts) -> bool:
 
 
 def _patch_loss(flags: TrainConfig, facts: DataFacts) -> tuple[float, str]:
-    """--patch-loss auto: AUTO_PATCH_LOSS on photographs (:func:`_photos` says why;
+    """patch_loss auto: AUTO_PATCH_LOSS on photographs (:func:`_photos` says why;
     ATSModel.patch_nll what it does), else off: on a black canvas and on slides the support
     and the tissue mask already bring most draws to the objects, and their figures were
     made without it."""
@@ -858,7 +867,7 @@ def _patch_loss(flags: TrainConfig, facts: DataFacts) -> tuple[float, str]:
 
 
 def _rarity_cap(flags: TrainConfig, prior: float) -> tuple[float, str]:
-    """--rarity-cap auto: TWO_LEVEL_RARITY_CAP with two levels, else none: the one-level
+    """rarity_cap auto: TWO_LEVEL_RARITY_CAP with two levels, else none: the one-level
     prior of 2 is not large enough to hand one cell the mass."""
     if flags.rarity_cap != -1:
         return flags.rarity_cap, "given"
@@ -871,16 +880,16 @@ def _rarity_cap(flags: TrainConfig, prior: float) -> tuple[float, str]:
 
 
 def _eval_coarse_px(flags: TrainConfig) -> tuple[int, str]:
-    """--eval-coarse-px: given, or auto (-1, left for the end of training to settle: it
+    """eval_coarse_px: given, or auto (-1, left for the end of training to settle: it
     needs the trained model; ats_cli.train.choose_coarse_view)."""
     if flags.eval_coarse_px != -1:
         return flags.eval_coarse_px, "given" + (" (as in training)" if flags.eval_coarse_px == 0 else "")
     return -1, (f"auto: after the last epoch best.pt is evaluated with a coarse view of {2 * flags.coarse_px} px a "
-                "region (twice --coarse-px) and keeps it where the held-out split scores better so")
+                "region (twice coarse_px) and keeps it where the held-out split scores better so")
 
 
 def _region_temperature(flags: TrainConfig) -> tuple[float, str]:
-    """--region-temperature auto: TWO_LEVEL_REGION_TEMPERATURE, a region scored near its
+    """region_temperature auto: TWO_LEVEL_REGION_TEMPERATURE, a region scored near its
     largest coarse cell (ats_cli.core.nested.region_scores)."""
     if flags.region_temperature != -1:
         return flags.region_temperature, "given"
@@ -993,7 +1002,7 @@ def _feature_net(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
     gives the attention's first gradients little to go on. Else :data:`RANDOM_FEATURE_NET`
     from random weights, the default before, which is what runs offline (the tests, the
     demo, CI), and on grey images (Megapixel MNIST), for which the ImageNet encoders are not
-    made. With ``--init`` the checkpoint's net (its weights are taken); with
+    made. With ``init`` the checkpoint's net (its weights are taken); with
     ``--feature-weights`` other than auto, the random-initialised net they load into.
 
     Why ConvNeXt-atto (timm ``convnext_atto.d2_in1k``): the smallest of the usual
@@ -1006,7 +1015,7 @@ def _feature_net(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
     if flags.method == "cnn":
         return RANDOM_FEATURE_NET, "method cnn has no feature net (a ResNet-18 reads the low-res view)"
     if flags.init:
-        return facts.init_feature_net or RANDOM_FEATURE_NET, f"the feature net of --init {flags.init}"
+        return facts.init_feature_net or RANDOM_FEATURE_NET, f"the feature net of init {flags.init}"
     if flags.feature_weights != "auto":
         return RANDOM_FEATURE_NET, f"--feature-weights {flags.feature_weights} are loaded into it"
     if facts.channels != 3:
@@ -1022,22 +1031,22 @@ def _feature_net(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
 
 
 def _feature_train(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
-    """--feature-train auto: frozen (none) when the feature net starts from pretrained
+    """feature_train auto: frozen (none) when the feature net starts from pretrained
     weights (hundreds of labels cannot move millions of weights well, and a frozen net costs
-    no gradient memory: docs/training.md), else all of it trains (from ``--init``'s weights
-    at ``--feature-lr``, when given)."""
+    no gradient memory: docs/training.md), else all of it trains (from ``init``'s weights
+    at ``feature_lr``, when given)."""
     if flags.feature_train != "auto":
         return flags.feature_train, "given"
     if facts.pretrained:
         return "none", f"the feature net starts from pretrained weights ({facts.pretrained}): frozen"
-    if flags.init:  # fine-tuning or a curriculum: --feature-lr sets how fast it moves
-        pace = "frozen (--feature-lr 0)" if flags.feature_lr == 0 else f"trains at {flags.feature_lr:g} x --lr"
-        return "all", f"the feature net starts from --init {flags.init}: {pace}"
+    if flags.init:  # fine-tuning or a curriculum: feature_lr sets how fast it moves
+        pace = "frozen (feature_lr 0)" if flags.feature_lr == 0 else f"trains at {flags.feature_lr:g} x --lr"
+        return "all", f"the feature net starts from init {flags.init}: {pace}"
     return "all", "the feature net starts from random weights: all of it trains"
 
 
 def _position_features(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
-    """--position-features auto: the dataset's hint, which only its maker can know (a label
+    """position_features auto: the dataset's hint, which only its maker can know (a label
     that depends on where things are, as IPS's top-most digit, cannot be read from what the
     patches show: benchmarks/accuracy.md#what-each-default-brought), else off, the thesis's model."""
     if flags.position_features != "auto":
@@ -1071,7 +1080,7 @@ def _pooling(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
 
 
 def _none_class(flags: TrainConfig, facts: DataFacts, pooling: str) -> tuple[str, str]:
-    """--none-class auto: the dataset's hint where the pooling has a per-patch vote (a
+    """none_class auto: the dataset's hint where the pooling has a per-patch vote (a
     generator knows its images hold objects of no class: Megapixel MNIST's noise), else off."""
     if flags.none_class != "auto":
         return flags.none_class, "given"
@@ -1083,7 +1092,7 @@ def _none_class(flags: TrainConfig, facts: DataFacts, pooling: str) -> tuple[str
 
 
 def _count_floor(flags: TrainConfig, facts: DataFacts, pooling: str) -> tuple[float, str]:
-    """--count-floor auto: the dataset's hint where the pooling counts objects, else 0.
+    """count_floor auto: the dataset's hint where the pooling counts objects, else 0.
     Why a dataset says: the share of the attention one object that matters should hold
     (about one over the number of such objects, less a margin) is a fact of its images."""
     if flags.count_floor != -1:
@@ -1096,7 +1105,7 @@ def _count_floor(flags: TrainConfig, facts: DataFacts, pooling: str) -> tuple[fl
 
 
 def _eval_count_floor(flags: TrainConfig, facts: DataFacts, pooling: str, floor: float) -> tuple[float, str]:
-    """--eval-count-floor auto: the dataset's hint where the pooling counts objects, else the
+    """eval_count_floor auto: the dataset's hint where the pooling counts objects, else the
     training floor ``floor``. Why a floor of its own for reading:
     :mod:`ats_cli.extensions.pooling_counts` (``eval_floor``). How low is a fact of the
     images (benchmarks/accuracy.md#reading-floor), so a dataset says."""
@@ -1112,11 +1121,11 @@ def _eval_count_floor(flags: TrainConfig, facts: DataFacts, pooling: str, floor:
 def levels_spec(cfg: TrainConfig, mpp: float | None) -> dict[str, Any]:
     """A two-level model's keys (:class:`~ats_cli.core.nested_model.NestedATSModel`), none
     for one level, whose spec stays as it was: ``levels`` 2, ``regions`` (k), ``region_size``
-    (full-resolution pixels: ``--region-size``, or ``--region-um`` at ``mpp`` rounded to a
-    multiple of the patch side), ``coarse_scale`` (the coarse view's, ``--coarse-px``
+    (full-resolution pixels: ``region_size``, or ``region_um`` at ``mpp`` rounded to a
+    multiple of the patch side), ``coarse_scale`` (the coarse view's, ``coarse_px``
     pixels per region side; ``scale`` stays the region views'), ``region_temperature``
     (``eval_regions`` and ``region_temperature`` at auto as :func:`settle` settles them, which
-    needs no data) and ``eval_coarse_scale`` (a given ``--eval-coarse-px``, else 0: as
+    needs no data) and ``eval_coarse_scale`` (a given ``eval_coarse_px``, else 0: as
     trained, until the end of training settles the auto one). Raises ValueError in one line
     for a region that cannot be cut into patches or microns without a pixel size."""
     if cfg.levels == 1:
@@ -1126,11 +1135,11 @@ def levels_spec(cfg: TrainConfig, mpp: float | None) -> dict[str, Any]:
     region = cfg.region_size
     if cfg.region_um:
         if not mpp:
-            raise ValueError(f"--region-um {cfg.region_um:g}: the microns per pixel are unknown (give --mpp, or "
-                             "slides that record it), so give --region-size in pixels")
+            raise ValueError(f"region_um {cfg.region_um:g}: the microns per pixel are unknown (give --mpp, or "
+                             "slides that record it), so give region_size in pixels (--set region_size=N)")
         region = max(1, round(cfg.region_um / mpp / cfg.patch_size)) * cfg.patch_size
     elif region % cfg.patch_size:
-        raise ValueError(f"--region-size {region} is not a multiple of --patch-size {cfg.patch_size}: the patches "
+        raise ValueError(f"region_size {region} is not a multiple of --patch-size {cfg.patch_size}: the patches "
                          "of a region would not tile it")
     return {"levels": 2, "regions": cfg.regions,
             "eval_regions": _at_evaluation(cfg.eval_regions, cfg.regions, "regions")[0], "region_size": region,
@@ -1139,7 +1148,7 @@ def levels_spec(cfg: TrainConfig, mpp: float | None) -> dict[str, Any]:
 
 
 def rarity_cap(cfg: TrainConfig) -> float:
-    """``--rarity-cap`` with auto (-1) read as :func:`settle` settles it (from the prior and
+    """``rarity_cap`` with auto (-1) read as :func:`settle` settles it (from the prior and
     the levels, no data needed); 0: none."""
     return _rarity_cap(cfg, cfg.rarity_prior)[0]
 
@@ -1153,7 +1162,7 @@ def view_scale(cfg: TrainConfig, mpp: float | None) -> float:
 
 def eval_view_scale(cfg: TrainConfig, mpp: float | None) -> float:
     """The scale of the low-res view a model of ``cfg`` reads in evaluation: a two-level
-    model's given ``--eval-coarse-px`` (:func:`levels_spec`), else :func:`view_scale`.
+    model's given ``eval_coarse_px`` (:func:`levels_spec`), else :func:`view_scale`.
     Training's held-out evaluation reads at it, as ats predict does."""
     return levels_spec(cfg, mpp).get("eval_coarse_scale") or view_scale(cfg, mpp)
 

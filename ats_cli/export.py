@@ -4,7 +4,7 @@ its optimizer state dropped, what was done recorded in the file.
 Keeps what prediction and a model card need (spec, classes, weights, the training
 configuration and the per-epoch history, ``pretrain``'s record) and drops the optimizer and
 scaler state, so the file is a few hundred kB; loadable with ``torch.load(weights_only=True)``
-like any ats checkpoint, and ``ats train --init`` still takes it.
+like any ats checkpoint, and ``ats train --set init=FILE`` still takes it.
 
 Options, each a field of the spec (``export`` in the file lists those set):
 
@@ -24,7 +24,7 @@ figures are in benchmarks/slides.md#accuracy-at-100k²).
 ``pooling``: what the model pools, for a checkpoint whose classifier reads one patch as well
 as the pooled features (that of ``ats pretrain``, trained on single patches, reads either
 way); ``none_class="off"`` drops its "no class here" logit; ``count_floor`` the floor of a
-counts pooling, the one it reads at and, with ``ats train --init``, trains at (a reading
+counts pooling, the one it reads at and, with ``ats train --set init=...``, trains at (a reading
 floor of its own, ``eval_floor``, is dropped).
 
 ``none_prior`` P: the share of "none" among the objects the model will count, for a
@@ -123,7 +123,7 @@ def export_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str], 
         if not (0 < none_prior < 1 and 0 < trained < 1):
             raise ExportError(f"--none-prior and the trained share must be in (0, 1), got {none_prior} and {trained}")
         if none_class == "off" or NONE_BIAS_KEY not in ckpt["model"]:
-            raise ExportError(f"{src}: --none-prior needs the checkpoint's none logit (--none-class on)")
+            raise ExportError(f"{src}: --none-prior needs the checkpoint's none logit (trained with none_class on)")
         shift = none_shift(none_prior, float(trained))
         ckpt["model"] = {**ckpt["model"], NONE_BIAS_KEY: ckpt["model"][NONE_BIAS_KEY] + shift}
         release.update(none_prior=float(none_prior), trained_none_share=float(trained), none_shift=shift)
@@ -137,7 +137,7 @@ def export_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str], 
         ckpt["spec"]["eval_n_patches"] = int(eval_n_patches)
     for flag, value in (("--eval-regions", eval_regions), ("--eval-coarse-px", eval_coarse_px)):
         if value is not None and ckpt["spec"].get("levels", 1) != 2:
-            raise ExportError(f"{src}: {flag} is for a two-level model (--levels 2); this one has one level")
+            raise ExportError(f"{src}: {flag} is for a two-level model (trained with levels 2); this one has one level")
     if eval_regions is not None:
         changes["eval_regions"] = int(eval_regions)
         ckpt["spec"]["eval_regions"] = int(eval_regions)
@@ -217,7 +217,7 @@ def _pooling_spec(current: dict[str, Any] | None, name: str | None, none_class: 
         spec = {"name": name, **{k: spec[k] for k in kept if k in spec}}
     if none_class == "off" and spec.get("none_class"):
         spec["none_class"] = False
-    if floor is not None:  # the floor the model reads at, and trains at with ats train --init: one floor
+    if floor is not None:  # the floor the model reads at, and trains at with ats train --set init=...: one floor
         spec["floor"] = float(floor)
         spec.pop("eval_floor", None)
     return spec

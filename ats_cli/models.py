@@ -165,9 +165,9 @@ def model_spec(cfg: TrainConfig, *, n_classes: int, channels: int, mpp: float | 
 
 def extension_specs(cfg: TrainConfig) -> dict[str, dict[str, Any] | None]:
     """The extension slots (:mod:`ats_cli.extensions`) ``cfg``'s flags select, as plain specs:
-    ``--pooling``, ``--none-class``, ``--count-floor`` and ``--eval-count-floor`` the pooling; ``--min-brightness``
-    the ``bright`` support; ``--rarity-prior`` and ``--rarity-cap`` the ``rarity`` prior (never for ``uniform``,
-    whose attention is uniform by definition); ``--patch-gain`` the ``learned`` gain. A
+    ``--pooling``, ``none_class``, ``count_floor`` and ``eval_count_floor`` the pooling; ``min_brightness``
+    the ``bright`` support; ``rarity_prior`` and ``rarity_cap`` the ``rarity`` prior (never for ``uniform``,
+    whose attention is uniform by definition); ``patch_gain`` the ``learned`` gain. A
     value still at auto (-1, settled by training) or at 0 selects nothing, except the cap,
     whose auto follows from the prior and the levels alone (:func:`ats_cli.config.settle`)."""
     # auto still unsettled (a spec made without ats train's settle): what settle gives without a hint

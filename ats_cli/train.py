@@ -166,14 +166,14 @@ def _conv_layout(device: torch.device) -> torch.memory_format:
 
 
 def _optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """One parameter group at ``--lr``, then (``--feature-lr`` other than 1) the feature
-    network's at that fraction of it; with ``--feature-lr 0`` the feature network is frozen
+    """One parameter group at ``--lr``, then (``feature_lr`` other than 1) the feature
+    network's at that fraction of it; with ``feature_lr 0`` the feature network is frozen
     (:func:`freeze_features`) and left out. Each group's ``lr_scale`` multiplies the schedule;
-    ``--patch-gain late`` puts the gain in a group of its own that starts (``from_epoch``,
+    ``patch_gain late`` puts the gain in a group of its own that starts (``from_epoch``,
     :func:`_set_lr`) at ``GAIN_LATE_START`` of the epochs."""
     features = getattr(model, "feature_net", None)
     if cfg.feature_lr != 1 and features is None:
-        raise ValueError(f"--feature-lr {cfg.feature_lr}: method {cfg.method!r} has no feature network")
+        raise ValueError(f"feature_lr {cfg.feature_lr}: method {cfg.method!r} has no feature network")
     if cfg.feature_lr == 0:
         freeze_features(model)
     own = {id(p) for p in features.parameters()} if features is not None and cfg.feature_lr != 1 else set()
@@ -181,7 +181,7 @@ def _optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimize
     late = [p for p in gain.parameters() if p.requires_grad] if gain is not None and cfg.patch_gain == "late" else []
     own |= {id(p) for p in late}
     groups = [{"params": [p for p in model.parameters() if id(p) not in own and p.requires_grad], "lr_scale": 1.0}]
-    if features is not None and cfg.feature_lr not in (0, 1):  # a frozen part (--feature-train) holds no state
+    if features is not None and cfg.feature_lr not in (0, 1):  # a frozen part (feature_train) holds no state
         groups.append({"params": [p for p in features.parameters() if p.requires_grad], "lr_scale": cfg.feature_lr})
     if late:
         groups.append({"params": late, "lr_scale": 1.0, "from_epoch": GAIN_LATE_START * cfg.epochs})
@@ -192,7 +192,7 @@ def _optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimize
 
 
 def freeze_features(model: torch.nn.Module) -> None:
-    """``--feature-lr 0``: the feature network as a fixed encoder (:func:`ats_cli.nets.encoders.freeze`
+    """``feature_lr 0``: the feature network as a fixed encoder (:func:`ats_cli.nets.encoders.freeze`
     says why its batch norms stay in evaluation mode, here and in :func:`recalibrate_batch_norm`)."""
     freeze(model.feature_net)
 
@@ -207,7 +207,7 @@ def train_mode(model: torch.nn.Module) -> None:
 
 def _set_lr(opt: torch.optim.Optimizer, cfg: TrainConfig, progress: float) -> None:
     """Each group's learning rate at ``progress`` epochs: the schedule times its ``lr_scale``,
-    0 before its ``from_epoch`` (a part that trains only from there on: ``--patch-gain late``).
+    0 before its ``from_epoch`` (a part that trains only from there on: ``patch_gain late``).
     A function of the position alone, so a resumed run sets what the uninterrupted one did."""
     for group in opt.param_groups:
         on = progress >= group.get("from_epoch", 0.0)
@@ -660,7 +660,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
     def agree(facts):  # the weights' cache and network as rank 0 found them: every rank settles alike
         return replace(facts, **from_main(lambda: {k: getattr(facts, k) for k in PRETRAINED_FACTS}, ctx))
 
-    # with --init, --feature-net auto is that checkpoint's feature net (ats_cli.config._feature_net)
+    # with init, --feature-net auto is that checkpoint's feature net (ats_cli.config._feature_net)
     init_net = str(load_checkpoint(cfg.init).get("spec", {}).get("feature_net", "")) \
         if cfg.init and cfg.feature_net == "auto" and cfg.method != "cnn" and not saved else ""
     settled, reasons = settle(cfg, saved) if saved else settle_data(
@@ -689,7 +689,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
     # (benchmarks/gpu.md, "On a GPU")
     prepare_workers = max(cfg.workers, loader_workers(-1, device))
     # evaluation reads the view the model reads in evaluation: a two-level model's given
-    # --eval-coarse-px may make it finer than training's (its own prepared entries, then)
+    # eval_coarse_px may make it finer than training's (its own prepared entries, then)
     eval_reading = {**reading, "scale": eval_view_scale(cfg, settled.mpp)}
     same_view = eval_reading["scale"] == reading["scale"]
     prepared = prepare_for_run(cfg.prepare, data, reading, workers=prepare_workers, log=log,
@@ -706,13 +706,13 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
     model = create_model(spec)
     check_patch_size(model, spec)  # a patch the feature net cannot read: one line, before any step
     features = getattr(model, "feature_net", None)
-    if features is not None:  # a resumed or --init run takes every weight from its checkpoint
+    if features is not None:  # a resumed or init run takes every weight from its checkpoint
         loaded = None if resume or cfg.init else load_start_weights(features, cfg.feature_net, cfg.feature_weights,
                                                                      spec["feature_kwargs"])
         apply_feature_train(features, cfg.feature_train)
         if loaded or cfg.feature_train != "all":
             log(f"feature net {cfg.feature_net}: {f'weights from {loaded}' if loaded else 'its weights'}, "
-                f"--feature-train {cfg.feature_train}")
+                f"feature_train {cfg.feature_train}")
     model = model.to(device, memory_format=_conv_layout(device))
     opt = _optimizer(cfg, model)
     scaler = torch.amp.GradScaler("cuda", enabled=amp == "fp16")  # fp16 only: bf16 has float32's range
@@ -867,7 +867,7 @@ def _held_out_loaders(cfg: TrainConfig, ctx: Dist, device: torch.device, data: A
 def choose_coarse_view(cfg: TrainConfig, ctx: Dist, device: torch.device, model: torch.nn.Module, run: Path,
                        data: Any, split: str, reading: dict[str, Any], history: list[dict[str, Any]], *,
                        workers: int, log: Callable[[str], None]) -> None:
-    """``--eval-coarse-px`` auto, after the last epoch: evaluate ``best.pt`` on the held-out
+    """``eval_coarse_px`` auto, after the last epoch: evaluate ``best.pt`` on the held-out
     ``split`` (the one that chose it) with a coarse view twice as fine as training's, and
     record that view in best.pt (spec ``eval_coarse_scale``, read by ats predict and
     visualize) only where its accuracy is higher than the epoch's own at training's view;

@@ -88,7 +88,7 @@ def main() -> None:
     p.add_argument("--feature-net", default="mnist-features-bn")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--feature-width", type=int, default=32)
-    p.add_argument("--feature-scale", type=float, default=1.0, help="see ats train --feature-scale")
+    p.add_argument("--feature-scale", type=float, default=1.0, help="see the ats train key feature_scale")
     p.add_argument("--min-brightness", type=float, default=0.05,
                    help="ATS and U-N sample only non-black low-res cells: without it ATS stays on its initial "
                    "plateau for longer than a CPU budget allows (ats_cli.core.model.ATSModel)")

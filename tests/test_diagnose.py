@@ -105,3 +105,15 @@ def test_a_warning_waits_for_a_second_epoch_when_there_was_one_before():
     learning = _record(attention_moved=0.0, val_acc=0.9)
     assert warnings(at_chance, CHANCE, steps=5, previous=learning) == {}
     assert set(warnings(at_chance, CHANCE, steps=5, previous=at_chance)) == {"uniform"}
+
+
+def test_what_to_try_names_only_flags_ats_train_has():
+    """Each fix a warning suggests is one a user can give now: a flag ``ats train --help``
+    lists (the recipes made most settings keys, which a suggestion would name as such)."""
+    from tests.test_settle import _train_flags, named_flags
+
+    found = {**warnings(_record(entropy=9.09, attention_moved=0.01), CHANCE, steps=5),
+             **warnings(_record(train_acc=1.0, val_acc=0.5), CHANCE, steps=5)}
+    assert set(found) == {"uniform", "chance"}
+    named = set().union(*(named_flags(line) for line in found.values()))
+    assert named and named <= _train_flags(), named - _train_flags()

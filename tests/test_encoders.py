@@ -259,7 +259,7 @@ def test_without_timm_a_timm_name_fails_in_one_line_naming_the_extra(monkeypatch
 
 
 def test_head_needs_a_pretrained_encoder():
-    with pytest.raises(EncoderError, match="--feature-train head: small-cnn is not a pretrained encoder"):
+    with pytest.raises(EncoderError, match="feature_train head: small-cnn is not a pretrained encoder"):
         feature_spec("small-cnn", channels=1, width=8, train="head")
 
 

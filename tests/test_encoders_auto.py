@@ -189,7 +189,7 @@ def test_the_auto_rule_and_its_reasons():
     assert net(missing)[1].startswith("no pretrained weights for X in the cache (C) and no network (N): starting the "
                                       "feature net from random weights; ")
     assert net(DataFacts(channels=3, init_feature_net="timm:y"), init="r/best.pt") == (
-        "timm:y", "the feature net of --init r/best.pt")
+        "timm:y", "the feature net of init r/best.pt")
     assert net(rgb, feature_weights="w.safetensors")[0] == RANDOM_FEATURE_NET
     assert net(rgb, feature_net="mnist-features") == ("mnist-features", "given")
     assert net(rgb, method="cnn")[0] == RANDOM_FEATURE_NET  # no feature net to start anywhere

@@ -1,5 +1,5 @@
 """ats pretrain: the patches it learns from are labelled right, both stages do what they
-are for, and what it writes is a checkpoint ``ats train --init`` starts from and ``ats
+are for, and what it writes is a checkpoint ``ats train --set init=CKPT`` starts from and ``ats
 export`` reads. Offline: bundled digits, a small generated dataset."""
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import builtins
 import copy
 import io
 import json
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -23,6 +24,7 @@ from ats_cli.config import (
     TWO_LEVEL_REGION_TEMPERATURE,
     ConfigError,
     TrainConfig,
+    levels_spec,
     read_hints,
     settle,
     settle_data,
@@ -435,3 +437,65 @@ def test_ats_info_prints_what_train_settles_for_a_file_and_a_folder(tmp_path):
     assert expected(1000) in folder.output and "--patch-size 64" in folder.output
     one = CliRunner().invoke(app, ["info", str(tmp_path / "photos" / "c0" / "2.jpg")])
     assert one.exit_code == 0 and expected(1300) in one.output, one.output
+
+
+def _train_flags() -> set[str]:
+    """The options ``ats train --help`` lists (its parameters' declarations, not its help's text)."""
+    import typer
+
+    from ats_cli.cli import app
+
+    params = typer.main.get_command(app).commands["train"].params
+    return {opt for p in params for opt in (*p.opts, *p.secondary_opts) if opt.startswith("--")}
+
+
+# another command's flag named in a text about training (ats export's, make-dataset's): not ats train's
+OTHER_COMMANDS = re.compile(r"(?:ats export|make-dataset)(?: [\w./-]+)*? --[a-z][a-z0-9-]*")
+
+
+def named_flags(text: str) -> set[str]:
+    return set(re.findall(r"--[a-z][a-z0-9-]*", OTHER_COMMANDS.sub("", text)))
+
+
+def test_no_settle_or_validate_message_names_a_flag_ats_train_lacks(tmp_path):
+    """Since the recipes, most settings are keys (--set KEY=VALUE, a recipe, --config), not
+    flags: a message that tells a user to give ``--levels 2`` or ``--init`` names a flag the
+    command refuses. Every reason settle gives on the defaults and on each shipped recipe,
+    over tiny datasets and the facts of slides, photographs and a black canvas, and every
+    refusal of validate() and settle() for a handful of bad configurations, may name only
+    the flags ``ats train --help`` lists."""
+    from ats_cli.recipes import load_recipe, packaged_recipes
+
+    flags = _train_flags()
+    assert {"--n-patches", "--set", "--mpp"} <= flags and "--levels" not in flags
+    photos = DataFacts(channels=3, files=8, probed=8, dark=0.1, long_side=640)
+    configs = [TrainConfig(), TrainConfig(init="runs/a/best.pt"), TrainConfig(init="runs/a/best.pt", feature_lr=0.0),
+               TrainConfig(feature_weights="w.safetensors"), TrainConfig(method="uniform"),
+               *(TrainConfig(**load_recipe(r.name).values) for r in packaged_recipes())]
+    texts = []
+    for cfg in configs:
+        for facts in (MNIST, SLIDES, photos, DataFacts(files=2, mpps=(0.25, 0.5)),
+                      DataFacts(files=2, mpps=(0.5,), no_mpp="b.tif", unscaled=1, scale_unknown="b.tif: 72 dpi")):
+            texts += [str(r) for r in settle(cfg, facts)[1]]
+    data = _pngs(tmp_path / "pngs", background=0)
+    texts += [str(r) for r in settle_data(TrainConfig(), data)[1]]
+    texts += [str(r) for r in settle_data(TrainConfig(**load_recipe("megapixel-mnist-max").values), data)[1]]
+    bad = [dict(levels=2), dict(levels=2, region_size=64, pooling="counts"), dict(levels=3), dict(count_floor=2.0),
+           dict(none_class="on", pooling="features"), dict(method="cnn", feature_lr=0.5), dict(level=1, mpp=0.5),
+           dict(levels=2, regions=0, region_size=64), dict(rarity_cap=0.5), dict(patch_gain="sometimes")]
+    for values in bad:
+        with pytest.raises(ConfigError) as e:
+            TrainConfig(**values).validate()
+        texts.append(str(e.value))
+    for values, facts in ((dict(patch_um=32.0), MNIST), (dict(mpp=0.5), DataFacts(files=1, no_mpp="a.tif")),
+                          (dict(pooling="highest"), replace(MNIST, multilabel=True))):
+        with pytest.raises(ConfigError) as e:
+            settle(TrainConfig(**values), facts)
+        texts.append(str(e.value))
+    for values in (dict(region_um=100.0), dict(region_size=120)):  # the two-level sizes, when the model is made
+        with pytest.raises(ValueError) as e:
+            levels_spec(TrainConfig(levels=2, patch_size=50, **values), None)
+        texts.append(str(e.value))
+    assert len(texts) > 300
+    wrong = {text for text in texts if named_flags(text) - flags}
+    assert not wrong, "\n".join(sorted(wrong))

@@ -10,6 +10,7 @@ with libvips itself when ``vips`` is installed.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -159,3 +160,47 @@ def test_predict_and_visualize_read_a_72_dpi_pyramid_with_or_without_mpp(files, 
         result = runner.invoke(app, ["visualize", str(path), "--model", str(model), "--out", str(out), *extra])
         assert result.exit_code == 0, result.output
         assert len(_one_line(result.stderr, path)) == 1 and out.stat().st_size > 0
+
+
+def _tiff_dataset(root: Path, files: dict[str, Path], names: tuple[str, ...]) -> Path:
+    """A dataset of two classes over the TIFFs ``names`` (absolute paths), the first two training."""
+    from ats_cli.data.dataset import write_dataset
+
+    rows = [{"path": str(files[name]), "label": "ab"[i % 2]} for i, name in enumerate(names)]
+    write_dataset(root, ["a", "b"], {"train": rows[:2], "test": rows[2:]}, hints={"channels": 3})
+    return root
+
+
+def test_ats_train_says_once_that_the_tiffs_scale_is_unknown(files, tmp_path):
+    """Issue 66's leftover: training on TIFFs whose tags are no scale (72 and 96 dpi) reads
+    them as pixels and says so in one line of the settle log, as ats info says it; a
+    scanner's scale (negative control) is taken as the model's, with no such line."""
+    data = _tiff_dataset(tmp_path / "dpi", files, ("inch72", "inch96", "pillow300"))
+    run = tmp_path / "run"
+    result = runner.invoke(app, ["train", str(data), "--out", str(run), "--epochs", "1", "--n-patches", "2",
+                                 "--patch-size", "32", "--scale", "0.05", "--feature-net", "small-cnn",
+                                 "--set", "feature_width=4", "--set", "attention_width=4", "--workers", "0"])
+    assert result.exit_code == 0, result.output
+    said = [line for line in result.output.splitlines() if "scale unknown" in line]
+    assert len(said) == 1, result.output
+    assert said[0].strip().startswith("mpp none: scale unknown: "), said[0]
+    assert "inch72.tif: the TIFF resolution tags, 72 pixels per inch, are a screen or print density" in said[0]
+    assert "read as pixels (2 of 2 training files record no scale)" in said[0], said[0]
+    assert json.loads((run / "settled.json").read_text())["mpp"] is None
+
+    from ats_cli.config import TrainConfig, settle_data
+    from ats_cli.data.dataset import load_dataset
+
+    scanned = load_dataset(_tiff_dataset(tmp_path / "x40", files, ("x40", "inch_scope", "far")))
+    settled, reasons = settle_data(TrainConfig(patch_size=32, scale=0.05), scanned)
+    assert settled.mpp == pytest.approx(0.25) and not [r for r in reasons if "scale unknown" in str(r)]
+    # tags without a unit (ResolutionUnit NONE) record no size at all: said once, read as pixels too
+    for i in range(3):
+        tifffile.imwrite(tmp_path / f"n{i}.tif", np.full((64, 64, 3), 200, np.uint8), photometric="rgb",
+                         metadata=None, resolution=(1, 1), resolutionunit="NONE")
+    unit = {f"n{i}": tmp_path / f"n{i}.tif" for i in range(3)}
+    settled, reasons = settle_data(TrainConfig(patch_size=16, scale=0.25), load_dataset(
+        _tiff_dataset(tmp_path / "nounit", unit, ("n0", "n1", "n2"))))
+    said = [str(r) for r in reasons if r.key == "mpp"]
+    assert said == ["mpp none: the training slides and TIFFs record no microns per pixel; read as pixels (2 of 2 "
+                    "training files record no scale); predict reads slides by level"] and settled.mpp is None

@@ -274,7 +274,7 @@ def test_init_transfers_the_networks_to_other_classes_and_another_pooling(square
     [said] = [line for line in lines if line.startswith("initialised the model from")]
     assert "took attention_net, feature_net" in said and "initialisation: classifier" in said
     assert "not used: classifier, pooling.none" in said and "['horizontal', 'vertical']" in said
-    assert any("feature_train all: the feature net starts from --init" in line for line in lines)
+    assert any("feature_train all: the feature net starts from init" in line for line in lines)
 
 
 def test_feature_lr_zero_freezes_the_encoder_and_its_batch_norms(squares, tmp_path):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command for models/synthetic-slides-ats.pt: the data, training from scratch with
-# `ats train`'s defaults (no curriculum, no --init, no flags but the run's place), the
+# `ats train`'s defaults (no curriculum, no init checkpoint, no flags but the run's place), the
 # release, and the accuracy on a fresh test set the model never saw (another seed).
 #
 #   tools/train_synthetic_slides.sh OUT_DIR

@@ -36,13 +36,13 @@ def export(
                                      help="Two levels: regions prediction draws \\[default: as in SRC]."),
     eval_coarse_px: int = typer.Option(None, "--eval-coarse-px", min=0, show_default=False,
                                        help="Two levels: coarse-view pixels per region side at prediction, e.g. "
-                                       "twice training's --coarse-px \\[default: as in SRC; 0: as trained]."),
+                                       "twice training's coarse_px \\[default: as in SRC; 0: as trained]."),
     pooling: str = typer.Option(None, "--pooling", show_default=False,
                                 help="What the model pools: features | highest | votes | counts | "
                                 "highest-counts | topmost-counts \\[default: as in SRC]."),
     count_floor: float = typer.Option(None, "--count-floor", min=0.0, max=1.0, show_default=False,
-                                      help="The floor a counts pooling reads at (and trains at with ats train --init; "
-                                      "replaces a reading floor of its own) \\[default: as in SRC]."),
+                                      help="The floor a counts pooling reads at (and trains at with ats train "
+                                      "--set init=DST; replaces a reading floor of its own) \\[default: as in SRC]."),
     none_class: str = typer.Option(None, "--none-class", show_default=False,
                                    help="off: drop the model's 'no class here' logit."),
     none_prior: str = typer.Option(None, "--none-prior", callback=_share, show_default=False,

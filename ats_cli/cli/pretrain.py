@@ -66,8 +66,8 @@ def pretrain(
 
     Stage 1 trains the feature net on patches holding one whole object (labelled with its
     class) or no part of one ("none"); stage 1b fits the attention to give each object the
-    same mass. The checkpoint is the model ats train builds with the same network flags:
-    [bold]ats export[/] makes it a model to predict with, [bold]ats train --init[/] fine-tunes it.
+    same mass. The checkpoint is the model ats train builds with the same network settings:
+    [bold]ats export[/] makes it a model to predict with, [bold]ats train --set init=CKPT[/] fine-tunes it.
     The defaults are the recipe of models/megapixel-mnist-ats.pt; RGB images (slides) need
     --shrunken 0.
     """

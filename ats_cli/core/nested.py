@@ -76,16 +76,16 @@ def check_regions(image_size: tuple[int, int], region: int, k: int, patch: tuple
     than the grid holds, a region that is not a multiple of the patch side."""
     H, W = int(image_size[0]), int(image_size[1])
     if region < 1:
-        raise NestedConfigError(f"--region-size {region}: must be >= 1 pixel")
+        raise NestedConfigError(f"region_size {region}: must be >= 1 pixel")
     if patch is not None and (region % patch[0] or region % patch[1]):
-        raise NestedConfigError(f"--region-size {region} is not a multiple of the patch side {patch[0]}: the "
+        raise NestedConfigError(f"region_size {region} is not a multiple of the patch side {patch[0]}: the "
                                 f"patches of a region would not tile it")
     if region > H or region > W:
-        raise NestedConfigError(f"--region-size {region} is larger than {name} ({W}x{H} pixels); give a smaller "
-                                "region, or one level")
+        raise NestedConfigError(f"region_size {region} is larger than {name} ({W}x{H} pixels); give a smaller "
+                                "region_size, or levels 1")
     grid = region_grid((H, W), region)
     if k > grid[0] * grid[1]:
-        raise NestedConfigError(f"--regions {k}: {name} ({W}x{H}) holds only {grid[0] * grid[1]} regions of "
+        raise NestedConfigError(f"regions {k}: {name} ({W}x{H}) holds only {grid[0] * grid[1]} regions of "
                                 f"{region} pixels ({grid[1]}x{grid[0]}); draw fewer or give smaller regions")
     return grid
 
@@ -149,7 +149,7 @@ def region_scores(cell_scores: torch.Tensor, cells: torch.Tensor, n_regions: int
     region by about ``L - t log(cells)``, so where one cell of thousands decides (a nest
     of one coarse pixel in a 4096-pixel region at 1/64: ``log(4096)`` = 8.3 nats) a small
     t lets the prior and the net point at the region without first beating that dilution
-    (``ats train --region-temperature``). Any t keeps the score a function of the coarse
+    (the training key ``region_temperature``). Any t keeps the score a function of the coarse
     view: unbiased, as above."""
     B = cell_scores.shape[0]
     t = float(temperature)

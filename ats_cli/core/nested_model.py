@@ -10,7 +10,7 @@
 A step reads one coarse view, k region views of a fixed size and k*n patches: its memory
 and time are set by k, n, the region size and the two scales, never by the image's size.
 The coarse view is at ``coarse_scale`` = ``coarse_px`` pixels per region side (``ats train
---coarse-px``, 4 by default), so it holds ``coarse_px**2`` pixels per region: a 200k-pixel
+``coarse_px``, 4 by default), so it holds ``coarse_px**2`` pixels per region: a 200k-pixel
 slide cut into 4096-pixel regions has a 195x195 coarse view where a one-level model at
 1/32 would need 6250x6250 (docs/slides.md has the cost analysis).
 
@@ -176,8 +176,8 @@ class NestedATSModel(ATSModel):
         self.eval_coarse_scale = float(eval_coarse_scale)  # 0 = coarse_scale; before super() sets scale
         super().__init__(attention_net, feature_net, n_classes, scale=coarse_scale, **kwargs)
         if isinstance(self.pooling, CountPooling):
-            raise NestedConfigError("--pooling counts (and highest-counts, topmost-counts) needs one attention "
-                                    "grid; use features, highest or votes with --levels 2")
+            raise NestedConfigError("pooling counts (and highest-counts, topmost-counts) needs one attention "
+                                    "grid; use features, highest or votes with levels 2")
         self.coarse_net = coarse_net
         self.regions = int(regions)
         self.eval_regions = int(eval_regions)  # 0 = regions
@@ -185,18 +185,18 @@ class NestedATSModel(ATSModel):
         self.fine_scale = float(scale)
         self.region_temperature = float(region_temperature)  # core.nested.region_scores
         if self.regions < 1:
-            raise NestedConfigError(f"--regions {regions}: must be >= 1")
+            raise NestedConfigError(f"regions {regions}: must be >= 1")
         if not self.region_temperature > 0:
-            raise NestedConfigError(f"--region-temperature {region_temperature}: must be > 0")
+            raise NestedConfigError(f"region_temperature {region_temperature}: must be > 0")
         if self.region_size % self.patch_size[0] or self.region_size % self.patch_size[1]:
-            raise NestedConfigError(f"--region-size {region_size} is not a multiple of the patch side "
+            raise NestedConfigError(f"region_size {region_size} is not a multiple of the patch side "
                                     f"{self.patch_size[0]}: the patches of a region would not tile it")
 
     @property
     def scale(self) -> float:
         """The scale of the coarse view a reader makes for this model now: ``coarse_scale``
-        in training, ``eval_coarse_scale`` (0 = the same; ``--eval-coarse-px`` of ats train or
-        ats export) in evaluation. Why a finer view at prediction can pay: where the coarse
+        in training, ``eval_coarse_scale`` (0 = the same; ``eval_coarse_px`` of ats train or
+        ``--eval-coarse-px`` of ats export) in evaluation. Why a finer view at prediction can pay: where the coarse
         attention is mostly the prior's, a fixed function of the pixels, a nest under one
         coarse pixel gains contrast at twice the pixels, and the trained fine attention,
         features and gain are unchanged; the estimate stays unbiased for whatever attention
@@ -292,7 +292,7 @@ class NestedATSModel(ATSModel):
 
         # ---- the coarse level: k regions drawn from a over the region grid
         a, region_prior = self._coarse(low, image_size, support_mask)
-        grid = region_grid(image_size, R)  # checked with --regions by coarse_attention
+        grid = region_grid(image_size, R)  # checked with regions by coarse_attention
         k = self.regions_for(grid)
         outer = sample(a, k, replace=self.replace, generator=generator)
         outer_w = estimator_weights(outer.probs, replace=self.replace,

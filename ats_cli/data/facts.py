@@ -43,21 +43,26 @@ class SettledFileError(ValueError):
 
 @dataclass(frozen=True)
 class DataFacts:
-    """What the rules know of a dataset, as the run's reading flags (--reader, --level,
-    --tissue-mask) read it. Plain values, saved in ``RUN/settled.json``."""
+    """What the rules know of a dataset, as the run's reading keys (reader, level,
+    tissue_mask) read it. Plain values, saved in ``RUN/settled.json``."""
 
     hints: Mapping[str, float] = field(default_factory=dict)  # dataset.json's usable n_patches, patch_size, scale
     channels: int = 1
     files: int = 0  # training files
-    mpps: tuple[float, ...] = ()  # the microns per pixel the training files record (at --level), ascending
+    mpps: tuple[float, ...] = ()  # the microns per pixel the training files record (at level), ascending
     mpps_agree: bool = False  # every training file records one, all within the readers' tolerance
     no_mpp: str = ""  # the first training file that records none
+    # slides and TIFFs among the training files that record no microns per pixel (or none that is a
+    # microscope's), and the first whose recorded pixel size is no scale with why ("PATH: the TIFF
+    # resolution tags, 72 pixels per inch ... not a microscope's scale"): ats train says it once
+    unscaled: int = 0
+    scale_unknown: str = ""
     probed: int = 0  # readable images among the first AUTO_PROBE_IMAGES training images; 0: not looked at
     dark: float = 0.0  # the median over those of the share of their low-res pixels that are dark
-    masked: int = 0  # how many of those have a tissue mask (slides and TIFFs, --tissue-mask auto)
+    masked: int = 0  # how many of those have a tissue mask (slides and TIFFs, tissue_mask auto)
     pretrained: str = ""  # where the feature net's pretrained starting weights come from; "": random
     no_pretrained: str = ""  # --feature-net auto on RGB images: why PRETRAINED_FEATURE_NET's weights cannot be had
-    init_feature_net: str = ""  # --feature-net auto with --init: the feature net of that checkpoint
+    init_feature_net: str = ""  # --feature-net auto with init: the feature net of that checkpoint
     sizes: tuple[str, ...] = ()  # the first 3 distinct sizes of the training images as read ("HxW [at MPP µm/px]")
     n_sizes: int = 0  # how many distinct ones there are; 0: not read
     pixels: int = 0  # the largest training image's pixels, H x W as its header says; 0: not read
@@ -90,19 +95,22 @@ def read_facts(flags: Any, data: Dataset, *, hinted: Mapping[str, Any], ignored_
     of every training file and its size (headers only). ``hinted``: DataFacts' hint fields
     as :func:`ats_cli.config.read_hints` reads dataset.json's hints, with ``ignored_hints``
     its lines for those read as none. Deterministic, so every process of a run reads alike."""
-    from ats_cli.data.inputs import file_facts
+    from ats_cli.data.inputs import file_header
     from ats_cli.data.slides import MPP_TOLERANCE
 
     reading = flags.input_options()
     records = data["train"]
-    headers = [file_facts(r.path, reader=reading["reader"], level=reading["level"]) for r in records]
+    read = [file_header(r.path, reader=reading["reader"], level=reading["level"]) for r in records]
+    headers = [(h.mpp, h.size) for h in read]
     recorded = [mpp for mpp, _ in headers]
     shapes = list(dict.fromkeys(f"{s[0]}x{s[1]}" + (f" at {m:.4g} µm/px" if m else "") for m, s in headers if s))
     known = sorted(m for m in recorded if m is not None)
     missing = [str(r.path) for r, m in zip(records, recorded, strict=True) if m is None]
     agree = bool(known) and not missing and known[-1] <= known[0] * (1 + MPP_TOLERANCE)
+    unknown = next((f"{r.path}: {h.scale_unknown}" for r, h in zip(records, read, strict=True) if h.scale_unknown), "")
     return DataFacts(**hinted, ignored_hints=tuple(ignored_hints),
                      files=len(records), mpps=tuple(known), mpps_agree=agree, no_mpp=missing[0] if missing else "",
+                     unscaled=sum(h.lazy and h.mpp is None for h in read), scale_unknown=unknown,
                      sizes=tuple(shapes[:3]), n_sizes=len(shapes),
                      pixels=max((s[0] * s[1] for _, s in headers if s), default=0),
                      long_side=_median([max(s) for _, s in headers if s]),

@@ -40,7 +40,7 @@ read at that scale:
   model's mpp; ``--level`` reads that level as it is.
 
 :func:`describe_reading` is that one-line note (``ats predict`` and ``ats visualize`` print
-it); :func:`file_facts` reads a file's microns per pixel and size. Training's part, the rule above and
+it); :func:`file_header` reads a file's microns per pixel and size. Training's part, the rule above and
 the conversion of microns into pixels, is settled with the rest of the configuration
 (:mod:`ats_cli.config`).
 
@@ -133,7 +133,8 @@ if TYPE_CHECKING:
     from ats_cli.data.slides import SlideReader
 
 __all__ = ["OpenedImage", "open_input", "batch_sources", "batch_support", "batch_views", "describe_reading",
-           "announce_readings", "check_patches_fit", "file_facts", "ViewCache", "view_cache_for", "VIEW_CACHE_ENV",
+           "announce_readings", "check_patches_fit", "file_facts", "file_header", "FileHeader",
+           "ViewCache", "view_cache_for", "VIEW_CACHE_ENV",
            "VIEW_CACHE_FORMAT",
            "ImageDataset", "Batch", "Unreadable", "collate", "readable", "single_thread_worker"]
 
@@ -309,29 +310,52 @@ def announce_readings(opener: Callable[..., Any], say: Callable[[str], None]) ->
     return read
 
 
-def file_facts(path: str | Path, *, reader: str | None = None, level: int | None = None,
-               max_pixels: int | None = None) -> tuple[float | None, tuple[int, int] | None]:
+@dataclass(frozen=True)
+class FileHeader:
+    """What a file's header says (:func:`file_header`): ``mpp`` of the level read (None when
+    it records none, or none that is a microscope's), ``size`` (height, width) as read (None:
+    the file cannot be opened), ``lazy`` whether it is read lazily (a slide or TIFF, whose
+    scale matters), ``scale_unknown`` why the pixel size it records is no scale ("" when it
+    records one, or none at all)."""
+
+    mpp: float | None
+    size: tuple[int, int] | None
+    lazy: bool = False
+    scale_unknown: str = ""
+
+
+def file_header(path: str | Path, *, reader: str | None = None, level: int | None = None,
+                max_pixels: int | None = None) -> FileHeader:
     """What the header of the file at ``path`` says, without decoding pixels: the microns per
     pixel of ``level`` (0 by default; None when it records none or is not read lazily) and
     the (height, width) the image is read at (a photo's as its EXIF orientation turns it;
     None when the file cannot be opened: the training loader names unreadable files when it
     reaches them). A pixel size that is no microscope's (a tool's 72 dpi, out of the
     plausible range: :func:`~ats_cli.data.tiff_meta.not_a_microscope_scale`) is None here: a
-    model trained at it would record a scale that resamples every slide it reads by hundreds."""
-    from ats_cli.data.dataset import is_lazy
+    model trained at it would record a scale that resamples every slide it reads by hundreds;
+    :attr:`FileHeader.scale_unknown` says why, so that ``ats train`` can say it as ``ats
+    info`` does."""
     from ats_cli.data.slides import open_image
 
     if not is_lazy(path, reader, level, None):
-        return None, pil_size(path, max_pixels)
+        return FileHeader(None, pil_size(path, max_pixels))
     try:
         slide = open_image(path, reader=reader or "auto", max_pixels=max_pixels)
     except Exception:  # noqa: BLE001 - reported by name when training reads the file
-        return None, None
+        return FileHeader(None, None, lazy=True)
     with slide:
         mpps = slide.plausible_mpps()  # None for a scale no microscope has (SlideReader.record_scale)
         lv = level or 0
         size = slide.levels[lv] if lv < len(slide.levels) else None  # a level it lacks: named when training reads it
-        return (None if mpps is None or lv >= len(mpps) else mpps[lv]), size
+        mpp = None if mpps is None or lv >= len(mpps) else mpps[lv]
+        return FileHeader(mpp, size, lazy=True, scale_unknown=slide.scale_unknown if mpp is None else "")
+
+
+def file_facts(path: str | Path, *, reader: str | None = None, level: int | None = None,
+               max_pixels: int | None = None) -> tuple[float | None, tuple[int, int] | None]:
+    """(mpp, (height, width)) of :func:`file_header`."""
+    header = file_header(path, reader=reader, level=level, max_pixels=max_pixels)
+    return header.mpp, header.size
 
 
 def check_patches_fit(records: Sequence[Record], patch_size: tuple[int, int], *, reader: str | None = None,

@@ -4,7 +4,7 @@
 Where the label of an image is the class of the object highest up in it (IPS's task top,
 the top-most digit of Megapixel MNIST; a core's label read from its first region along the
 axis), the label is a rule over where things are. Features that carry their position
-(``--position-features``) let the classifier learn that rule from an average, as one linear
+(``position_features``) let the classifier learn that rule from an average, as one linear
 map; what it learns from a few thousand images fits their layouts, not the rule
 (benchmarks/accuracy.md#what-each-default-brought). This pooling applies the rule itself, as
 :mod:`.pooling_highest` does for the highest class, with the rows of the attention grid in

@@ -26,7 +26,7 @@ whose coordinates change from one call to the next.
 The feature side alone tells the head where each patch was, but the sampler still draws
 where a translation-equivariant attention puts its mass, the same for every object that
 looks alike; on the top task the two sides together learned what the features alone did
-not (benchmarks/accuracy.md#what-each-default-brought). ``--position-features on`` gives both; a model
+not (benchmarks/accuracy.md#what-each-default-brought). ``position_features on`` gives both; a model
 whose spec says ``{"frequencies": ...}`` without ``"attention"`` has the feature side only.
 """
 

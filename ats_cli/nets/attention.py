@@ -54,6 +54,6 @@ class BlockAttention(ConvAttention):
 
 @register_net("block-attention", kind="attention")
 def block_attention(in_channels: int = 1, width: int = 32) -> nn.Module:
-    """3x3 blocks, three 3x3 layers of ``width`` (pass --attention-width 32: the CLI's
+    """3x3 blocks, three 3x3 layers of ``width`` (set attention_width = 32: the CLI's
     default width, 8, is the paper net's)."""
     return BlockAttention(in_channels, width=width, depth=3, block=3)

@@ -102,7 +102,7 @@ class Encoder(nn.Module):
     patches [N, ``in_channels``, ph, pw] in [0, 1]: grey repeated to three channels, resized
     to ``input_size`` ((H, W); None = as they come), normalised by ``mean`` and ``std``.
     ``head`` (a width) adds a trainable linear + ReLU projection on top, the CLAM-style
-    adapter that ``--feature-train head`` trains on a frozen backbone. ``dropped``: the
+    adapter that ``feature_train head`` trains on a frozen backbone. ``dropped``: the
     classifier's names in the pretrained model (its weights files carry them; this has none).
 
     A backbone without a parameter that requires a gradient runs under
@@ -497,7 +497,7 @@ def feature_spec(name: str, *, channels: int, width: int, train: str = "all") ->
             else {"in_channels": channels, "width": width}
     if train == "head":
         if net.partition(":")[0] not in _RECIPES:
-            raise EncoderError(f"--feature-train head: {name} is not a pretrained encoder (timm:, torchvision:, or one "
+            raise EncoderError(f"feature_train head: {name} is not a pretrained encoder (timm:, torchvision:, or one "
                                "of those exported); use none or all")
         kwargs["head"] = kwargs.get("head") or width
     return net, kwargs
@@ -664,7 +664,7 @@ def _load(module: nn.Module, state: dict[str, torch.Tensor], where: str, *, igno
 
 def _load_whole(net: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
     """An exported feature net's weights into ``net``; an encoder given a projection head
-    that the export has not (--feature-train head on it) keeps its new head as initialised."""
+    that the export has not (feature_train head on it) keeps its new head as initialised."""
     head = getattr(net, "head", None) if isinstance(net, Encoder) else None
     if head is not None and not any(k.startswith("head.") for k in state):
         state = {**state, **{f"head.{k}": v for k, v in head.state_dict().items()}}
@@ -729,7 +729,7 @@ def freeze(module: nn.Module) -> None:
 
 
 def apply_feature_train(feature_net: nn.Module, mode: str) -> None:
-    """``--feature-train``: ``none`` freezes the feature net, ``head`` the backbone under its
+    """``feature_train``: ``none`` freezes the feature net, ``head`` the backbone under its
     projection, ``all`` nothing."""
     if mode == "none":
         freeze(feature_net)

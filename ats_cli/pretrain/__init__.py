@@ -15,7 +15,7 @@ mass, because the label is the majority of the objects and the pooled estimate f
 the mass-weighted vote.
 
 The output is an ordinary ats checkpoint of the model ``ats train`` builds with the same
-network flags: ``ats train --init`` starts from it, and ``ats export`` makes it a model to
+network settings: ``ats train --set init=CKPT`` starts from it, and ``ats export`` makes it a model to
 predict with (:mod:`ats_cli.export`). Not the thesis's setting, which trains from the
 image labels only: a model trained this way should say so in its card.
 

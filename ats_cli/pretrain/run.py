@@ -173,7 +173,7 @@ def pretrain(opts: PretrainOptions, log: Callable[[str], None] = print) -> dict:
               "options": {k: v for k, v in asdict(opts).items() if k not in ("data", "out", "device")}}
     save_checkpoint(opts.out, spec=spec, classes=data.classes, model=model.cpu(), pretrain=record)
     log(f"wrote {opts.out}: ats export {opts.out} MODEL.pt to predict with it, or "
-        f"ats train {opts.data} --init {opts.out} (same network flags)")
+        f"ats train {opts.data} --set init={opts.out} (same networks) to fine-tune it")
     return record
 
 
