@@ -23,7 +23,8 @@ from typing import Any
 __all__ = ["PRETRAINED_FEATURE_NET", "RANDOM_FEATURE_NET",
            "EXTENSIONS", "KINDS", "ExtensionError", "Registry", "UnknownExtensionError", "UnknownNameError",
            "UnknownNetworkError", "available_extensions", "available_nets", "check_net", "create_extension",
-           "create_net", "discover_extensions", "extension_choices", "register_extension", "register_net", "register_net_prefix"]
+           "create_net", "discover_extensions", "extension_choices", "register_extension", "register_net",
+           "register_net_prefix"]
 
 
 class UnknownNameError(KeyError):
