@@ -157,13 +157,16 @@ class IPSModel(nn.Module):
     @torch.no_grad()
     def select(self, sources: Sources, rows: torch.Tensor, cols: torch.Tensor, device: torch.device
                ) -> torch.Tensor:
-        """The grid indices [B, min(M, N)] of the top-scoring patches, best first: the grid
+        """The grid indices [B, min(M, N)] of the top-scoring patches, best first (the whole
+        grid in raster order, unscored, when M >= N): the grid
         (``rows`` x ``cols``, raster order) read and scored ``iteration`` patches at a time,
         in evaluation mode (dropout off, batch norms at their running statistics, as the
         paper's selection), each module's mode restored after."""
         B = len(source_shapes(sources))
         n_cells = len(rows) * len(cols)
-        m = min(self.memory, n_cells)
+        if self.memory >= n_cells:  # the buffer holds the whole grid: nothing to choose (the paper's shortcut)
+            return torch.arange(n_cells, device=device).expand(B, -1)
+        m = self.memory
         modes = [(module, module.training) for module in self.modules()]
         self.eval()
         try:

@@ -774,7 +774,9 @@ def _at_evaluation(given: int, trained: int, name: str) -> tuple[int, str]:
 
 def _baseline(flags: TrainConfig) -> str:
     """Why a baseline (--method other than ats) gets the thesis's settings: it samples and
-    trains as the thesis's did, everywhere; "" for ats."""
+    trains as the thesis's did, everywhere (ips as its own paper's); "" for ats."""
+    if flags.method == "ips":
+        return "method ips selects and trains as its paper (Bergner et al. 2023) does"
     return f"method {flags.method} samples and trains as the thesis's baselines" if flags.method != "ats" else ""
 
 

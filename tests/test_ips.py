@@ -100,6 +100,15 @@ def test_selection_runs_without_gradients_in_evaluation_mode_and_the_modes_come_
     assert model.pool.q.weight.grad.abs().sum() > 0 and model.feature_net.body[0].weight.grad.abs().sum() > 0
 
 
+def test_a_grid_no_larger_than_the_memory_is_kept_whole_without_scoring():
+    """The paper's shortcut: with M >= N there is nothing to choose, so no scoring pass."""
+    model = IPSModel(create("small-cnn", in_channels=1, width=4), 2, patch_size=(8, 8), memory=6, iteration=2)
+    model.scores = lambda patches: pytest.fail("scored a grid the memory holds whole")
+    source = _Recording(torch.rand(1, 16, 24))  # a 2x3 grid
+    out = model(torch.zeros(1, 1, 4, 6), [source])
+    assert out.indices[0].tolist() == list(range(6)) and source.reads == [6]
+
+
 def test_ips_settings_reach_the_spec_and_bad_ones_are_refused_in_one_line():
     spec = model_spec(TrainConfig(method="ips", patch_size=16, scale=0.25, ips_memory=7, ips_iter=9, ips_stride=8),
                       n_classes=2, channels=1)
