@@ -28,7 +28,7 @@ from ats_cli.core.model import ATSOutput, pixels_to_float
 from ats_cli.core.sampling import entropy
 from ats_cli.core.source import Sources, gather_patches, source_shapes, to_device, uniform_shape
 
-__all__ = ["UniformAttention", "DeepMIL", "CNNClassifier", "grid_offsets"]
+__all__ = ["UniformAttention", "DeepMIL", "CNNClassifier", "grid_axes", "grid_offsets"]
 
 
 class UniformAttention(nn.Module):
@@ -41,18 +41,26 @@ class UniformAttention(nn.Module):
         return low.new_zeros(low.shape[0], 1, *low.shape[-2:])
 
 
-def grid_offsets(image_size: tuple[int, int], patch_size: tuple[int, int], stride: tuple[int, int]
-                 ) -> tuple[torch.Tensor, tuple[int, int]]:
-    """Top-left corners [N, 2] of a regular grid of patches covering an (H, W) image,
-    and the grid's shape. The last row/column is moved in so it ends at the border."""
+def grid_axes(image_size: tuple[int, int], patch_size: tuple[int, int], stride: tuple[int, int]
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first rows and first columns of a regular grid of patches covering an (H, W)
+    image; the last row/column is moved in so it ends at the border. Patch k of the grid
+    in raster order starts at ``(rows[k // len(cols)], cols[k % len(cols)])``: a method that
+    walks a large image's grid in chunks (:mod:`ats_cli.baselines_ips`) never holds all of it."""
     axes = []
     for full, p, s in zip(image_size, patch_size, stride, strict=True):
         starts = list(range(0, max(full - p, 0) + 1, s))
         if starts[-1] < full - p:
             starts.append(full - p)
         axes.append(torch.tensor(starts))
-    rows, cols = torch.meshgrid(*axes, indexing="ij")
-    return torch.stack([rows.flatten(), cols.flatten()], dim=1), (len(axes[0]), len(axes[1]))
+    return axes[0], axes[1]
+
+
+def grid_offsets(image_size: tuple[int, int], patch_size: tuple[int, int], stride: tuple[int, int]
+                 ) -> tuple[torch.Tensor, tuple[int, int]]:
+    """Top-left corners [N, 2] of the grid of :func:`grid_axes` in raster order, and the grid's shape."""
+    rows, cols = torch.meshgrid(*grid_axes(image_size, patch_size, stride), indexing="ij")
+    return torch.stack([rows.flatten(), cols.flatten()], dim=1), tuple(rows.shape)
 
 
 class DeepMIL(nn.Module):
@@ -159,5 +167,5 @@ class CNNClassifier(nn.Module):
         """``ats visualize`` draws the attention net's map: a CNN has none, so say so
         (a ValueError, which the command reports) rather than draw a meaningless flat map."""
         raise ValueError("a model trained with --method cnn has no attention map to visualize "
-                         "(methods with one: ats, uniform, deepmil)")
+                         "(methods with one: ats, uniform, deepmil, ips)")
 

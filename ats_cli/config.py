@@ -114,7 +114,14 @@ class TrainConfig:
     # the method (see ats_cli.models)
     method: str = _key("ats", "{choices}", METHOD_PANEL, choices={
         "ats": "", "uniform": "fixed uniform attention", "deepmil": "gated attention over all grid patches",
-        "cnn": "ResNet-18 on the low-res view"}, flag=True)
+        "cnn": "ResNet-18 on the low-res view",
+        "ips": "iterative patch selection, Bergner et al. 2023"}, flag=True)
+    # --method ips (ats_cli.baselines_ips); defaults: the paper's Megapixel MNIST configuration
+    ips_memory: int = _key(100, "With --method ips: patches the memory buffer keeps, M, the top-scoring of the grid, "
+                           "then encoded with gradients and pooled", METHOD_PANEL)
+    ips_iter: int = _key(100, "With --method ips: grid patches read and scored per no-gradient step, I", METHOD_PANEL)
+    ips_stride: int = _key(0, "With --method ips: the grid's stride in full-res pixels; 0 = --patch-size "
+                           "(non-overlapping, the paper's)", METHOD_PANEL)
     # 0 = the dataset's hint (dataset.json "hints"), else ats_cli.config.DATA_DEFAULTS (the paper's Megapixel MNIST)
     n_patches: int = _key(0, "Patches sampled per image", METHOD_PANEL, flag=True)
     patch_size: int = _key(0, "Patch side, full-res pixels", METHOD_PANEL, flag=True)
@@ -310,10 +317,13 @@ class TrainConfig:
         if self.none_class == "on" and self.pooling != "auto":  # auto: settled below
             if refusal := none_class_refusal(self.pooling, "none_class"):
                 problems.append(refusal)
-        if self.pooling not in ("features", "auto") and self.method in ("cnn", "deepmil"):
+        if self.pooling not in ("features", "auto") and self.method in ("cnn", "deepmil", "ips"):
             problems.append(f"pooling {self.pooling}: method {self.method} does not pool by attention sampling")
-        if self.position_features == "on" and self.method in ("cnn", "deepmil"):
+        if self.position_features == "on" and self.method in ("cnn", "deepmil", "ips"):
             problems.append(f"position_features on: method {self.method} does not pool sampled patches")
+        if self.ips_memory < 1 or self.ips_iter < 1 or self.ips_stride < 0:
+            problems.append(f"ips_memory and ips_iter must be >= 1 and ips_stride >= 0 (got {self.ips_memory}, "
+                            f"{self.ips_iter}, {self.ips_stride})")
         if self.patch_loss < 0 and self.patch_loss != -1:
             problems.append(f"patch_loss must be >= 0, or -1 for auto (got {self.patch_loss})")
         if self.rarity_prior < 0 and self.rarity_prior != -1:
@@ -778,7 +788,9 @@ def _at_evaluation(given: int, trained: int, name: str) -> tuple[int, str]:
 
 def _baseline(flags: TrainConfig) -> str:
     """Why a baseline (--method other than ats) gets the thesis's settings: it samples and
-    trains as the thesis's did, everywhere; "" for ats."""
+    trains as the thesis's did, everywhere (ips as its own paper's); "" for ats."""
+    if flags.method == "ips":
+        return "method ips selects and trains as its paper (Bergner et al. 2023) does"
     return f"method {flags.method} samples and trains as the thesis's baselines" if flags.method != "ats" else ""
 
 

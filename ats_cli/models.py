@@ -8,7 +8,8 @@ settings. :func:`model_spec` writes a spec from a training configuration;
 under its name, so a checkpoint is rebuilt without unpickling anything. The methods:
 
 * ``ats`` -- attention sampling (:class:`ats_cli.core.model.ATSModel`);
-* ``uniform``, ``deepmil``, ``cnn`` -- the thesis's baselines (:mod:`ats_cli.baselines`).
+* ``uniform``, ``deepmil``, ``cnn`` -- the thesis's baselines (:mod:`ats_cli.baselines`);
+* ``ips`` -- iterative patch selection (Bergner et al. 2023, :mod:`ats_cli.baselines_ips`).
 
 A new method is a function from a spec to a model, decorated with
 ``@register_method("name")``.
@@ -25,7 +26,8 @@ arguments, ``n_classes``, ``channels``, the sampling settings of
 (:class:`~ats_cli.core.nested_model.NestedATSModel`, ``levels`` 2) adds ``regions``,
 ``eval_regions``, ``region_size``, ``coarse_scale``, ``region_temperature`` and
 ``eval_coarse_scale`` (:func:`ats_cli.config.levels_spec`; training or ``ats export`` may
-set the last); a one-level spec (``levels`` 1) has none of them. Every key is written:
+set the last); a one-level spec (``levels`` 1) has none of them. An ``ips`` spec adds
+``ips_memory``, ``ips_iter`` and ``ips_stride`` (0 = the patch size); no other method's has them. Every key is written:
 an off setting is written as its off value, never left out.
 
 Version 1 (the released models of 0.1.0) left a setting out when it was off and the reader
@@ -43,6 +45,7 @@ import torch.nn as nn
 
 from ats_cli import nets
 from ats_cli.baselines import CNNClassifier, DeepMIL, UniformAttention
+from ats_cli.baselines_ips import IPSModel
 from ats_cli.config import COUNTING_POOLINGS, VOTING_POOLINGS, ConfigError, TrainConfig, levels_spec, rarity_cap
 from ats_cli.core.model import ATSModel
 from ats_cli.nets.encoders import feature_spec
@@ -110,7 +113,7 @@ def register_method(name: str):
 
 
 def available_methods() -> list[str]:
-    """The registered method names, attention sampling first, then the baselines."""
+    """The registered method names, attention sampling first, then the thesis's baselines, then ips."""
     return _METHODS.available()
 
 
@@ -158,9 +161,18 @@ def model_spec(cfg: TrainConfig, *, n_classes: int, channels: int, mpp: float | 
         **extension_specs(cfg),
         "levels": 1,
         **levels_spec(cfg, mpp),  # a two-level model's keys, levels 2 among them
+        **ips_spec(cfg),  # iterative patch selection's M, I and grid stride, for --method ips only
         # how inputs were read in training: predict and visualize read them alike by default
         "input": {**cfg.input_options(), **({"mpp": float(mpp)} if mpp else {}), "resample": True},
     }
+
+
+def ips_spec(cfg: TrainConfig) -> dict[str, int]:
+    """``--method ips``'s keys of the spec (memory M, iteration size I, grid stride, 0 = the
+    patch size); none for any other method, so that their specs stay as they were."""
+    if cfg.method != "ips":
+        return {}
+    return {"ips_memory": int(cfg.ips_memory), "ips_iter": int(cfg.ips_iter), "ips_stride": int(cfg.ips_stride)}
 
 
 def extension_specs(cfg: TrainConfig) -> dict[str, dict[str, Any] | None]:
@@ -262,6 +274,14 @@ def _deepmil(spec: dict[str, Any]) -> nn.Module:
 def _cnn(spec: dict[str, Any]) -> nn.Module:
     net = nets.create(CNN_NET, kind="features", in_channels=spec["channels"])
     return CNNClassifier(net, spec["n_classes"], scale=spec["scale"])
+
+
+@register_method("ips")
+def _ips(spec: dict[str, Any]) -> nn.Module:
+    stride = spec["ips_stride"]
+    return IPSModel(_features(spec), spec["n_classes"], patch_size=tuple(spec["patch_size"]),
+                    stride=(stride, stride) if stride else None, memory=spec["ips_memory"],
+                    iteration=spec["ips_iter"], scale=spec["scale"])
 
 
 def check_model(model) -> None:

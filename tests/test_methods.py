@@ -8,6 +8,7 @@ import torch
 from typer.testing import CliRunner
 
 from ats_cli.baselines import CNNClassifier, DeepMIL, UniformAttention, grid_offsets
+from ats_cli.baselines_ips import IPSModel
 from ats_cli.checkpoint import CheckpointError, load_model, save_checkpoint
 from ats_cli.cli import app
 from ats_cli.config import ConfigError, TrainConfig
@@ -28,7 +29,9 @@ from ats_cli.train import train
 from tests.test_train import _cfg, _write_squares_dataset
 
 runner = CliRunner()
-METHODS = ["ats", "uniform", "deepmil", "cnn"]
+METHODS = ["ats", "uniform", "deepmil", "cnn", "ips"]
+# ips keeps 2 of the 4 grid patches of a 32x32 image, scored 3 at a time: selection happens
+IPS_SMALL = {"ips_memory": 2, "ips_iter": 3}
 SCALE = 0.25  # 32x32 images -> an 8x8 low-res view: 64 attention cells, 16x16 patches
 
 
@@ -38,6 +41,7 @@ def squares(tmp_path_factory):
 
 
 def _spec(method: str, channels: int = 2, **kw) -> dict:
+    kw = {**(IPS_SMALL if method == "ips" else {}), **kw}
     cfg = TrainConfig(method=method, n_patches=4, patch_size=16, scale=SCALE, feature_width=8, min_brightness=0.0,
                       **kw)
     return model_spec(cfg, n_classes=2, channels=channels)
@@ -172,11 +176,12 @@ def test_an_unknown_method_is_refused_naming_the_available_ones(tmp_path):
     assert available_methods() == METHODS
     for method in available_methods():  # every registered method is a valid --method
         assert resolve_config(None, data="d", out="o", method=method).method == method
-    with pytest.raises(UnknownMethodError, match="unknown method 'mil'; available: ats, uniform, deepmil, cnn"):
+    with pytest.raises(UnknownMethodError, match="unknown method 'mil'; available: ats, uniform, deepmil, cnn, ips"):
         create_model({**_spec("ats"), "method": "mil"})
     good = _spec("ats")
     save_checkpoint(tmp_path / "m.pt", spec={**good, "method": "mil"}, classes=["a", "b"], model=create_model(good))
-    with pytest.raises(CheckpointError, match="m.pt: .*unknown method 'mil'; available: ats, uniform, deepmil, cnn"):
+    with pytest.raises(CheckpointError, match="m.pt: .*unknown method 'mil'; available: ats, uniform, deepmil, cnn, "
+                                              "ips"):
         load_model(tmp_path / "m.pt")
 
 
@@ -192,11 +197,13 @@ def test_uniform_attention_is_exactly_uniform_and_has_no_parameters():
 @pytest.mark.parametrize("method", METHODS)
 def test_each_method_trains_reloads_and_predicts(squares, tmp_path, method):
     run = tmp_path / method
-    history = train(_cfg(squares, run, method=method, epochs=1), log=lambda s: None)
+    history = train(_cfg(squares, run, method=method, epochs=1, **(IPS_SMALL if method == "ips" else {})),
+                    log=lambda s: None)
     assert history[0]["samples"] == 32
     model, ckpt = load_model(run / "last.pt")
     assert ckpt["spec"]["method"] == method
-    assert isinstance(model, {"ats": ATSModel, "uniform": ATSModel, "deepmil": DeepMIL, "cnn": CNNClassifier}[method])
+    assert isinstance(model, {"ats": ATSModel, "uniform": ATSModel, "deepmil": DeepMIL, "cnn": CNNClassifier,
+                              "ips": IPSModel}[method])
     result = runner.invoke(app, ["predict", str(squares / "test" / "0.png"), "--model", str(run / "last.pt")])
     assert result.exit_code == 0, result.output
     assert "horizontal" in result.output or "vertical" in result.output
