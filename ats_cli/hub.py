@@ -143,7 +143,7 @@ def _read_config(folder: Path) -> dict[str, Any]:
         raise HubError(f"{path}: {path.stat().st_size / 2**20:.0f} MiB, not an ats model config (a few kB)")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # nesting past the stack
         raise HubError(f"{path}: not a JSON model config ({_first_line(e)})") from None
     kind = config.get("format") if isinstance(config, dict) else None
     if kind == ENCODER_FORMAT:

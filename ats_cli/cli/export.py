@@ -23,7 +23,8 @@ def _share(text: str | None) -> float | None:
 @app.command()
 def export(
     src: Path = typer.Argument(..., help="A checkpoint: ats pretrain's, or a run's best.pt / last.pt, or a run "
-                               "directory (its best.pt, else last.pt).", show_default=False),
+                               "directory (its best.pt, else last.pt); or a model directory from --hub-ready, or "
+                               "hf-hub:ORG/NAME.", show_default=False),
     dst: Path = typer.Argument(..., help="The model file to write (in one step; an existing one only with "
                                "--overwrite); --encoder, --hub-ready: a directory.", show_default=False),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace DST (--encoder: the encoder in DST) if it "
@@ -63,7 +64,8 @@ def export(
                               help="Record that the model was trained at this many microns per pixel."),
 ) -> None:
     """Make a checkpoint a model to predict with: set its evaluation options, drop the
-    optimizer state, record what was done in the file.
+    optimizer state, record what was done in the file. --hub-ready: a directory the
+    Hugging Face Hub shows as a model, with its model card.
     """
     from rich.markup import escape
 
