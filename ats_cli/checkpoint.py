@@ -49,7 +49,17 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.devi
     """The checkpoint dict of ``path``; raises :class:`CheckpointError` naming the file when
     it is missing, foreign, damaged, newer, or holds a model spec of a version this ats cannot
     read. Its spec is in the current layout (:func:`ats_cli.models.migrate_spec`), whatever
-    version the file holds."""
+    version the file holds.
+
+    ``path`` may also name a model in the Hugging Face Hub's form (:mod:`ats_cli.hub`): a
+    directory of ``config.json`` + ``model.safetensors``, or ``hf-hub:ORG/NAME``; and a run
+    directory, for its ``best.pt`` (else ``last.pt``)."""
+    from ats_cli import hub
+
+    if hub.is_hub_ref(path) or Path(path).is_dir():
+        path = hub.locate(path)
+        if path.is_dir():
+            return hub.read_model_dir(path)
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: model file not found")
@@ -146,7 +156,8 @@ def _check_finite(path: Path, weights: Any) -> None:
 
 def load_model(path: str | os.PathLike[str], device: str | torch.device = "cpu"
                ) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """The model of a checkpoint, in eval mode on ``device``, and the checkpoint dict."""
+    """The model of a checkpoint (or of any model :func:`load_checkpoint` reads), in eval
+    mode on ``device``, and the checkpoint dict."""
     ckpt = load_checkpoint(path)
     try:
         model = create_model(ckpt["spec"])

@@ -287,7 +287,8 @@ class TrainConfig:
     epochs: int = _key(20, "Epochs", OPT_PANEL, flag=True)
     # running; "" = random init
     init: str = _key("", "Start from the weights of this checkpoint (fine-tuning, or a curriculum from easier "
-                     "data); same networks and classes", RUN_PANEL)
+                     "data); same networks and classes. Also a run directory, a model directory from ats export "
+                     "--hub-ready, or hf-hub:ORG/NAME", RUN_PANEL)
     seed: int = _key(0, "Random seed", RUN_PANEL, flag=True)
     device: str = _key("auto", "auto (CUDA when present, else CPU) | cpu | cuda | cuda:N", RUN_PANEL, flag=True)
     workers: int = _key(-1, "DataLoader worker processes per process; -1 = auto: on CUDA the CPUs this process may "

@@ -89,14 +89,19 @@ def export_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str], 
                       eval_n_patches: int | None = None, eval_regions: int | None = None,
                       eval_coarse_px: int | None = None, pooling: str | None = None, none_class: str | None = None,
                       count_floor: float | None = None, none_prior: float | None = None,
-                      trained_none_share: float | None = None, overwrite: bool = False) -> dict[str, Any]:
+                      trained_none_share: float | None = None, overwrite: bool = False, hub_ready: bool = False,
+                      license: str | None = None) -> dict[str, Any]:
     """Write ``dst``, the model of ``src`` (a checkpoint, or a run directory: its ``best.pt``,
     else ``last.pt``, as ``ats predict -m`` takes it) with the given evaluation options
     (module docstring), atomically; returns the ``export`` record written in it. Raises
     :class:`ExportError` (one line) for a file that is not a checkpoint, a second prior
     shift, options the model cannot take or a ``dst`` that exists (unless ``overwrite``),
     before anything is written, and for a write that fails (a full or read-only disk):
-    then nothing is left behind, not even the directories made for ``dst``."""
+    then nothing is left behind, not even the directories made for ``dst``.
+
+    ``hub_ready``: ``dst`` is a directory, written in the Hugging Face Hub's form
+    (:func:`ats_cli.hub.write_model_dir`: safetensors weights, the spec as JSON, a model card
+    whose front matter gives ``license``); the same options apply."""
     from ats_cli.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
     from ats_cli.models import create_model
     from ats_cli.predict.predictor import resolve_model_path
@@ -104,11 +109,21 @@ def export_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str], 
 
     _check_values(mpp, eval_n_patches, eval_regions, eval_coarse_px, count_floor)
     try:
-        src = resolve_model_path(src)
+        given, src = str(src), resolve_model_path(src)
         ckpt = load_checkpoint(src)
     except CheckpointError as e:
         raise ExportError(str(e)) from None
-    check_destination(dst, overwrite=overwrite)
+    if hub_ready:
+        from ats_cli.hub import check_license
+
+        try:
+            check_license(license)
+        except ValueError as e:
+            raise ExportError(str(e)) from None
+    else:
+        if license is not None:
+            raise ExportError("--license goes with --hub-ready (it is the model card's)")
+        check_destination(dst, overwrite=overwrite)
     release = dict(ckpt.get("release") or {})
     if none_prior is not None:
         if "none_prior" in release:  # shifting twice would count the first shift as the training prior
@@ -163,8 +178,16 @@ def export_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str], 
         raise ExportError(f"{src}: cannot be exported so ({str(e).splitlines()[0]})") from None
     done = {**changes, **({"mpp": float(mpp)} if mpp is not None else {}),
             **({k: release[k] for k in ("none_prior", "none_shift")} if none_prior is not None else {}),
-            "source": Path(src).name}
+            "source": given if given.startswith("hf-hub:") else Path(src).name}  # not the cache's revision folder
     extra = {k: ckpt[k] for k in ("pretrain",) if k in ckpt}
+    if hub_ready:
+        from ats_cli.hub import write_model_dir
+
+        out = {"spec": ckpt["spec"], "classes": ckpt["classes"], "epoch": ckpt.get("epoch"),
+               "config": ckpt.get("config", {}), "history": ckpt.get("history", []), "export": done, **extra,
+               **({"release": release} if release else {})}
+        write_model_dir(dst, out, model, license=license, overwrite=overwrite)
+        return done
     with writing(dst):
         save_checkpoint(dst, spec=ckpt["spec"], classes=ckpt["classes"], model=model, epoch=ckpt.get("epoch"),
                         config=ckpt.get("config", {}), history=ckpt.get("history", []), export=done, **extra,

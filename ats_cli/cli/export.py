@@ -23,13 +23,21 @@ def _share(text: str | None) -> float | None:
 @app.command()
 def export(
     src: Path = typer.Argument(..., help="A checkpoint: ats pretrain's, or a run's best.pt / last.pt, or a run "
-                               "directory (its best.pt, else last.pt).", show_default=False),
+                               "directory (its best.pt, else last.pt); or a model directory from --hub-ready, or "
+                               "hf-hub:ORG/NAME.", show_default=False),
     dst: Path = typer.Argument(..., help="The model file to write (in one step; an existing one only with "
-                               "--overwrite); --encoder: a directory.", show_default=False),
+                               "--overwrite); --encoder, --hub-ready: a directory.", show_default=False),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace DST (--encoder: the encoder in DST) if it "
                                    "exists.", show_default=False),
     encoder: bool = typer.Option(False, "--encoder", help="Write only the feature network, as DST/model.safetensors "
                                  "+ DST/config.json, for --feature-net DST in another run (docs/training.md)."),
+    hub_ready: bool = typer.Option(False, "--hub-ready", help="Write DST as a Hugging Face Hub model: "
+                                   "DST/model.safetensors, DST/config.json (the model spec) and DST/README.md (a model "
+                                   "card with its metrics); --model DST or, uploaded, --model hf-hub:ORG/NAME takes "
+                                   "it (docs/hub.md)."),
+    license: str = typer.Option(None, "--license", show_default=False, help="--hub-ready: the licence id the "
+                                "model card gives, e.g. mit, apache-2.0, cc-by-nc-4.0 \\[default: unknown, a "
+                                "placeholder to set]."),
     eval_n_patches: int = typer.Option(None, "--eval-n-patches", min=0, show_default=False,
                                        help="Patches prediction draws by default \\[default: as in SRC]."),
     eval_regions: int = typer.Option(None, "--eval-regions", min=0, show_default=False,
@@ -56,7 +64,8 @@ def export(
                               help="Record that the model was trained at this many microns per pixel."),
 ) -> None:
     """Make a checkpoint a model to predict with: set its evaluation options, drop the
-    optimizer state, record what was done in the file.
+    optimizer state, record what was done in the file. --hub-ready: a directory the
+    Hugging Face Hub shows as a model, with its model card.
     """
     from rich.markup import escape
 
@@ -65,6 +74,9 @@ def export(
 
     console = OutputConsole(highlight=False, soft_wrap=True)
     err = OutputConsole(stderr=True, highlight=False, soft_wrap=True)
+    if encoder and hub_ready:
+        err.print("[red]error:[/] --encoder and --hub-ready write different directories; give one")
+        raise typer.Exit(2)
     if encoder:
         _export_encoder(src, dst, console, err, overwrite=overwrite)
         return
@@ -79,14 +91,24 @@ def export(
         done = export_checkpoint(src, dst, mpp=mpp, eval_n_patches=eval_n_patches, eval_regions=eval_regions,
                                  eval_coarse_px=eval_coarse_px, pooling=pooling,
                                  none_class=none_class, count_floor=count_floor, none_prior=none_prior,
-                                 trained_none_share=trained_none_share, overwrite=overwrite)
+                                 trained_none_share=trained_none_share, overwrite=overwrite, hub_ready=hub_ready,
+                                 license=license)
     except ExportError as e:
         err.print(f"[red]error:[/] {escape(str(e))}")
         raise typer.Exit(1) from None
-    size = dst.stat().st_size / 1e3
     settings = ", ".join(f"{k} {v}" for k, v in done.items() if k != "source") or "options as trained"
-    source = src / done["source"] if src.is_dir() else src  # a run directory: the checkpoint taken from it
-    console.print(f"wrote {escape(str(dst))} ({size:.0f} kB) from {escape(str(source))}: {escape(settings)}")
+    taken = src / done["source"]  # a run directory: the checkpoint taken from it
+    source = escape(str(taken if taken.is_file() else src))
+    if hub_ready:
+        from ats_cli.hub import WEIGHTS
+
+        size = (dst / WEIGHTS).stat().st_size / 1e3
+        console.print(f"wrote {escape(str(dst))} ({WEIGHTS} {size:.0f} kB, config.json, README.md) from {source}: "
+                      f"{escape(settings)}; --model {escape(str(dst))} takes it, and uploaded (hf upload ORG/NAME "
+                      f"{escape(str(dst))}) --model hf-hub:ORG/NAME")
+        return
+    size = dst.stat().st_size / 1e3
+    console.print(f"wrote {escape(str(dst))} ({size:.0f} kB) from {source}: {escape(settings)}")
 
 
 def _export_encoder(src: Path, dst: Path, console: OutputConsole, err: OutputConsole, *, overwrite: bool) -> None:

@@ -29,7 +29,9 @@ def predict(
         help="Image files, directories, glob patterns (quoted or not), dataset CSVs (path[,label] columns) or "
              "dataset directories (their test.csv).")],
     model: Annotated[str, typer.Option("--model", "-m", show_default=False,
-                                       help="Model checkpoint (.pt), or a run directory (its best.pt).")],
+                                       help="Model checkpoint (.pt), a run directory (its best.pt), a model directory "
+                                            "from ats export --hub-ready, or hf-hub:ORG/NAME (from the Hugging "
+                                            "Face Hub, through its cache).")],
     out: Annotated[str | None, typer.Option(
         "--out", "-o", show_default=False,
         help="Write the predictions CSV here ('-' = stdout); without it only the table is shown.")] = None,

@@ -33,7 +33,8 @@ def visualize(
                                            "attention and sampled patches as QuPath objects in level-0 pixels.")],
     model: Annotated[str | None, typer.Option(
         "--model", "-m", show_default=False,
-        help="IMAGE mode: model checkpoint (.pt) or run directory (its best.pt).")] = None,
+        help="IMAGE mode: model checkpoint (.pt), run directory (its best.pt), model directory from ats export "
+             "--hub-ready, or hf-hub:ORG/NAME.")] = None,
     image: Annotated[Path | None, typer.Option(
         "--image", show_default=False, help="RUN_DIR mode: the image whose attention to follow.")] = None,
     preview: Annotated[Path | None, typer.Option(

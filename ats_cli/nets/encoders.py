@@ -451,6 +451,10 @@ def _local(name: str) -> tuple[Path, dict[str, Any]]:
                            "ats export RUN DIR --encoder") from None
     except (OSError, json.JSONDecodeError) as e:
         raise EncoderError(f"--feature-net {name}: {folder / CONFIG}: {_first_line(e)}") from None
+    if config.get("format") == "ats-model":  # ats_cli.hub.FORMAT (not imported: it imports the checkpoint)
+        raise EncoderError(f"--feature-net {name}: {folder} is a whole model (ats export --hub-ready), not an "
+                           f"encoder: give it to --model or key init, or make its feature net one with ats export "
+                           f"{folder} DIR --encoder")
     if config.get("format") != FORMAT or not isinstance(config.get("feature_net"), str):
         raise EncoderError(f"--feature-net {name}: {folder / CONFIG} is not an encoder written by ats export --encoder")
     if config.get("version", 0) > VERSION:

@@ -33,7 +33,6 @@ from ats_cli.runtime import resolve_device
 
 __all__ = ["PredictionInterrupted", "PredictionRow", "Predictor", "load_predictor", "resolve_model_path"]
 
-CHECKPOINT_NAMES = ("best.pt", "last.pt")  # what a run directory given as --model stands for, in order
 
 
 @dataclass(frozen=True)
@@ -100,15 +99,14 @@ def decision_threshold(model: torch.nn.Module, threshold: float | None, path: Pa
 
 
 def resolve_model_path(path: str | os.PathLike[str]) -> Path:
-    """``path`` itself, or for a run directory its ``best.pt`` (else ``last.pt``), so
-    ``--model runs/mnist`` works. Raises :class:`CheckpointError` naming the path."""
-    path = Path(path).expanduser()
-    if path.is_dir():
-        for name in CHECKPOINT_NAMES:
-            if (path / name).is_file():
-                return path / name
-        raise CheckpointError(f"{path}: a directory without {' or '.join(CHECKPOINT_NAMES)}; give a model file")
-    return path
+    """``path`` itself; for a run directory its ``best.pt`` (else ``last.pt``), so
+    ``--model runs/mnist`` works; for ``hf-hub:ORG/NAME`` its directory in the Hugging Face
+    cache (fetched when it can be); a directory in the Hub's form (``ats export
+    --hub-ready``) as it is (:func:`ats_cli.hub.locate`). Raises :class:`CheckpointError`
+    naming the path."""
+    from ats_cli.hub import locate
+
+    return locate(path)
 
 
 @dataclass

@@ -59,11 +59,20 @@ def lock_path(out: str | os.PathLike[str]) -> Path:
 
 
 def model_digest(path: str | os.PathLike[str]) -> str:
-    """sha256 of the checkpoint file: the same bytes are the same model, wherever they lie."""
+    """sha256 of the checkpoint file: the same bytes are the same model, wherever they lie.
+    A model directory in the Hub's form (:mod:`ats_cli.hub`): of its config and weights,
+    each name before its bytes (its model card changes no probability)."""
+    from ats_cli.hub import CONFIG, WEIGHTS
+
+    path = Path(path)
+    files = [path / CONFIG, path / WEIGHTS] if path.is_dir() else [path]
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
+    for file in files:
+        if path.is_dir():
+            h.update(f"{file.name}\n".encode())
+        with open(file, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):  # noqa: B023  (read before the next file)
+                h.update(block)
     return h.hexdigest()
 
 
