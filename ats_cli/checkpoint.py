@@ -13,6 +13,7 @@ checkpoint intact.
 
 from __future__ import annotations
 
+import importlib
 import io
 import os
 import zipfile
@@ -53,8 +54,9 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.devi
 
     ``path`` may also name a model in the Hugging Face Hub's form (:mod:`ats_cli.hub`): a
     directory of ``config.json`` + ``model.safetensors``, or ``hf-hub:ORG/NAME``; and a run
-    directory, for its ``best.pt`` (else ``last.pt``)."""
-    from ats_cli import hub
+    directory, for its ``best.pt`` (else ``last.pt``). The Hub's reader is imported by name:
+    it builds on this module (its errors, its checks) and on the export that writes the form."""
+    hub = importlib.import_module("ats_cli.hub")
 
     if hub.is_hub_ref(path) or Path(path).is_dir():
         path = hub.locate(path)
