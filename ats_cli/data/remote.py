@@ -126,6 +126,8 @@ def describe(url: str, e: BaseException) -> str:
     not exist" for a 404 or a missing object, "no answer within N s" for a timeout."""
     import asyncio
 
+    if isinstance(e, FileNotFoundError) and isinstance(e.__cause__, Exception):
+        return describe(url, e.__cause__)  # fsspec's HTTP info says "not found" for any failure: the cause says why
     status = getattr(e, "status", None) or getattr(e, "code", None)
     if isinstance(e, FileNotFoundError) or status == 404:
         return "does not exist (HTTP 404 or no such object)"
