@@ -133,10 +133,14 @@ def main() -> None:
                     help="also predict each slide from a URL served on 127.0.0.1: wall time and bytes fetched")
     ap.add_argument("--slide", choices=("zlib", "jpeg"), default="zlib",
                     help="zlib: 512² noise tiles (write_slide); jpeg: the URL tests' pyramid of 256² JPEG tiles")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="predict with this model (e.g. models/synthetic-slides-100k-ats.pt, two levels) instead of "
+                         "the untrained one-level one")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
-    model = a.out / "model.pt"
-    make_model(model)
+    model = a.model or a.out / "model.pt"
+    if a.model is None:
+        make_model(model)
     if a.url:
         return url_table(a, model)
     base_t, base_rss = run_baseline()

@@ -101,7 +101,8 @@ def visualize(
     for given in (target, image):
         if given is not None and not is_url(given) and not given.exists():
             raise usage(f"{given}: does not exist")
-    evolution = not is_url(target) and target.is_dir() and not is_store(target)  # a run directory; an OME-Zarr store is an image
+    # a run directory; an OME-Zarr store is an image
+    evolution = not is_url(target) and target.is_dir() and not is_store(target)
     if evolution and image is None:
         raise usage(f"{target} is a directory: give --image IMAGE to draw its attention across epochs "
                     "(or give an image and --model for one figure)")

@@ -575,10 +575,7 @@ class TiffReader(SlideReader):
                 wanted.update(self._segments_of(r0, c0, min(r + h, H) - r0, min(c + w, W) - c0, level))
             group.append((r, c))
             if len(wanted) >= room or k == len(offs) - 1:
-                decode = lambda i: self._segment(level, i)  # noqa: E731
-                ids = sorted(wanted)
-                decoded = dict(zip(ids, thread_pool("tiles").map(decode, ids) if len(ids) > 1 else map(decode, ids),
-                                   strict=True))
+                decoded = self._segments(level, sorted(wanted))
                 out += [self.read_region(rr, cc, h, w, level, segments=decoded) for rr, cc in group]
                 group, wanted = [], set()
         return out
@@ -596,6 +593,9 @@ class TiffReader(SlideReader):
         n_across = page.chunked[1]
         self._check_segment_size(level)
         tiles = [divmod(i, n_across) for i in self._segments_of(row, col, h, w, level)]
+        if segments is None and self._remote is not None and len(tiles) > 1 \
+                and self._segment_pixels(level) <= PARALLEL_SEGMENT_PIXELS:  # a URL: fetched in one batch
+            segments = self._segments(level, [ty * n_across + tx for ty, tx in tiles])
         keep = self._keep
         out = None
         for ty, tx in tiles:
@@ -616,16 +616,34 @@ class TiffReader(SlideReader):
             out[ys - row : ye - row, xs - col : xe - col] = part
         return out if out is not None else np.zeros((h, w, keep), dtype=np.uint8)
 
-    def _segment(self, level: int, index: int) -> np.ndarray | None:
+    def _segments(self, level: int, ids: list[int]) -> dict[int, np.ndarray | None]:
+        """Segments ``ids`` of ``level`` decoded (:meth:`_segment`), concurrently on the
+        shared reading threads. A URL's are fetched first, in one batch of byte ranges
+        (:meth:`ats_cli.data.remote.RemoteFile.read_ranges`): fetched one by one, each tile
+        would cost a round trip to the server, and a two-level read of a 100k² slide reads
+        hundreds."""
+        fetched: dict[int, bytes] = {}
+        if self._remote is not None and len(ids) > 1:
+            page = self._pages[level]
+            present = [i for i in ids if int(page.databytecounts[i]) > 0]
+            ranges = [(int(page.dataoffsets[i]), int(page.databytecounts[i])) for i in present]
+            fetched = dict(zip(present, self._remote.read_ranges(ranges), strict=True))
+        decode = lambda i: self._segment(level, i, fetched.get(i))  # noqa: E731
+        return dict(zip(ids, thread_pool("tiles").map(decode, ids) if len(ids) > 1 else map(decode, ids),
+                        strict=True))
+
+    def _segment(self, level: int, index: int, data: bytes | None = None) -> np.ndarray | None:
         """Strip or tile ``index`` of ``level`` decoded, [rows, cols, samples]; None when the
-        file leaves it out (sparse: background). Errors name the file and the segment."""
+        file leaves it out (sparse: background). ``data``: its bytes, already fetched. Errors
+        name the file and the segment."""
         page = self._pages[level]
         nbytes = int(page.databytecounts[index])
         if nbytes == 0:
             return None
         kind = "tile" if page.is_tiled else "strip"
         try:
-            data = self._read_bytes(int(page.dataoffsets[index]), nbytes)
+            if data is None:
+                data = self._read_bytes(int(page.dataoffsets[index]), nbytes)
             seg = page.decode(data, index, jpegtables=page.jpegtables)[0]
             seg = seg.reshape(seg.shape[-3:])
             if page.compression == APERIO_JP2K_YCBCR:
