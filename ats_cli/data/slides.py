@@ -628,7 +628,7 @@ class TiffReader(SlideReader):
             present = [i for i in ids if int(page.databytecounts[i]) > 0]
             ranges = [(int(page.dataoffsets[i]), int(page.databytecounts[i])) for i in present]
             fetched = dict(zip(present, self._remote.read_ranges(ranges), strict=True))
-        decode = lambda i: self._segment(level, i, fetched.get(i))  # noqa: E731
+        decode = lambda i: self._segment(level, i, fetched[i]) if i in fetched else self._segment(level, i)  # noqa: E731
         return dict(zip(ids, thread_pool("tiles").map(decode, ids) if len(ids) > 1 else map(decode, ids),
                         strict=True))
 
