@@ -53,6 +53,7 @@ __all__ = ["is_url", "input_path", "url_suffix", "url_name", "open_remote", "rem
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]+://")
 BLOCK_BYTES = 64 << 10  # bytes fetched per request of the header/IFD reads (a level's IFD in one or two)
 CACHE_BLOCKS = 128  # blocks kept per open file: 8 MiB of memory per remote slide, whatever its size
+LARGE_READ_BLOCKS = 4  # a read of more blocks than this is fetched as one range (RemoteFile.read)
 MAX_FETCH_BYTES = 1 << 30  # an image fetched whole (PNG, JPEG) may be at most this large
 TIMEOUT_ENV = "ATS_URL_TIMEOUT"
 DEFAULT_TIMEOUT_S = 60.0
@@ -224,8 +225,17 @@ class RemoteFile:
         return out
 
     def read(self, n: int = -1) -> bytes:
+        """``n`` bytes from the position: a small read through the block cache, a large one
+        (more than :data:`LARGE_READ_BLOCKS` blocks: a 100k² level's 2.4 MB tile table) as
+        one range, which the cache would fetch one block after another."""
+        pos = self._f.tell()
         if n is None or n < 0:
-            n = self.size - self._f.tell()
+            n = self.size - pos
+        n = max(0, min(n, self.size - pos))
+        if n > LARGE_READ_BLOCKS * self._f.blocksize:
+            data = self.read_range(pos, n)
+            self._f.seek(pos + n)
+            return data
         return self._call(self._f.read, n)
 
     def seek(self, offset: int, whence: int = 0) -> int:
