@@ -227,3 +227,25 @@ def test_a_prepared_copy_of_a_url_is_stale_once_the_bytes_behind_it_change(tmp_p
         assert (served / "a.bmp").stat().st_size == size
         assert not store.is_fresh(url)
         assert store.open_input(url, patch_size=(16, 16)) is None  # read from the URL instead
+
+
+def test_file_urls_and_protocols_without_their_package_or_unknown(tmp_path):
+    """``file://`` reads a local slide through the same path; a protocol whose fsspec
+    package is missing (gs:// without gcsfs) or unknown is one line naming the URL; no
+    request leaves the machine."""
+    write_pyramid(tmp_path / "a.tif", side=1024)
+    file_url = (tmp_path / "a.tif").as_uri()
+    urls = [file_url, "foo://bucket/a.tif"]
+    try:
+        import gcsfs  # noqa: F401
+    except ImportError:
+        urls.append("gs://bucket/a.tif")
+    result = runner.invoke(app, ["info", *urls])
+    assert result.exit_code == 1
+    assert file_url in result.output and "reader: tifffile" in result.output and "1,024" in result.output
+    assert "error: foo://bucket/a.tif: not a URL fsspec can read (Protocol not known: foo)" in result.output
+    if len(urls) == 3:
+        line = [x for x in result.output.splitlines() if x.startswith("error: gs://")]
+        assert len(line) == 1 and "gs:// protocol needs a package that is not installed" in line[0]
+        assert "gcsfs" in line[0]
+    assert f"{len(urls) - 1} of {len(urls)} file(s) failed" in result.output

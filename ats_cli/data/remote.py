@@ -116,10 +116,10 @@ def _filesystem(url: str) -> tuple[Any, str]:
             options["client_kwargs"] = {"timeout": aiohttp.ClientTimeout(total=None, connect=t, sock_read=t)}
         return fsspec.core.url_to_fs(url, **options)
     except ImportError as e:  # fsspec names the package a protocol needs
-        raise _error(url, f"the {protocol}:// protocol needs a package that is not installed ({e}); "
-                     "pip install 'ats[remote]' (and s3fs / gcsfs for s3:// / gs://)") from None
+        fix = "pip install 'ats[remote]'" if protocol in ("http", "https") else "its fsspec package"
+        raise _error(url, f"the {protocol}:// protocol needs a package that is not installed ({e}): {fix}") from None
     except ValueError as e:  # an unknown protocol; a bad ATS_URL_TIMEOUT
-        raise _error(url, str(e)) from None
+        raise _error(url, f"not a URL fsspec can read ({e})" if "protocol" in str(e).lower() else str(e)) from None
 
 
 def describe(url: str, e: BaseException) -> str:
