@@ -10,7 +10,14 @@ Writes an N x N RGB pyramidal tiled TIFF per size (white glass, one elliptical p
   tissue) at level 0 through the same reader and runs the same feature network on all of
   them, in batches, as tiling tools do. Timed in this process.
 
+With ``--url``: the same ``ats predict`` on the slide read from a URL, served from
+127.0.0.1 by this process (tests/httpserve.py: byte ranges, ETag), against the local
+file: wall times, and the bytes the server sent against the file's size (no dense
+baseline). ``--slide jpeg`` writes the URL tests' pyramid instead (256² JPEG tiles, about a
+third of it tissue: tests/test_urls.py), whose tiles are the size of a scanner's.
+
 Usage: python benchmarks/slides.py --sizes 10000 20000 --out /tmp/slidebench
+       python benchmarks/slides.py --url --slide jpeg --sizes 20000 100000
 Prints a Markdown table row per size; copy it into benchmarks/slides.md with `uptime`.
 """
 
@@ -91,7 +98,7 @@ def run_baseline() -> tuple[float, float]:
     return measure(["-c", "import torch, ats_cli.cli, ats_cli.predict"])
 
 
-def run_predict(slide: Path, model: Path) -> tuple[float, float]:
+def run_predict(slide: Path | str, model: Path) -> tuple[float, float]:
     return measure(["-m", "ats_cli", "predict", str(slide), "-m", str(model), "--device", "cpu"])
 
 
@@ -122,21 +129,27 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=0,
                     help="also time `ats predict DIR` over N hard links to each slide: the per-slide cost once "
                          "the process has started ((wall_N - wall_1) / (N - 1))")
+    ap.add_argument("--url", action="store_true",
+                    help="also predict each slide from a URL served on 127.0.0.1: wall time and bytes fetched")
+    ap.add_argument("--slide", choices=("zlib", "jpeg"), default="zlib",
+                    help="zlib: 512² noise tiles (write_slide); jpeg: the URL tests' pyramid of 256² JPEG tiles")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="predict with this model (e.g. models/synthetic-slides-100k-ats.pt, two levels) instead of "
+                         "the untrained one-level one")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
-    model = a.out / "model.pt"
-    make_model(model)
+    model = a.model or a.out / "model.pt"
+    if a.model is None:
+        make_model(model)
+    if a.url:
+        return url_table(a, model)
     base_t, base_rss = run_baseline()
     print(f"start-up floor (import torch + ats_cli, no slide): {base_t:.2f} s, {base_rss:,.0f} MB peak RSS")
     print("| size | file MB | write s | ats predict wall s | peak RSS MB | dense tiles | dense s | dense / ats |"
           + (f" per slide in a batch of {a.batch} (s) | batch peak RSS MB |" if a.batch > 1 else ""))
     print("|---|---|---|---|---|---|---|---|" + ("---|---|" if a.batch > 1 else ""))
     for n in a.sizes:
-        slide = a.out / f"slide_{n}.tif"
-        t = time.perf_counter()
-        if not slide.exists():
-            write_slide(slide, n)
-        wt = time.perf_counter() - t
+        slide, wt = slide_for(a, n)
         wall, rss = run_predict(slide, model)
         d, tiles = (float("nan"), 0) if a.no_dense else dense(slide, model)
         mb = slide.stat().st_size / 2**20
@@ -152,6 +165,39 @@ def main() -> None:
             extra = f" {(wall_b - wall) / (a.batch - 1):.2f} | {rss_b:,.0f} |"
         print(f"| {n:,} | {mb:,.0f} | {wt:.0f} | {wall:.2f} | {rss:,.0f} | {tiles:,} | {d:.1f} | {d / wall:.0f}x |"
               + extra, flush=True)
+
+
+def slide_for(a, n: int) -> tuple[Path, float]:
+    """The benchmark's slide of side ``n`` (written unless it exists) and the seconds writing took."""
+    slide = a.out / (f"slide_{n}.tif" if a.slide == "zlib" else f"jpeg_{n}.tif")
+    t = time.perf_counter()
+    if not slide.exists():
+        if a.slide == "zlib":
+            write_slide(slide, n)
+        else:
+            from tests.test_urls import write_pyramid
+
+            write_pyramid(slide, n)
+    return slide, time.perf_counter() - t
+
+
+def url_table(a, model: Path) -> None:
+    """``ats predict`` of each slide from its local path and from a URL on 127.0.0.1, each in a
+    fresh process (cold: nothing cached), with the bytes the server sent for the URL."""
+    from tests.httpserve import serve
+
+    print("| size | file MB | local predict s | URL predict s | URL / local | fetched MB | fetched / file "
+          "| requests |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n in a.sizes:
+        slide, _ = slide_for(a, n)
+        local, _ = run_predict(slide, model)
+        with serve(slide.parent) as server:
+            remote, _ = run_predict(server.url(slide.name), model)  # type: ignore[arg-type]
+            sent, requests = server.sent[slide.name], server.requests
+        size = slide.stat().st_size
+        print(f"| {n:,} | {size / 2**20:,.1f} | {local:.2f} | {remote:.2f} | {remote / local:.2f}x | "
+              f"{sent / 2**20:.2f} | {100 * sent / size:.2f}% | {requests} |", flush=True)
 
 
 if __name__ == "__main__":

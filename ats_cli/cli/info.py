@@ -19,8 +19,8 @@ from ats_cli.cli.options import MaxPixelsOption, config_option
 
 @app.command()
 def info(
-    paths: list[Path] = typer.Argument(..., help="Image or slide files, OME-Zarr stores, or folders of them (class "
-                                       "folders too)."),
+    paths: list[str] = typer.Argument(..., help="Image or slide files, OME-Zarr stores, or folders of them (class "
+                                      "folders too), or URLs (https://, s3://, ...: the [remote] extra)."),
     reader: str = config_option("reader", "auto", check=True),
     max_pixels: MaxPixelsOption = None,
 ) -> None:
@@ -41,11 +41,13 @@ def info(
         err.print(f"[red]error:[/] {escape(str(e))}")
         raise typer.Exit(2) from None
     from ats_cli.data.dataset import is_store
+    from ats_cli.data.remote import input_path
 
     failed = done = 0
     try:
-        for path in paths:
-            failed += not (_show_folder(path, console, err) if path.is_dir() and not is_store(path) else
+        for path in map(input_path, paths):  # a URL stays a URL (ats_cli.data.remote)
+            folder = isinstance(path, Path) and path.is_dir() and not is_store(path)
+            failed += not (_show_folder(path, console, err) if folder else
                            _show(path, reader, max_pixels, console, err))
             done += 1
     except KeyboardInterrupt:
@@ -56,9 +58,9 @@ def info(
         raise typer.Exit(1)
 
 
-def _show(path: Path, reader: str, max_pixels: int | None, console: Console, err: Console) -> bool:
+def _show(path: Path | str, reader: str, max_pixels: int | None, console: Console, err: Console) -> bool:
     """Print one file's table; False (after one error line naming it) if it cannot be read."""
-    if not path.exists():  # before the readers, whose word for it is "file not found"
+    if isinstance(path, Path) and not path.exists():  # before the readers, whose word for it is "file not found"
         err.print(f"[red]error:[/] {escape(str(path))}: does not exist")
         return False
     try:
@@ -130,15 +132,17 @@ def _opened_size(path: Path) -> tuple[int, int] | None:
         return None
 
 
-def _pillow(path: Path, reader: str) -> bool:
+def _pillow(path: Path | str, reader: str) -> bool:
     """Whether the pillow reader opens ``path`` (as :func:`ats_cli.data.slides.open_image`
     chooses: by suffix, and an unknown suffix is an image)."""
     from ats_cli.data.dataset import PILLOW, backend
+    from ats_cli.data.remote import is_url
 
-    return path.is_file() and (reader == PILLOW or (reader == "auto" and backend(path) in (PILLOW, None)))
+    return (is_url(path) or path.is_file()) and (reader == PILLOW
+                                                 or (reader == "auto" and backend(path) in (PILLOW, None)))
 
 
-def _image_info(path: Path, max_pixels: int | None) -> SimpleNamespace:
+def _image_info(path: Path | str, max_pixels: int | None) -> SimpleNamespace:
     """What the pillow reader's ``info()`` says of ``path``, from the same decode
     (:func:`ats_cli.data.images.decode_pil`: a damaged or refused image fails here as it
     does there), without importing the slide readers, which import torch: ``ats info`` on a
@@ -151,7 +155,7 @@ def _image_info(path: Path, max_pixels: int | None) -> SimpleNamespace:
                            scale_unknown="")
 
 
-def _slide_info(path: Path, reader: str, max_pixels: int | None) -> Any:
+def _slide_info(path: Path | str, reader: str, max_pixels: int | None) -> Any:
     from ats_cli.data.slides import open_image
 
     with open_image(path, reader=reader, max_pixels=max_pixels) as slide:

@@ -24,10 +24,10 @@ from ats_cli.cli.options import (
 
 @app.command()
 def visualize(
-    target: Annotated[Path, typer.Argument(
+    target: Annotated[str, typer.Argument(
         metavar="IMAGE|RUN_DIR", show_default=False,
-        help="An image (with --model): its attention and sampled patches. A run directory (with --image): the "
-             "attention at successive epochs.")],
+        help="An image or a URL of one (with --model): its attention and sampled patches. A run directory (with "
+             "--image): the attention at successive epochs.")],
     out: Annotated[Path, typer.Option("--out", "-o", show_default=False,
                                       help="Figure file (.png; .pdf and .svg work), or .geojson (IMAGE mode): the "
                                            "attention and sampled patches as QuPath objects in level-0 pixels.")],
@@ -96,10 +96,14 @@ def visualize(
         raise usage(str(e)) from None
     reading = {"reader": reader, "level": level, "mpp": mpp, "tissue": tissue_setting(tissue_mask),
                "max_pixels": max_pixels}
+    from ats_cli.data.remote import input_path, is_url
+
+    target = input_path(target)  # a URL stays a URL (ats_cli.data.remote): one that cannot be read says so
     for given in (target, image):
-        if given is not None and not given.exists():
+        if given is not None and not is_url(given) and not given.exists():
             raise usage(f"{given}: does not exist")
-    evolution = target.is_dir() and not is_store(target)  # a run directory; an OME-Zarr store is an image
+    # a run directory; an OME-Zarr store is an image
+    evolution = not is_url(target) and target.is_dir() and not is_store(target)
     if evolution and image is None:
         raise usage(f"{target} is a directory: give --image IMAGE to draw its attention across epochs "
                     "(or give an image and --model for one figure)")

@@ -3,9 +3,10 @@
 A dataset is a directory holding
 
 * ``train.csv`` and ``test.csv`` (optionally ``val.csv``): columns ``path,label``,
-  where ``path`` is relative to the directory (or absolute) and ``label`` is a class
-  *name*, or for a multi-label dataset several ``;``-separated (``3;7``, empty for none;
-  :mod:`ats_cli.multilabel`); any further columns are kept verbatim as "extra" columns;
+  where ``path`` is relative to the directory, absolute, or a URL
+  (:mod:`ats_cli.data.remote`) and ``label`` is a class *name*, or for a multi-label
+  dataset several ``;``-separated (``3;7``, empty for none; :mod:`ats_cli.multilabel`);
+  any further columns are kept verbatim as "extra" columns;
 * ``dataset.json``: ``{"classes": [...]}`` (class names in label-index order), optional
   ``recipe`` (the name of the recipe ``ats train`` starts from: :mod:`ats_cli.recipes`),
   optional ``hints`` (facts of the images: ``channels``, ``image_size``, ``mpp``; older
@@ -68,6 +69,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from ats_cli.data.remote import is_url, url_suffix
 from ats_cli.io import atomic_write_text
 from ats_cli.multilabel import SEPARATOR, multi_hot, split_label
 
@@ -122,14 +124,14 @@ class DatasetError(ValueError):
 class Record:
     """One image of a split.
 
-    ``path`` is absolute; ``label`` is the index into ``Dataset.classes``; ``extra`` holds
+    ``path`` is absolute (or a URL); ``label`` is the index into ``Dataset.classes``; ``extra`` holds
     the CSV's other columns as strings (e.g. the generator's ``digits`` boxes); ``line`` is
     the CSV line, kept so later errors (an unreadable image) can point back to the row.
     In a multi-label dataset ``label`` is -1, ``label_name`` the classes ``;``-joined in
     class order and ``multi_hot`` their 0/1 vector over the classes (None otherwise).
     """
 
-    path: Path
+    path: Path | str  # a URL stays the URL string (ats_cli.data.remote)
     label: int
     label_name: str
     extra: Mapping[str, str] = field(default_factory=dict)
@@ -398,7 +400,7 @@ class CsvRow:
     """
 
     line: int
-    path: Path = Path()
+    path: Path | str = Path()  # a URL cell stays the URL string (ats_cli.data.remote)
     raw_path: str = ""
     label: str = ""
     extra: Mapping[str, str] = field(default_factory=dict)
@@ -462,8 +464,11 @@ def _csv_row(row: Mapping[str | None, Any], name: str, start: int, end: int, n_c
                                            f"{n_columns}"))
     if not raw_path:
         return CsvRow(end, problem=Problem(name, end, "empty path"))
-    file = Path(raw_path).expanduser()
-    file = Path(os.path.normpath(file if file.is_absolute() else base / file))
+    if is_url(raw_path):  # a URL is kept as written (ats_cli.data.remote)
+        file = raw_path
+    else:
+        file = Path(raw_path).expanduser()
+        file = Path(os.path.normpath(file if file.is_absolute() else base / file))
     extra = {k: v for k, v in row.items() if k not in ("path", "label") and k is not None}
     return CsvRow(end, file, raw_path, label, extra)
 
@@ -499,6 +504,9 @@ INPUT_SUFFIXES = (*BACKENDS, VIRTUAL_SUFFIX)
 def backend(path: str | os.PathLike[str]) -> str | None:
     """The backend :data:`BACKENDS` gives ``path``'s suffix (case-insensitive); None for a
     suffix it does not list."""
+    if is_url(path):  # the suffix of the URL's path, without a signed URL's query
+        suffix = url_suffix(path)
+        return VIRTUAL if path.lower().split("?")[0].endswith(VIRTUAL_SUFFIX) else BACKENDS.get(suffix)
     if str(path).lower().endswith(VIRTUAL_SUFFIX):
         return VIRTUAL
     return BACKENDS.get(Path(path).suffix.lower())
@@ -513,12 +521,15 @@ def is_store(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is an OME-Zarr store: a directory named ``*.zarr``. Such a
     directory is one input, never a folder of inputs: the commands that list a folder
     take it whole and do not walk into its chunks."""
-    return backend(path) == OMEZARR and Path(path).is_dir()
+    return not is_url(path) and backend(path) == OMEZARR and Path(path).is_dir()
 
 
 def input_exists(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is there to be read as an input: a file, or an OME-Zarr store."""
-    return Path(path).is_file() or is_store(path)
+    """Whether ``path`` is there to be read as an input: a file, or an OME-Zarr store. A
+    URL is taken as there: asking the server for each row would cost a dataset of
+    100,000 URLs as many requests at every load; one that is not there is named, in one
+    line, when it is read (:mod:`ats_cli.data.remote`)."""
+    return is_url(path) or Path(path).is_file() or is_store(path)
 
 
 def find_inputs(folder: str | os.PathLike[str], recursive: bool = True) -> list[Path]:

@@ -41,8 +41,8 @@ from PIL import Image, ImageOps
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DEFAULT_MAX_PIXELS", "PIL_MODES", "ImageReadError", "decode_pil", "max_pixels_limit", "open_pil",
-           "over_budget", "pil_channels", "read_image", "resize_in_bands", "to_model_pixels"]
+__all__ = ["DEFAULT_MAX_PIXELS", "PIL_MODES", "ImageReadError", "RemoteReadError", "decode_pil", "max_pixels_limit",
+           "open_pil", "over_budget", "pil_channels", "read_image", "resize_in_bands", "to_model_pixels"]
 
 # The most pixels decoded at once from one input. 64 M (8000 x 8000) keeps the peak memory
 # of ats predict / info / visualize on any input near 1.5 GB (figures: docs/runs-and-inputs.md).
@@ -75,9 +75,16 @@ class ImageReadError(ValueError):
     """An image file that cannot be used; the message names the file and the problem."""
 
     def __init__(self, path: str | os.PathLike[str], problem: str):
-        self.path = Path(path)
+        from ats_cli.data.remote import input_path
+
+        self.path = input_path(path)  # a URL stays a URL (ats_cli.data.remote)
         self.problem = problem
         super().__init__(f"{self.path}: {problem}")
+
+
+class RemoteReadError(ImageReadError):
+    """An input behind a URL that cannot be fetched (404, timeout, refused, a protocol
+    without its package): the message names the URL (:mod:`ats_cli.data.remote`)."""
 
 
 def max_pixels_limit(max_pixels: int | None = None) -> int:
@@ -230,14 +237,30 @@ def decode_pil(path: str | os.PathLike[str], max_pixels: int | None = None,
     when None, 1 (gray) or 3 (RGB), converted by :data:`PIL_MODES` and
     :func:`to_model_pixels`. An image of more than ``max_pixels`` pixels
     (:func:`max_pixels_limit`) or of a refused mode is refused from its header, before
-    decoding; every failure is an :class:`ImageReadError` naming the file."""
+    decoding; every failure is an :class:`ImageReadError` naming the file. A URL is fetched
+    whole first (:func:`ats_cli.data.remote.fetch_bytes`), then decoded the same way."""
+    from ats_cli.data.remote import fetch_bytes, is_url
+
+    if is_url(path):
+        import io
+
+        url, data = path, fetch_bytes(path)
+        try:
+            return _decode(io.BytesIO(data), url, max_pixels, channels)
+        except ImageReadError as e:
+            raise ImageReadError(url, e.problem) from e.__cause__
     path = Path(path)
     if not path.exists():
         raise ImageReadError(path, "does not exist")
     if path.is_dir():
         raise ImageReadError(path, "is a directory, not an image file")
+    return _decode(path, path, max_pixels, channels)
+
+
+def _decode(source, path, max_pixels: int | None, channels: int | None) -> np.ndarray:
+    """:func:`decode_pil` of ``source`` (a path or a file object), errors naming ``path``."""
     try:
-        with open_pil(path, max_pixels) as im:
+        with open_pil(source, max_pixels) as im:
             _target_mode(path, im.mode)  # a refused mode is refused before decoding
             frames = getattr(im, "n_frames", 1)
             if frames > 1 and im.format not in SINGLE_IMAGE_FORMATS:

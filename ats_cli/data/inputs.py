@@ -74,7 +74,9 @@ first nor last 64 KiB change): the kernel sets the change time on every write an
 user can set it back. An OME-Zarr store is a directory, whose own times do not change
 when a chunk is rewritten: it is named by the path, size and times of every file its view
 is made from (the metadata and the chunks of the view's level) and the metadata's
-content (:func:`source_state`). Old entries are never read again (delete the folder to reclaim
+content (:func:`source_state`). A URL is named by itself and what its server says of
+the bytes: size, ETag, Last-Modified; a server that gives neither validator has its views
+made every time, never stored. Old entries are never read again (delete the folder to reclaim
 the space; it is rebuilt on the next epoch). Written atomically (:mod:`ats_cli.io`), so a
 worker killed mid-write or two writing the same entry leave a whole file or none.
 
@@ -412,9 +414,16 @@ def source_state(slide, scale: float) -> tuple[dict, int, int]:
     :func:`content_digest`. An OME-Zarr store, a directory whose own times do not change when
     a chunk is rewritten: the path, size, mtime and ctime of every file the view is read from
     (the metadata and the chunks of the view's level: ``slide.view_files``) and the metadata's
-    content; a chunk added, removed or rewritten names another entry."""
+    content; a chunk added, removed or rewritten names another entry. A URL: the URL, its
+    size, ETag and Last-Modified (:func:`ats_cli.data.remote.remote_stat`), proven (times 0)
+    when the server gives a validator, else never (times now: the view is not stored)."""
     from ats_cli.core.source import low_res_size
+    from ats_cli.data.remote import is_url, proves_unchanged, remote_stat
 
+    if is_url(slide.path):  # what the server says of the bytes; no validator: never stored (view())
+        stat = remote_stat(slide.path)
+        proven = 0 if proves_unchanged(stat) else time.time_ns()
+        return stat, proven, proven
     view_files = getattr(slide, "view_files", None)
     if view_files is None:
         st = os.stat(slide.path)
@@ -443,7 +452,10 @@ class ViewCache:
         """The entry's name: the file as it is now (``source``: :func:`source_state`, taken
         by the caller) and what is asked of it."""
         source = source_state(slide, scale)[0] if source is None else source
-        what = {"format": VIEW_CACHE_FORMAT, "path": str(Path(slide.path).resolve()), **source,
+        from ats_cli.data.remote import is_url
+
+        where = slide.path if is_url(slide.path) else str(Path(slide.path).resolve())
+        what = {"format": VIEW_CACHE_FORMAT, "path": where, **source,
                 "reader": slide.name, "level": slide.level, "size": list(slide.size),
                 "channels": slide.channels, "max_pixels": slide.max_pixels, "scale": repr(float(scale)),
                 "resampled": repr(float(getattr(slide, "factor", 1.0))),  # --mpp: the level's resampling

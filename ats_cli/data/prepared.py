@@ -82,6 +82,12 @@ in, at the same size, keeps size, mtime and ctime. Such an entry is used only wh
 source's digest matches (one read of the file, no decode), and the next preparation
 re-stamps it once its times have settled.
 
+A source behind a URL (:mod:`ats_cli.data.remote`) is stamped with what its server says
+of it instead: its size, ETag and Last-Modified. A server's validator changes with the
+bytes, so a stamp with one is settled at once; one without either proves nothing, and
+its entry is used only when the source's digest matches (a fetch of the image, no
+decode) and is never re-stamped.
+
 Checksums: the header carries the CRC-32 of its own JSON, of the view and of the tile
 index; each tile is a zlib stream with its own Adler-32. A damaged entry (a flipped bit
 on disk) is never served: met by a read, it is said in one line and removed, and the
@@ -147,6 +153,7 @@ from ats_cli.core.source import low_res_size
 from ats_cli.data.dataset import LAZY_BACKENDS, backend
 from ats_cli.data.images import ImageReadError, max_pixels_limit, over_budget, read_image
 from ats_cli.data.inputs import OpenedImage, low_res_view
+from ats_cli.data.remote import fetch_bytes, is_url, remote_stat
 from ats_cli.io import (
     atomic_path,
     die_with_parent,
@@ -460,7 +467,12 @@ SUFFIX = ".atsp"
 
 
 def file_stamp(path: str | os.PathLike[str]) -> dict:
-    """What identifies a source file's content at read time: size, mtime_ns, ctime_ns."""
+    """What identifies a source file's content at read time: size, mtime_ns, ctime_ns; for a
+    URL, size, ETag and Last-Modified (:func:`ats_cli.data.remote.remote_stat`: a
+    RemoteReadError naming it when it cannot be asked)."""
+    if is_url(path):
+        stat_ = remote_stat(path)
+        return {"bytes": stat_["bytes"], "etag": stat_["etag"], "last_modified": stat_["last_modified"]}
     st = os.stat(path)
     return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
 
@@ -468,7 +480,10 @@ def file_stamp(path: str | os.PathLike[str]) -> dict:
 def settled(header: dict) -> bool:
     """Whether an entry's stamp proves its source unchanged while the stamp still matches
     (:func:`ats_cli.io.settled`: taken at least a timestamp tick after the source last
-    changed); an entry whose stamp does not is used only once the source's digest matches."""
+    changed); an entry whose stamp does not is used only once the source's digest matches.
+    A URL's stamp is settled when the server gave a validator (ETag or Last-Modified)."""
+    if "etag" in header:
+        return bool(header.get("etag") or header.get("last_modified"))
     try:
         return _settled(int(header["stamped_ns"]), int(header["mtime_ns"]), int(header["ctime_ns"]))
     except (KeyError, TypeError, ValueError):
@@ -476,7 +491,10 @@ def settled(header: dict) -> bool:
 
 
 def source_digest(source: str | os.PathLike[str]) -> str:
-    """BLAKE2b of a source file's bytes (streamed: memory does not grow with the file)."""
+    """BLAKE2b of a source file's bytes (streamed: memory does not grow with the file; a
+    URL's, fetched whole as it is to be decoded, under the same cap)."""
+    if is_url(source):
+        return hashlib.blake2b(fetch_bytes(source)).hexdigest()
     with open(source, "rb") as fh:
         return hashlib.file_digest(fh, "blake2b").hexdigest()
 
@@ -536,11 +554,14 @@ class PreparedStore:
         return known
 
     def _name(self, source: str | os.PathLike[str]) -> Path:
-        path = Path(source)
-        try:
-            name = str(path.relative_to(self.root))
-        except ValueError:
-            name = str(path)
+        if is_url(source):  # named by the URL itself
+            name = source
+        else:
+            path = Path(source)
+            try:
+                name = str(path.relative_to(self.root))
+            except ValueError:
+                name = str(path)
         what = {"format": FORMAT, "source": name, "channels": self.channels, "scale": repr(self.scale)}
         return self.folder / (_digest(json.dumps(what, sort_keys=True)) + SUFFIX)
 
@@ -572,7 +593,7 @@ class PreparedStore:
             if settled(header):
                 return "fresh", None
             return ("verified" if source_digest(source) == header.get("digest") else "stale"), None
-        except OSError:
+        except (OSError, ImageReadError):  # ImageReadError: a URL that cannot be fetched
             return "stale", None
 
     def _matches(self, header: dict, stamp: dict) -> bool:
@@ -601,7 +622,7 @@ class PreparedStore:
         except EntryDamaged as e:
             _damaged(source, path, e)
             return None
-        except (OSError, EntryError):
+        except (OSError, EntryError, ImageReadError):  # ImageReadError: a URL that cannot be fetched
             return None
         try:
             if not self._matches(header, stamp):
@@ -816,6 +837,8 @@ def _worker_init(parent: int) -> None:
 def _restamp_if_settled(store: PreparedStore, source: str) -> None:
     """Re-stamp the verified entry of ``source`` when a stamp taken now would be settled
     (left as it is otherwise: rewriting it would prove nothing more)."""
+    if is_url(source):  # a URL's stamp is settled or never (settled()): nothing to wait for
+        return
     with contextlib.suppress(OSError, EntryError):
         stamped = time.time_ns()
         stamp = file_stamp(source)
@@ -836,6 +859,8 @@ def prepare_one(store: PreparedStore, source: str, min_free: int = MIN_FREE_BYTE
         digest = source_digest(source)
     except OSError as e:
         return source, "failed", e.strerror or str(e)
+    except ImageReadError as e:  # a URL that cannot be fetched
+        return source, "failed", e.problem
     with contextlib.suppress(EntryError):  # same content, new or unsettled stamp (copied, touched): keep the pixels
         header = verify_entry(path)
         if header.get("digest") == digest and store.same_making(header):
@@ -850,7 +875,7 @@ def prepare_one(store: PreparedStore, source: str, min_free: int = MIN_FREE_BYTE
     view = low_res_view(image, store.scale)
     try:
         changed = file_stamp(source) != before
-    except OSError:
+    except (OSError, ImageReadError):
         changed = True
     if changed:
         return source, "failed", "changed while being prepared"

@@ -56,11 +56,13 @@ from ats_cli.data.dataset import OMEZARR, OPENSLIDE, PILLOW, TIFFFILE, VIRTUAL, 
 from ats_cli.data.images import (
     DEFAULT_MAX_PIXELS,
     ImageReadError,
+    RemoteReadError,
     decode_pil,
     max_pixels_limit,
     over_budget,
     resize_in_bands,
 )
+from ats_cli.data.remote import input_path, is_url, url_name
 from ats_cli.data.tiff_meta import (
     APERIO_JP2K_YCBCR,
     aperio_ycbcr_to_rgb,
@@ -117,8 +119,8 @@ class SlideReader:
     name = "base"
     max_pixels = DEFAULT_MAX_PIXELS  # the pixel budget (module docstring); open_image sets it
 
-    def __init__(self, path: Path, levels: list[tuple[int, int]], channels: int, vendor: str, mpp=None):
-        self.path = Path(path)
+    def __init__(self, path: Path | str, levels: list[tuple[int, int]], channels: int, vendor: str, mpp=None):
+        self.path = input_path(path)  # a URL stays the URL string (ats_cli.data.remote)
         self.levels = [tuple(int(v) for v in lv) for lv in levels]
         self._channels = channels
         self.vendor = vendor
@@ -432,7 +434,7 @@ class ArrayReader(SlideReader):
         if image.dtype != np.uint8:
             raise SlideReadError(path, f"array reader needs uint8, got {image.dtype}")
         self._data = [image] + [_to_rgb_or_gray(np.asarray(x)) for x in (levels_data or [])]
-        super().__init__(Path(path), [d.shape[:2] for d in self._data], image.shape[2], "array")
+        super().__init__(path, [d.shape[:2] for d in self._data], image.shape[2], "array")
 
     def _read_region(self, row, col, h, w, level):
         return self._data[level][row : row + h, col : col + w].copy()
@@ -447,7 +449,7 @@ class PillowReader(ArrayReader):
 
     name = PILLOW
 
-    def __init__(self, path: Path, max_pixels: int | None = None):
+    def __init__(self, path: Path | str, max_pixels: int | None = None):
         limit = max_pixels_limit(max_pixels)
         try:
             arr = decode_pil(path, limit)
@@ -465,18 +467,33 @@ class TiffReader(SlideReader):
 
     name = TIFFFILE
 
-    def __init__(self, path: Path, max_pixels: int | None = None):
+    def __init__(self, path: Path | str, max_pixels: int | None = None):
         import tifffile
 
+        remote = None
+        if is_url(path):  # read through fsspec's file, in blocks (ats_cli.data.remote)
+            from ats_cli.data.remote import open_remote
+
+            remote = open_remote(path)
         try:
-            self._tif = tifffile.TiffFile(path)
+            self._tif = tifffile.TiffFile(path if remote is None else remote, name=None if remote is None
+                                          else url_name(path))
             series, pages = level_pages(self._tif)
+        except RemoteReadError:  # the URL could not be fetched: its own one line
+            if remote is not None:
+                remote.close()
+            raise
         except Exception as e:  # tifffile raises many types for broken files
+            if remote is not None:
+                remote.close()
             raise SlideReadError(path, f"not a readable TIFF ({type(e).__name__}: {e})") from e
+        self._remote = remote
         try:
             self._open(path, series, pages, max_pixels)
         except BaseException:
             self._tif.close()
+            if remote is not None:
+                remote.close()
             raise
 
     def _open(self, path: Path, series, pages, max_pixels: int | None) -> None:
@@ -558,10 +575,7 @@ class TiffReader(SlideReader):
                 wanted.update(self._segments_of(r0, c0, min(r + h, H) - r0, min(c + w, W) - c0, level))
             group.append((r, c))
             if len(wanted) >= room or k == len(offs) - 1:
-                decode = lambda i: self._segment(level, i)  # noqa: E731
-                ids = sorted(wanted)
-                decoded = dict(zip(ids, thread_pool("tiles").map(decode, ids) if len(ids) > 1 else map(decode, ids),
-                                   strict=True))
+                decoded = self._segments(level, sorted(wanted))
                 out += [self.read_region(rr, cc, h, w, level, segments=decoded) for rr, cc in group]
                 group, wanted = [], set()
         return out
@@ -579,6 +593,9 @@ class TiffReader(SlideReader):
         n_across = page.chunked[1]
         self._check_segment_size(level)
         tiles = [divmod(i, n_across) for i in self._segments_of(row, col, h, w, level)]
+        if segments is None and self._remote is not None and len(tiles) > 1 \
+                and self._segment_pixels(level) <= PARALLEL_SEGMENT_PIXELS:  # a URL: fetched in one batch
+            segments = self._segments(level, [ty * n_across + tx for ty, tx in tiles])
         keep = self._keep
         out = None
         for ty, tx in tiles:
@@ -599,16 +616,34 @@ class TiffReader(SlideReader):
             out[ys - row : ye - row, xs - col : xe - col] = part
         return out if out is not None else np.zeros((h, w, keep), dtype=np.uint8)
 
-    def _segment(self, level: int, index: int) -> np.ndarray | None:
+    def _segments(self, level: int, ids: list[int]) -> dict[int, np.ndarray | None]:
+        """Segments ``ids`` of ``level`` decoded (:meth:`_segment`), concurrently on the
+        shared reading threads. A URL's are fetched first, in one batch of byte ranges
+        (:meth:`ats_cli.data.remote.RemoteFile.read_ranges`): fetched one by one, each tile
+        would cost a round trip to the server, and a two-level read of a 100k² slide reads
+        hundreds."""
+        fetched: dict[int, bytes] = {}
+        if self._remote is not None and len(ids) > 1:
+            page = self._pages[level]
+            present = [i for i in ids if int(page.databytecounts[i]) > 0]
+            ranges = [(int(page.dataoffsets[i]), int(page.databytecounts[i])) for i in present]
+            fetched = dict(zip(present, self._remote.read_ranges(ranges), strict=True))
+        decode = lambda i: self._segment(level, i, fetched[i]) if i in fetched else self._segment(level, i)  # noqa: E731
+        return dict(zip(ids, thread_pool("tiles").map(decode, ids) if len(ids) > 1 else map(decode, ids),
+                        strict=True))
+
+    def _segment(self, level: int, index: int, data: bytes | None = None) -> np.ndarray | None:
         """Strip or tile ``index`` of ``level`` decoded, [rows, cols, samples]; None when the
-        file leaves it out (sparse: background). Errors name the file and the segment."""
+        file leaves it out (sparse: background). ``data``: its bytes, already fetched. Errors
+        name the file and the segment."""
         page = self._pages[level]
         nbytes = int(page.databytecounts[index])
         if nbytes == 0:
             return None
         kind = "tile" if page.is_tiled else "strip"
         try:
-            data = self._read_bytes(int(page.dataoffsets[index]), nbytes)
+            if data is None:
+                data = self._read_bytes(int(page.dataoffsets[index]), nbytes)
             seg = page.decode(data, index, jpegtables=page.jpegtables)[0]
             seg = seg.reshape(seg.shape[-3:])
             if page.compression == APERIO_JP2K_YCBCR:
@@ -616,6 +651,8 @@ class TiffReader(SlideReader):
             return seg
         except ImportError as e:  # imagecodecs built without this codec
             raise SlideReadError(self.path, codec_message(page, str(e))) from e
+        except RemoteReadError:  # the bytes could not be fetched (a URL): said as it is
+            raise
         except Exception as e:  # whatever the codec raises: name the file and where
             ty, tx = divmod(index, page.chunked[1])
             raise SlideReadError(self.path, f"cannot decode {kind} {index} (row {ty * page.chunks[0]}, column "
@@ -624,12 +661,16 @@ class TiffReader(SlideReader):
     def _read_bytes(self, offset: int, n: int) -> bytes:
         if self._fd is not None:
             return os.pread(self._fd, n, offset)
+        if self._remote is not None:  # a URL: exactly this range, concurrently (ats_cli.data.remote)
+            return self._remote.read_range(offset, n)
         with self._lock:  # one file handle: seek+read must not interleave
             self._tif.filehandle.seek(offset)
-            return self._tif.filehandle.read(n)
+            return self._tif.filehandle.read(n)  # a URL: RemoteReadError (one line) when it cannot be fetched
 
     def close(self):
         self._tif.close()
+        if self._remote is not None:  # tifffile leaves a file object it was given open
+            self._remote.close()
 
 
 class OpenSlideReader(SlideReader):
@@ -749,9 +790,11 @@ def open_image(
     64 M). The pillow reader decodes the image here and the tifffile reader one tile of
     its smallest level (to refuse a missing codec now); the others check on reading.
     """
-    path = Path(path)
     if reader not in (*READERS, VIRTUAL, OMEZARR):  # these two: by suffix, or by name when a pickled reader is
         raise ValueError(f"unknown reader {reader!r}; choose from {', '.join(READERS)}")  # reopened
+    if is_url(path):
+        return _open_url(path, reader, max_pixels_limit(max_pixels))
+    path = Path(path)
     if not path.exists():
         raise SlideReadError(path, "file not found")
     if reader == OMEZARR or (reader == "auto" and backend(path) == OMEZARR):
@@ -779,6 +822,31 @@ def open_image(
             return TiffReader(path, max_pixels)
         except SlideReadError as e2:
             raise SlideReadError(path, f"{e.problem}; tifffile cannot read it either: {e2.problem}") from e2
+
+
+def _open_url(url: str, reader: str, max_pixels: int) -> SlideReader:
+    """The reader of an input behind a URL (:mod:`ats_cli.data.remote`): a TIFF (and a
+    vendor file that is one, as an Aperio SVS) through tifffile over fsspec's file, read
+    in blocks; an ordinary image fetched whole. OpenSlide opens files by name, so it never
+    reads a URL; OME-Zarr stores and virtual slides are not read from one either."""
+    kind = backend(url) if reader == "auto" else reader
+    if kind in (OMEZARR, VIRTUAL):
+        what = "an OME-Zarr store" if kind == OMEZARR else "a virtual slide"
+        raise SlideReadError(url, f"is {what}, which ats does not read from a URL; copy it to a local path")
+    if kind == OPENSLIDE and reader == OPENSLIDE:
+        raise SlideReadError(url, "OpenSlide reads local files only; --reader tifffile (or auto) reads a TIFF from a "
+                             "URL, other vendor formats must be downloaded first")
+    if kind in (PILLOW, None):
+        return PillowReader(url, max_pixels)
+    try:
+        return TiffReader(url, max_pixels)
+    except RemoteReadError:
+        raise
+    except SlideReadError as e:
+        if kind != OPENSLIDE:
+            raise
+        raise SlideReadError(url, f"{e.problem}; OpenSlide, which reads the vendor formats tifffile cannot, reads "
+                             "local files only: download it first") from e
 
 
 def _is_tiff(path: Path) -> bool:

@@ -36,6 +36,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ats_cli.data.remote import input_path, is_url
 from ats_cli.predict.inputs import InputItem
 from ats_cli.predict.output import prediction_columns, write_predictions_csv
 from ats_cli.predict.predictor import PredictionRow
@@ -52,8 +53,9 @@ class CohortError(ValueError):
 
 
 def input_key(path: str | os.PathLike[str]) -> str:
-    """Inputs are matched by absolute, normalised path (as :func:`resolve_inputs` de-duplicates)."""
-    return os.path.normcase(os.path.abspath(os.fspath(path)))
+    """Inputs are matched by absolute, normalised path (as :func:`resolve_inputs` de-duplicates);
+    a URL by itself."""
+    return path if is_url(path) else os.path.normcase(os.path.abspath(os.fspath(path)))
 
 
 def part_path(out: str | os.PathLike[str], rank: int) -> Path:
@@ -173,7 +175,7 @@ def read_predictions_csv(path: Path, classes: Sequence[str]) -> list[PredictionR
                 except ValueError:
                     continue
                 label = line[len(expected)] if len(line) > len(expected) and line[len(expected)] else None
-                rows.append(PredictionRow(path=Path(line[0]), label=label, prediction=line[1], probs=probs))
+                rows.append(PredictionRow(path=input_path(line[0]), label=label, prediction=line[1], probs=probs))
             return rows
     except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise CohortError(f"{path}: cannot read it to resume ({getattr(e, 'strerror', None) or e}); give "
@@ -211,10 +213,10 @@ def read_part(path: Path, classes: Sequence[str], settings: Mapping[str, Any] | 
         if not isinstance(rec, dict) or "path" not in rec:
             continue
         if rec.get("error") is not None:
-            rows.append(PredictionRow(path=Path(rec["path"]), label=rec.get("label"), error=str(rec["error"])))
+            rows.append(PredictionRow(path=input_path(rec["path"]), label=rec.get("label"), error=str(rec["error"])))
         elif isinstance(rec.get("probs"), list) and len(rec["probs"]) == len(classes):
-            rows.append(PredictionRow(path=Path(rec["path"]), label=rec.get("label"), prediction=rec["prediction"],
-                                      probs=tuple(float(p) for p in rec["probs"])))
+            rows.append(PredictionRow(path=input_path(rec["path"]), label=rec.get("label"),
+                                      prediction=rec["prediction"], probs=tuple(float(p) for p in rec["probs"])))
     return rows
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ats_cli.data.dataset import DATASET_JSON, CsvRow, find_inputs, is_input_file, is_store, read_csv
+from ats_cli.data.remote import is_url
 from ats_cli.multilabel import split_label
 
 __all__ = ["InputItem", "read_inputs_csv", "resolve_inputs"]
@@ -30,7 +31,7 @@ class InputItem:
     holds that CSV row's other columns (e.g. the ``digits`` boxes); ``error`` is set when
     the argument could not even be turned into an image path (it then becomes a failed row)."""
 
-    path: Path
+    path: Path | str  # a URL stays the URL string (ats_cli.data.remote)
     label: str | None = None
     extra: Mapping[str, str] = field(default_factory=dict)
     error: str | None = None
@@ -43,6 +44,8 @@ def resolve_inputs(specs: Iterable[str | os.PathLike[str]], *, recursive: bool =
       relative paths are relative to the CSV's directory); anything else is an image;
     * a directory holding ``dataset.json`` and ``test.csv``: that dataset's test split;
     * an OME-Zarr store (a ``.zarr`` directory): one image;
+    * a URL (``https://``, ``s3://``, ...: :mod:`ats_cli.data.remote`): one image, fetched
+      when it is predicted (a CSV's rows may be URLs too);
     * any other directory: the image files and stores in it (the suffixes of
       :data:`ats_cli.data.dataset.BACKENDS`, sorted by name, hidden files skipped),
       including sub-directories when ``recursive`` (never the inside of a store);
@@ -62,7 +65,7 @@ def resolve_inputs(specs: Iterable[str | os.PathLike[str]], *, recursive: bool =
     seen: set[str] = set()
 
     def add(item: InputItem) -> None:
-        key = os.path.normcase(os.path.abspath(item.path))
+        key = item.path if is_url(item.path) else os.path.normcase(os.path.abspath(item.path))
         if item.error is None and key in seen:
             return
         seen.add(key)
@@ -70,6 +73,9 @@ def resolve_inputs(specs: Iterable[str | os.PathLike[str]], *, recursive: bool =
 
     for spec in specs:
         text = os.fspath(spec)
+        if is_url(text):  # read when predicted; one that cannot be fetched is a failed row naming it
+            add(InputItem(text))
+            continue
         path = Path(text).expanduser()
         if path.exists():
             for item in _expand(path, recursive=recursive, explicit=True):
@@ -142,10 +148,11 @@ def read_inputs_csv(path: str | os.PathLike[str]) -> list[InputItem]:
         if row.problem is not None:
             items.append(InputItem(path, error=str(row.problem)))
             continue
-        if (why := _not_regular(row.path)) is not None:
+        if not is_url(row.path) and (why := _not_regular(row.path)) is not None:
             items.append(InputItem(row.path, error=f"{path}:{row.line}: {why}"))
             continue
-        seen = first.setdefault(os.path.normcase(os.path.abspath(row.path)), row)
+        key = row.path if is_url(row.path) else os.path.normcase(os.path.abspath(row.path))
+        seen = first.setdefault(key, row)
         if seen is not row and labelled and sorted(split_label(seen.label)) != sorted(split_label(row.label)):
             items.append(InputItem(path, error=f"{path}:{row.line}: {row.raw_path} is listed again with label "
                                    f"{row.label!r}, line {seen.line} gives it {seen.label!r}; one file has one "

@@ -356,8 +356,10 @@ def unique_names(paths: Sequence[str | os.PathLike[str]], suffix: str = ".geojso
     folders never overwrite each other, and a name depends only on the inputs before it."""
     used: set[str] = set()
     names = []
+    from ats_cli.data.remote import is_url, url_name
+
     for p in paths:
-        stem = Path(p).stem or "image"
+        stem = Path(url_name(p) if is_url(p) else p).stem or "image"
         name, k = f"{stem}{suffix}", 1
         while name.lower() in used:
             k += 1
