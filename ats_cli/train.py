@@ -737,7 +737,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
             log(f"feature net {cfg.feature_net}: {f'weights from {loaded}' if loaded else 'its weights'}, "
                 f"--feature-train {cfg.feature_train}")
     model = model.to(device, memory_format=_conv_layout(device))
-    store = _feature_store(cfg, model, spec, run, log)
+    store = _feature_store(cfg, model, spec, run, log, writes=ctx.is_main)
     opt = _optimizer(cfg, model)
     scaler = torch.amp.GradScaler("cuda", enabled=amp == "fp16")  # fp16 only: bf16 has float32's range
     start_epoch, start_done, history, running = 0, 0, [], {}
@@ -878,9 +878,11 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
 
 
 def _feature_store(cfg: TrainConfig, model: torch.nn.Module, spec: dict[str, Any], run: Path,
-                   log: Callable[[str], None]) -> Any:
+                   log: Callable[[str], None], *, writes: bool = True) -> Any:
     """The feature store of a run with ``feature_store on`` (:mod:`ats_cli.data.features`),
-    set on the model; None when off, or when ``ATS_FEATURE_STORE=off`` or the cap is 0."""
+    set on the model; None when off, or when ``ATS_FEATURE_STORE=off`` or the cap is 0.
+    ``writes`` False (every rank but 0, which alone writes files): it reads what rank 0
+    stored and stores nothing."""
     if cfg.feature_store != "on":
         return None
     if "feature_keys" not in inspect.signature(model.forward).parameters:  # two levels: not for this model
@@ -888,6 +890,7 @@ def _feature_store(cfg: TrainConfig, model: torch.nn.Module, spec: dict[str, Any
     store = feature_store_for(run, model.feature_net, spec["feature_net"], spec["feature_kwargs"],
                               cap_gb=cfg.feature_store_gb)
     if store is not None:
+        store.writable = writes
         model.feature_store = store
         log(f"feature store: {store.folder} (at most {cfg.feature_store_gb:g} GiB; docs/training.md#the-feature-store)")
     return store

@@ -50,11 +50,12 @@ be read-only or shared between people); ``ATS_FEATURE_STORE=DIR`` shares one bet
 (a sweep over heads on one frozen encoder: the later runs' first epochs hit too), and
 ``ATS_FEATURE_STORE=off`` turns it off. Features are written in segments of up to
 :data:`SEGMENT_BYTES`, each a new file written atomically (:func:`ats_cli.io.atomic_path`)
-under a name no other process uses (time, pid, counter): processes (DDP ranks, runs
-sharing a store) never write the same file, need no lock to write, and see each other's
-segments at the next :meth:`~FeatureStore.refresh` (each epoch). A killed process loses
+under a name no other process uses (time, pid, counter): processes (runs sharing a
+store; in one DDP run rank 0 alone writes, the others read) never write the same file,
+need no lock to write, and see each other's segments at the next
+:meth:`~FeatureStore.refresh` (each epoch). A killed process loses
 its unwritten buffer only; the next run reads every whole segment (resumable), and its
-temporary file is swept by the next process that opens the store once the pid is gone.
+temporary file is swept by the next process that evicts, once the pid is gone.
 
 A segment (little-endian)::
 
