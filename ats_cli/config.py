@@ -263,6 +263,15 @@ class TrainConfig:
                                        "none": "frozen: no gradients, no optimizer state",
                                        "head": "a frozen encoder under a trainable linear+ReLU projection to "
                                                "feature_width", "all": ""})
+    # ats_cli.data.features: a frozen encoder's feature of a patch computed once per run (or per
+    # ATS_FEATURE_STORE=DIR, shared), then read back bit for bit
+    feature_store: str = _key("auto", "Keep a frozen feature net's patch features on disk (RUN/cache/features, or "
+                              "$ATS_FEATURE_STORE) and read them back instead of encoding a patch again: {choices}; "
+                              "docs/training.md#the-feature-store", NET_PANEL, choices={
+                                  "auto": "on when feature_train is none, the encoder pretrained or exported, and "
+                                          "augment none", "on": "", "off": ""})
+    feature_store_gb: float = _key(4.0, "The feature store's cap on disk (GiB, all encoders' features together); "
+                                   "past it the oldest are deleted", NET_PANEL)
     # optimisation
     optimizer: str = _key("adam", "{choices}", OPT_PANEL, choices={"adam": "", "adamw": "", "sgd": ""})
     # docs/training.md: faster off the plateau than the reference's 1e-3, same budget
@@ -332,6 +341,14 @@ class TrainConfig:
         if self.rarity_cap not in (0, -1) and not self.rarity_cap > 1:
             problems.append(f"rarity_cap must be > 1 (a typical cell's r), 0 for none or -1 for auto (got "
                             f"{self.rarity_cap})")
+        if self.feature_store == "on" and self.feature_train not in ("none", "auto"):
+            problems.append(f"feature_store on needs a frozen feature net (feature_train none, got "
+                            f"{self.feature_train})")
+        if self.feature_store == "on" and (self.method not in ("ats", "uniform") or self.levels != 1):
+            problems.append(f"feature_store on: method {self.method} with {self.levels} level(s) has no store "
+                            "(one-level ats and uniform have)")
+        if self.feature_store_gb < 0:
+            problems.append(f"feature_store_gb must be >= 0 (got {self.feature_store_gb})")
         if self.workers < -1:
             problems.append(f"workers must be >= 0, or -1 for auto (got {self.workers})")
         if self.eval_n_patches < 0 and self.eval_n_patches != -1:
@@ -545,6 +562,7 @@ def settle(flags: TrainConfig, facts: DataFacts, *,
     decide("patch_gain", *_patch_gain(flags, facts))
     decide("feature_net", *_feature_net(flags, facts))
     decide("feature_train", *_feature_train(flags, facts))
+    decide("feature_store", *_feature_store(flags, facts, out["feature_train"], out["augment"]))
     decide("position_features", *_position_features(flags, facts))
     decide("pooling", *_pooling(flags, facts))
     decide("none_class", *_none_class(flags, facts, out["pooling"]))
@@ -1056,6 +1074,26 @@ def _feature_train(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
         pace = "frozen (feature_lr 0)" if flags.feature_lr == 0 else f"trains at {flags.feature_lr:g} x --lr"
         return "all", f"the feature net starts from init {flags.init}: {pace}"
     return "all", "the feature net starts from random weights: all of it trains"
+
+
+def _feature_store(flags: TrainConfig, facts: DataFacts, feature_train: str, augment: str) -> tuple[str, str]:
+    """feature_store auto: on when what it keeps can be read back. The feature net must be
+    frozen (a trained one computes another feature every step); pretrained or exported,
+    because a frozen random net is an experiment, not a recipe worth disk; and no
+    augmentation, whose new pixels at every draw would never be met again
+    (:mod:`ats_cli.data.features`)."""
+    if flags.feature_store != "auto":
+        return flags.feature_store, "given"
+    if flags.method not in ("ats", "uniform") or flags.levels != 1:
+        return "off", (f"method {flags.method}" if flags.method not in ("ats", "uniform") else "two levels") + \
+            ": not for this model"
+    if feature_train != "none":
+        return "off", f"feature_train {feature_train}: the features change as the net trains"
+    if not facts.pretrained:
+        return "off", "the frozen feature net is not a pretrained or exported one"
+    if augment != "none":
+        return "off", f"augment {augment}: augmented patches are new pixels at every draw"
+    return "on", "a frozen pretrained encoder and no augmentation: each patch is encoded once"
 
 
 def _position_features(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:

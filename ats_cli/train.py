@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -53,6 +54,7 @@ from ats_cli.config import (
 from ats_cli.core.source import to_device
 from ats_cli.data.dataset import load_dataset
 from ats_cli.data.facts import load_facts, save_settled
+from ats_cli.data.features import feature_store_for, image_keys
 from ats_cli.data.images import ImageReadError
 from ats_cli.data.inputs import (
     Batch,
@@ -334,16 +336,20 @@ def batch_sources_on(sources, device: torch.device):
 
 def train_step(net: torch.nn.Module, model: torch.nn.Module, opt: torch.optim.Optimizer,
                scaler: torch.amp.GradScaler, batch, device: torch.device, sums: RunningSums, *,
-               generator: torch.Generator, autocast=None, augmentation=None, clip_norm: float = 0.0) -> None:
+               generator: torch.Generator, autocast=None, augmentation=None, clip_norm: float = 0.0,
+               feature_keys: list[str | None] | None = None) -> None:
     """Forward, loss, backward and optimiser step on ``batch`` (:class:`~ats_cli.data.inputs.Batch`),
     its statistics added to ``sums``; nothing is read back from the device.
 
     ``net`` is the model or its DistributedDataParallel wrapper, ``model`` the model itself
-    (its ``loss`` and parameters); ``augmentation``: :class:`~ats_cli.augment.Augmentation` or None."""
+    (its ``loss`` and parameters); ``augmentation``: :class:`~ats_cli.augment.Augmentation` or None;
+    ``feature_keys``: the images' content keys for the model's feature store (:func:`_feature_keys`)."""
     labels = to_device(batch.labels, device)
     low = to_device(batch.low, device)
     sources = batch_sources_on(batch.sources, device)
     extra = {"patch_transform": augmentation.patches} if augmentation else {}
+    if feature_keys is not None:
+        extra["feature_keys"] = feature_keys
     with autocast if autocast is not None else contextlib.nullcontext():
         out = net(augmentation.low(low) if augmentation else low, sources, generator=generator,
                   support_mask=to_device(batch.support, device), **batch.views, **extra)
@@ -431,7 +437,8 @@ def train_one_epoch(cfg: TrainConfig, ctx: Dist, device: torch.device, net: torc
             aug = None if cfg.augment == "none" else Augmentation.draw(
                 cfg.augment, len(batch.labels), _seed(cfg.seed, pos.epoch, pos.done, ctx.rank, "augment"))
             train_step(net, model, opt, scaler, batch, device, sums, generator=sampling_gen,
-                       autocast=_autocast(cfg, device), augmentation=aug, clip_norm=cfg.clip_norm)
+                       autocast=_autocast(cfg, device), augmentation=aug, clip_norm=cfg.clip_norm,
+                       feature_keys=None if aug is not None else _feature_keys(model, train_set, batch))
             # the step counted with its statistics (no waiting), so Ctrl-C saves a consistent state
             pos.step += 1
             pos.done = min(pos.done + global_batch, len(train_set))
@@ -452,9 +459,23 @@ def train_one_epoch(cfg: TrainConfig, ctx: Dist, device: torch.device, net: torc
                          {"epoch": pos.epoch + 1, "loss": acc["loss"] / acc["n"], "acc": acc["correct"] / acc["n"]})
     except KeyboardInterrupt:
         sums.flush()
+        _flush_features(model)  # what was encoded is kept: a resumed run reads it back
         save(pos)
         raise TrainingInterrupted(f"interrupted at epoch {pos.epoch + 1}, step {pos.step}; state saved to "
                                   f"{Path(cfg.out) / 'last.pt'}; continue with --resume") from None
+
+
+def _feature_keys(model: Any, dataset: Any, batch: Batch) -> list[str | None] | None:
+    """The content keys of ``batch``'s images for ``model``'s feature store
+    (:mod:`ats_cli.data.features`), None without one."""
+    store = getattr(model, "feature_store", None)
+    return None if store is None else image_keys(store.keys_of, dataset, batch.indices, batch.sources)
+
+
+def _flush_features(model: Any) -> None:
+    store = getattr(model, "feature_store", None)
+    if store is not None:
+        store.flush()
 
 
 def check_finite_weights(model: torch.nn.Module, when: str, run: Path) -> None:
@@ -552,8 +573,10 @@ def evaluate(model, loader: DataLoader, device: torch.device, *, n_patches: int 
     for batch in readable(loader):
         gen.manual_seed(_seed(EVAL_SEED, int(batch.indices[0])))
         labels = batch.labels.to(device)
+        keys = _feature_keys(model, loader.dataset, batch)
         probs, out = predict_probs(model, batch.low.to(device), batch.sources, n_patches=n_patches, generator=gen,
-                                   support_mask=batch.support_on(device), **batch.views)
+                                   support_mask=batch.support_on(device), **batch.views,
+                                   **({} if keys is None else {"feature_keys": keys}))
         if labels.is_floating_point():
             p = probs.clamp(1e-12, 1 - 1e-12)
             loss += float(torch.nn.functional.binary_cross_entropy(p, labels, reduction="sum"))  # as in training
@@ -714,6 +737,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
             log(f"feature net {cfg.feature_net}: {f'weights from {loaded}' if loaded else 'its weights'}, "
                 f"feature_train {cfg.feature_train}")
     model = model.to(device, memory_format=_conv_layout(device))
+    store = _feature_store(cfg, model, spec, run, log, writes=ctx.is_main)
     opt = _optimizer(cfg, model)
     scaler = torch.amp.GradScaler("cuda", enabled=amp == "fp16")  # fp16 only: bf16 has float32's range
     start_epoch, start_done, history, running = 0, 0, [], {}
@@ -769,6 +793,9 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
                                                                      "moved": 0.0, "time": 0.0}
         pos = Position(epoch, step=done // global_batch, done=done, running=acc)
         reset_peak_memory(device)
+        if store is not None:  # the segments other processes wrote meanwhile; this epoch's own counts
+            store.refresh()
+            store.hits = store.misses = 0
         train_one_epoch(cfg, ctx, device, net, opt, scaler, train_set, order, pos, save=save_position,
                         progress=progress)
 
@@ -781,8 +808,10 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
                                        _seed(cfg.seed, epoch, "batch-norm", ctx.rank))
             broadcast_buffers(model, ctx)  # e.g. batch-norm statistics: evaluate and save rank 0's
             check_finite_weights(model, f"at the end of epoch {epoch + 1}", run)  # before anything saves them
+            train_hits = None if store is None else (store.hits, store.hits + store.misses)
             scores = {split: evaluate(model, loader, device, ctx=ctx)  # the model's eval_n_patches
                       for split, loader in loaders.items()}
+            _flush_features(model)
         except KeyboardInterrupt:  # the epoch's steps are done: keep them, --resume evaluates
             save_position(pos)
             raise TrainingInterrupted(f"interrupted while evaluating epoch {epoch + 1}; its {pos.step} training steps "
@@ -811,6 +840,9 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
             "world_size": ctx.world_size,
             "amp": amp,
         }
+        if train_hits is not None:  # the training steps' patches read back from the feature store
+            hits, total = all_reduce(list(train_hits), ctx, device)
+            record["feature_hit_rate"] = hits / total if total else 0.0
         history.append(record)
         stop = Deferred()
         if ctx.is_main:  # checkpoints first, last.pt marks the epoch done, its metrics line last (ats_cli.runtime)
@@ -843,6 +875,25 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
         choose_coarse_view(cfg, ctx, device, model, run, data, held_out[0], reading, history,
                            workers=prepare_workers, log=log)
     return history
+
+
+def _feature_store(cfg: TrainConfig, model: torch.nn.Module, spec: dict[str, Any], run: Path,
+                   log: Callable[[str], None], *, writes: bool = True) -> Any:
+    """The feature store of a run with ``feature_store on`` (:mod:`ats_cli.data.features`),
+    set on the model; None when off, or when ``ATS_FEATURE_STORE=off`` or the cap is 0.
+    ``writes`` False (every rank but 0, which alone writes files): it reads what rank 0
+    stored and stores nothing."""
+    if cfg.feature_store != "on":
+        return None
+    if "feature_keys" not in inspect.signature(model.forward).parameters:  # two levels: not for this model
+        return None
+    store = feature_store_for(run, model.feature_net, spec["feature_net"], spec["feature_kwargs"],
+                              cap_gb=cfg.feature_store_gb)
+    if store is not None:
+        store.writable = writes
+        model.feature_store = store
+        log(f"feature store: {store.folder} (at most {cfg.feature_store_gb:g} GiB; docs/training.md#the-feature-store)")
+    return store
 
 
 def _held_out_loaders(cfg: TrainConfig, ctx: Dist, device: torch.device, data: Any, splits: Sequence[str],

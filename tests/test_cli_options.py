@@ -106,7 +106,7 @@ def test_validate_allows_exactly_the_values_the_help_lists():
     allowed = allowed_values()
     assert set(allowed) == {"method", "estimator", "reader", "tissue_mask", "optimizer", "schedule", "amp",
                             "augment", "patch_gain", "pooling", "none_class", "feature_train",
-                            "position_features"}
+                            "feature_store", "position_features"}
     # the lists the library itself works from
     assert (allowed["estimator"], allowed["reader"], allowed["augment"]) == (ESTIMATORS, READERS, ("auto", *MODES))
     assert allowed["pooling"] == ("auto", *available_extensions("pooling"))  # auto: the dataset's hint

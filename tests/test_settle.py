@@ -34,7 +34,7 @@ from ats_cli.data.facts import DataFacts, SettledFileError, load_facts, save_set
 
 SETTLED = ("n_patches", "patch_size", "scale", "batch_size", "eval_n_patches", "min_brightness", "augment",
            "rarity_prior", "rarity_cap", "patch_loss", "patch_gain", "feature_net", "feature_train",
-           "position_features", "pooling", "none_class", "count_floor", "eval_count_floor")
+           "feature_store", "position_features", "pooling", "none_class", "count_floor", "eval_count_floor")
 MNIST = DataFacts(hints={"n_patches": 10, "patch_size": 50, "scale": 0.12}, channels=1, files=40, probed=16, dark=0.9)
 SLIDES = DataFacts(hints={"n_patches": 12, "patch_size": 64, "scale": 1 / 32}, channels=3, files=12,
                    mpps=(0.5,) * 12, mpps_agree=True, probed=12, masked=12)
@@ -61,7 +61,7 @@ def test_settle_is_pure_and_leaves_no_auto_value(monkeypatch):
     assert config.eval_n_patches >= 0 and config.min_brightness >= 0 and config.rarity_prior >= 0
     assert config.rarity_cap >= 0
     assert "auto" not in (config.augment, config.patch_gain, config.feature_net, config.feature_train,
-                          config.position_features, config.pooling, config.none_class)
+                          config.feature_store, config.position_features, config.pooling, config.none_class)
     assert config.count_floor >= 0 and config.eval_count_floor >= 0
     assert config.n_patches and config.patch_size and config.scale
     assert [r.key for r in first[1]] == ["mpp", *SETTLED]  # one reason per value, the microns first

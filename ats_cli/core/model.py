@@ -31,7 +31,15 @@ from ats_cli.core.sampling import (
     prior_divergence,
     sample,
 )
-from ats_cli.core.source import Sources, gather_patches, positions_to_offsets, source_shapes, to_device, uniform_shape
+from ats_cli.core.source import (
+    Sources,
+    gather_patches,
+    gather_some,
+    positions_to_offsets,
+    source_shapes,
+    to_device,
+    uniform_shape,
+)
 from ats_cli.extensions import create_extension
 from ats_cli.extensions.gain import Gain
 from ats_cli.extensions.pooling import Pooling, Where
@@ -183,6 +191,9 @@ class ATSModel(nn.Module):
         self.eval_n_patches = int(eval_n_patches)  # 0 = n_patches
         self.feature_scale = float(feature_scale)
         self.patch_weight = float(patch_loss)  # the per-patch loss's weight: patch_nll says why
+        # a frozen feature net's features read back instead of computed again
+        # (ats_cli.data.features.FeatureStore; set by whoever runs the model, never saved with it)
+        self.feature_store = None
 
     def _supported_pixels(self, low: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
         """Bool [B, 1, h, w]: the low-res pixels that may be sampled (None = all): kept by the
@@ -321,7 +332,11 @@ class ATSModel(nn.Module):
         """The two factors of :meth:`patch_features` from one pass of the feature net: the
         scaled unit-norm feature [N, D] and the gain [N, 1] (None without one). Apart for
         whoever trains them apart (pretraining the patch classes on the unit feature)."""
-        raw = self.feature_net(patches)
+        return self._parts(self.feature_net(patches))
+
+    def _parts(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`patch_parts` from the feature net's output [N, D] (computed, or read back
+        from the feature store)."""
         # equal norms make sampling from a optimal (thesis 3.3.4); the scale: see the class docstring
         feats = self.feature_scale * F.normalize(raw, dim=-1)
         return feats, None if self.gain is None else self.gain(raw)
@@ -337,6 +352,7 @@ class ATSModel(nn.Module):
         support_mask: torch.Tensor | None = None,
         patch_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
         view_sizes: torch.Tensor | Sequence[Sequence[int]] | None = None,
+        feature_keys: Sequence[str | None] | None = None,
     ) -> ATSOutput:
         """``low``: low-res views [B, C, h, w] (float, [0, 1]); ``sources``: the
         full-resolution images, as a tensor [B, C, H, W] or a sequence of patch sources.
@@ -353,7 +369,14 @@ class ATSModel(nn.Module):
         gets what it would get alone (:meth:`_padded_scores`): its attention over its own
         cells, the padding given probability 0 and never drawn, its patches mapped with its
         own geometry. ``attention`` is then [B, att_h, att_w] over the padded grid, each
-        image's own grid in its top-left corner and zeros around it."""
+        image's own grid in its top-left corner and zeros around it.
+
+        ``feature_keys``: each image's content key (:class:`ats_cli.data.features.ImageKeys`;
+        None for one without) when :attr:`feature_store` holds the frozen feature net's
+        features: those of patches already encoded are read back, only the others are read
+        from the sources and encoded. Not with ``patch_transform`` (augmented pixels are new
+        at every draw) nor ``return_patches`` (the pixels are wanted): then every patch is
+        read and encoded, as without a store."""
         n = self.patches_now if n_patches is None else int(n_patches)
         views = _view_shapes(view_sizes, low)
         if views is None:
@@ -384,11 +407,18 @@ class ATSModel(nn.Module):
             views=views,
             grids=grids,
         )
-        patches = pixels_to_float(to_device(gather_patches(sources, offsets, self.patch_size), low.device))
-        if patch_transform is not None:
-            patches = patch_transform(patches)
         B = low.shape[0]
-        unit, gain = self.patch_parts(patches.flatten(0, 1))
+        store = self.feature_store
+        if store is not None and feature_keys is not None and patch_transform is None and not return_patches:
+            patches = None
+            raw = store.features(self.feature_net, lambda miss: gather_some(sources, offsets, self.patch_size, miss),
+                                 feature_keys, offsets, self.patch_size, low.device)
+            unit, gain = self._parts(raw)
+        else:
+            patches = pixels_to_float(to_device(gather_patches(sources, offsets, self.patch_size), low.device))
+            if patch_transform is not None:
+                patches = patch_transform(patches)
+            unit, gain = self.patch_parts(patches.flatten(0, 1))
         feats = (unit if gain is None else gain * unit).view(B, n, -1)
         if self.position is not None:  # f(x, p): a function of the drawn cell, as x is
             feats = self.position(feats, patch_centres(offsets, sizes, self.patch_size))

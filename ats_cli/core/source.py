@@ -40,8 +40,9 @@ import torch.nn.functional as F
 
 from ats_cli.core.patches import extract_patches
 
-__all__ = ["PatchSource", "TensorSource", "gather_patches", "source_shapes", "source_sizes", "uniform_shape",
-           "low_res_size", "low_res_view", "positions_to_offsets", "READ_THREADS", "thread_pool", "to_device"]
+__all__ = ["PatchSource", "TensorSource", "gather_patches", "gather_some", "source_shapes", "source_sizes",
+           "uniform_shape", "low_res_size", "low_res_view", "positions_to_offsets", "READ_THREADS", "thread_pool",
+           "to_device"]
 
 
 READ_THREADS = 8  # enough to overlap the waits of a batch's reads; the decoding itself is short
@@ -149,6 +150,20 @@ def gather_patches(sources: Sources, offsets: torch.Tensor, size: tuple[int, int
     ks = range(len(sources))
     lazy = len(sources) > 1 and not all(isinstance(src, TensorSource) for src in sources)
     return torch.stack(list(thread_pool("sources").map(read, ks) if lazy else map(read, ks)))
+
+
+def gather_some(sources: Sources, offsets: torch.Tensor, size: tuple[int, int], mask: torch.Tensor) -> torch.Tensor:
+    """The patches [m, C, h, w] of a batch that ``mask`` [B, n] (bool, host) selects, in
+    row-major (image, draw) order: what :func:`gather_patches` gives, less the others. A
+    lazy source reads only those (the feature store's misses: :mod:`ats_cli.data.features`);
+    a batch in one tensor is cut whole and indexed (cutting is cheap next to a read)."""
+    if isinstance(sources, torch.Tensor):
+        return gather_patches(sources, offsets, size)[mask.to(offsets.device)]
+    host = offsets.cpu()
+    wanted = [k for k in range(len(sources)) if bool(mask[k].any())]
+    read = lambda k: sources[k].read_patches(host[k][mask[k]], size)  # noqa: E731
+    lazy = len(wanted) > 1 and not all(isinstance(sources[k], TensorSource) for k in wanted)
+    return torch.cat(list(thread_pool("sources").map(read, wanted) if lazy else map(read, wanted)))
 
 
 def low_res_size(image_size: tuple[int, int], scale: float) -> tuple[int, int]:
