@@ -33,21 +33,17 @@ where the client alone would retry for tens of seconds.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from ats_cli.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from ats_cli.checkpoint import VERSION as CHECKPOINT_VERSION
 from ats_cli.checkpoint import CheckpointError
 
 __all__ = ["CARD", "CONFIG", "FORMAT", "HUB_PREFIX", "VERSION", "WEIGHTS", "HubError", "HubOfflineError",
-           "check_license", "download", "is_hub_ref", "is_model_dir", "locate", "model_card", "read_model_dir",
-           "write_model_dir"]
+           "download", "is_hub_ref", "is_model_dir", "locate", "read_model_dir"]
 
 FORMAT = "ats-model"
 VERSION = 1
@@ -58,9 +54,7 @@ RUN_CHECKPOINTS = ("best.pt", "last.pt")  # what a run directory given as a mode
 MAX_CONFIG_BYTES = 64 << 20  # a model's config is a few kB; a larger file is not one, and is not read whole
 # the records of a checkpoint that config.json carries besides the spec and the classes
 RECORDS = ("epoch", "config", "history", "export", "release", "pretrain", "train_set")
-_LICENSE = re.compile(r"[a-z0-9][a-z0-9.+-]{0,63}")
 _REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
-PLACEHOLDER_LICENSE = "unknown"
 
 
 class HubError(CheckpointError):
@@ -198,188 +192,6 @@ def download(ref: str) -> Path:
 
 
 # ---------------------------------------------------------------- writing
-
-
-def check_license(license: str | None) -> str:
-    """``license`` as the card's front matter takes it (a Hub licence id such as ``mit``,
-    ``apache-2.0``, ``cc-by-nc-4.0``, ``other``), or :data:`PLACEHOLDER_LICENSE` when None.
-    ValueError for anything else: the value goes into YAML as it is."""
-    if license is None:
-        return PLACEHOLDER_LICENSE
-    if not _LICENSE.fullmatch(license):
-        raise ValueError(f"--license {license!r}: give a Hub licence id in lower case, e.g. mit, apache-2.0, "
-                         "cc-by-4.0, other")
-    return license
-
-
-def write_model_dir(dst: str | os.PathLike[str], ckpt: dict[str, Any], model: torch.nn.Module, *,
-                    license: str | None = None, overwrite: bool = False) -> dict[str, Path]:
-    """Write ``dst/model.safetensors``, ``dst/config.json`` and ``dst/README.md`` for the
-    checkpoint dict ``ckpt`` (spec, classes, records) and its built ``model``; returns the
-    paths. Refuses (:class:`ats_cli.export.ExportError`, one line) a ``dst`` that is a file
-    or already holds one of them (unless ``overwrite``); the three are written to temporary
-    files first and each replaces its name only when all are written, and a failed write
-    leaves neither them nor the directories made for them."""
-    from ats_cli.export import ExportError, writing
-    from ats_cli.io import atomic_path
-
-    st = _import("safetensors.torch", "ats export --hub-ready")
-    license = check_license(license)
-    dst = Path(dst)
-    if dst.exists() and not dst.is_dir():
-        raise ExportError(f"{dst}: not a directory (ats export --hub-ready writes {WEIGHTS}, {CONFIG} and {CARD} "
-                          "into one)")
-    held = [name for name in (WEIGHTS, CONFIG, CARD) if (dst / name).exists()]
-    if held and not overwrite:
-        raise ExportError(f"{dst}: already holds {', '.join(held)}; give --overwrite to replace them, or another "
-                          "directory")
-    config = {"format": FORMAT, "version": VERSION, "spec": ckpt["spec"], "classes": [str(c) for c in ckpt["classes"]],
-              **{k: ckpt[k] for k in RECORDS if ckpt.get(k) is not None}}
-    config = _plain(config)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    card = model_card(config, license=license, name=dst.resolve().name)
-    paths = {name: dst / name for name in (WEIGHTS, CONFIG, CARD)}
-    with writing(paths[CONFIG]), atomic_path(paths[WEIGHTS]) as weights, atomic_path(paths[CONFIG]) as cfg, \
-            atomic_path(paths[CARD]) as readme:
-        weights.write_bytes(st.save(state, metadata={"format": "pt"}))
-        cfg.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        readme.write_text(card, encoding="utf-8")
-    return paths
-
-
-def _plain(value: Any) -> Any:
-    """``value`` as strict JSON holds it: tuples as lists, a non-finite float (a diverged
-    epoch's loss) as null."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, torch.Tensor):
-        return _plain(value.tolist())
-    return value
-
-
-# ---------------------------------------------------------------- the model card
-
-
-def model_card(config: dict[str, Any], *, license: str, name: str) -> str:
-    """The README.md the Hub shows for a model directory: front matter, what the model is,
-    how to use it, the data it was trained on and the metrics of its epoch."""
-    spec, classes = config["spec"], config["classes"]
-    slides = bool(spec.get("levels") == 2 or (spec.get("input") or {}).get("mpp"))
-    tags = ["ats", "attention-sampling", "image-classification", "pytorch", "safetensors",
-            "whole-slide-images" if slides else "megapixel-images"]
-    front = ["---", "library_name: ats", f"license: {license}", "tags:", *(f"- {t}" for t in tags),
-             "pipeline_tag: image-classification", "---", ""]
-    lines = [f"# {_md(name)}", "",
-             f"An attention-sampling model (Katharopoulos & Fleuret, ICML 2019) made with `ats`: it classifies an "
-             f"image into {len(classes)} classes ({', '.join(f'`{_md(c)}`' for c in classes)}) from "
-             f"{_patches(spec)}, chosen by an attention distribution over a low-resolution view.", ""]
-    if license == PLACEHOLDER_LICENSE:
-        lines += ["Licence: not set yet (`ats export RUN DIR --hub-ready --license ID` sets it).", ""]
-    lines += ["## Use", "", "```bash",
-              "ats predict IMAGES --model hf-hub:ORG/NAME --out predictions.csv",
-              "# offline: a local copy of this directory", "ats predict IMAGES --model DIR --out predictions.csv",
-              "```", "",
-              "The weights are `model.safetensors`; `config.json` holds the model spec ats rebuilds the model from "
-              "(nothing is unpickled). It also fine-tunes: `ats train DATA --init hf-hub:ORG/NAME`.", "",
-              "## Model", "", "| setting | value |", "|---|---|",
-              *(f"| {k} | {_md(v)} |" for k, v in _settings(spec)), ""]
-    lines += _training(config) + _metrics(config)
-    return "\n".join(front + lines).rstrip() + "\n"
-
-
-def _patches(spec: dict[str, Any]) -> str:
-    ph, pw = spec.get("patch_size", ["?", "?"])
-    n = spec.get("eval_n_patches") or spec.get("n_patches")
-    if spec.get("method") == "cnn":
-        return "its whole downsampled view (the CNN baseline)"
-    return f"{n} patches of {ph}x{pw} pixels"
-
-
-def _settings(spec: dict[str, Any]) -> list[tuple[str, Any]]:
-    rows = [("method", spec.get("method")), ("feature net", spec.get("feature_net")),
-            ("attention net", spec.get("attention_net")),
-            ("patches", f"{spec.get('n_patches')} in training, {spec.get('eval_n_patches') or spec.get('n_patches')} "
-                        f"in prediction, {'x'.join(str(s) for s in spec.get('patch_size', []))} px"),
-            ("low-res view scale", spec.get("scale")), ("levels", spec.get("levels", 1)),
-            ("pooling", (spec.get("pooling") or {}).get("name", "features")),
-            ("labels", "multi-label (one sigmoid per class)" if spec.get("multilabel") else "one per image"),
-            ("channels", spec.get("channels"))]
-    mpp = (spec.get("input") or {}).get("mpp")
-    if mpp:
-        rows.append(("microns per pixel", mpp))
-    return rows
-
-
-def _training(config: dict[str, Any]) -> list[str]:
-    cfg = config.get("config") or {}
-    history = config.get("history") or []
-    record = _epoch_record(config)
-    if not cfg and not history:
-        return ["## Training data", "", "Not recorded in the checkpoint this model was exported from.", ""]
-    data = Path(str(cfg.get("data", ""))).name if cfg.get("data") else "not recorded"
-    lines = ["## Training data", "", f"- dataset: `{_md(data)}` (its `train.csv`), classes as listed above"]
-    if record and record.get("samples"):
-        lines.append(f"- training images per epoch: {record['samples']}")
-    if config.get("epoch"):
-        lines.append(f"- epochs: {config['epoch']} of {cfg.get('epochs', len(history))} trained")
-    for key in ("n_patches", "patch_size", "scale", "lr", "batch_size", "seed"):
-        if key in cfg:
-            lines.append(f"- {key}: {_md(cfg[key])}")
-    return [*lines, ""]
-
-
-def _epoch_record(config: dict[str, Any]) -> dict[str, Any] | None:
-    history = config.get("history") or []
-    epoch = config.get("epoch")
-    return next((h for h in history if h.get("epoch") == epoch), history[-1] if history else None)
-
-
-def _metrics(config: dict[str, Any]) -> list[str]:
-    """The table of the checkpoint's epoch, one row per split (``best.pt``'s epoch was chosen
-    on the validation accuracy when there is a validation split, else on the test one:
-    the row that chose it says so, and a test figure that chose its epoch is an optimistic
-    one); the training row is the running figure of the epoch, as training measured it."""
-    record = _epoch_record(config)
-    if not record:
-        return ["## Metrics", "", "No metrics recorded (the checkpoint holds no training history).", ""]
-    chosen_on = "val" if "val_acc" in record else "test"
-    f1 = any(k.endswith("_macro_f1") for k in record)  # multi-label runs: accuracy is the exact match ratio
-    accuracy = "exact match" if f1 else "accuracy"
-    source = (config.get("export") or {}).get("source")
-    which = (f"the run's `best.pt`, its epoch of the highest {chosen_on} {accuracy}" if source == "best.pt" else
-             f"the run's `{_md(source)}`" if source else "the checkpoint's")
-    selected = chosen_on if source == "best.pt" else None
-    lines = ["## Metrics", "", f"Epoch {record['epoch']}, {which}.", "",
-             f"| split | {accuracy} |{' macro-F1 |' if f1 else ''} loss |",
-             f"|---|---|{'---|' if f1 else ''}---|"]
-    for split in ("val", "test", "train"):
-        if f"{split}_acc" not in record:
-            continue
-        loss = record.get("train_ce", record.get("train_loss")) if split == "train" else record.get(f"{split}_loss")
-        cells = [_num(record.get(f"{split}_acc")), *([_num(record.get(f"{split}_macro_f1"))] if f1 else []), _num(loss)]
-        said = " (selects the epoch)" if split == selected else " (during the epoch)" if split == "train" else ""
-        lines.append(f"| {split}{said} | {' | '.join(cells)} |")
-    lines.append("")
-    if selected == "test":
-        lines += ["No validation split: the epoch was chosen on the test split, so its test figures are an "
-                  "optimistic estimate.", ""]
-    return lines
-
-
-def _num(value: Any) -> str:
-    return f"{value:.4f}" if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
-
-
-def _md(value: Any) -> str:
-    """A value in a Markdown table cell or line: no pipe or newline to break it."""
-    return str(value).replace("|", "\\|").replace("\n", " ")
-
-
-# ---------------------------------------------------------------- helpers
 
 
 def _first_line(e: BaseException) -> str:

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from PIL import Image, ImageOps
 
+from ats_cli.data.remote import ImageReadError, RemoteReadError  # defined with the inputs they name
+
 if TYPE_CHECKING:
     import torch
 
@@ -69,22 +71,6 @@ _CHANNELS = {"L": 1, "RGB": 3}
 # Formats whose extra frames are not more images: a camera's MPO JPEG holds the photo and
 # a preview (or the second view of a stereo pair); the first frame is the photo.
 SINGLE_IMAGE_FORMATS = frozenset({"MPO"})
-
-
-class ImageReadError(ValueError):
-    """An image file that cannot be used; the message names the file and the problem."""
-
-    def __init__(self, path: str | os.PathLike[str], problem: str):
-        from ats_cli.data.remote import input_path
-
-        self.path = input_path(path)  # a URL stays a URL (ats_cli.data.remote)
-        self.problem = problem
-        super().__init__(f"{self.path}: {problem}")
-
-
-class RemoteReadError(ImageReadError):
-    """An input behind a URL that cannot be fetched (404, timeout, refused, a protocol
-    without its package): the message names the URL (:mod:`ats_cli.data.remote`)."""
 
 
 def max_pixels_limit(max_pixels: int | None = None) -> int:

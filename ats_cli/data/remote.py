@@ -46,7 +46,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["is_url", "input_path", "url_suffix", "url_name", "open_remote", "remote_stat", "fetch_bytes",
+__all__ = ["ImageReadError", "RemoteReadError",
+           "is_url", "input_path", "url_suffix", "url_name", "open_remote", "remote_stat", "fetch_bytes",
            "BLOCK_BYTES", "CACHE_BLOCKS", "MAX_FETCH_BYTES", "TIMEOUT_ENV"]
 
 # scheme "://": two letters at least, so that a Windows drive (C:/...) is never a URL
@@ -57,6 +58,20 @@ LARGE_READ_BLOCKS = 4  # a read of more blocks than this is fetched as one range
 MAX_FETCH_BYTES = 1 << 30  # an image fetched whole (PNG, JPEG) may be at most this large
 TIMEOUT_ENV = "ATS_URL_TIMEOUT"
 DEFAULT_TIMEOUT_S = 60.0
+
+
+class ImageReadError(ValueError):
+    """An image file that cannot be used; the message names the file and the problem."""
+
+    def __init__(self, path: str | os.PathLike[str], problem: str):
+        self.path = input_path(path)  # a URL stays a URL
+        self.problem = problem
+        super().__init__(f"{self.path}: {problem}")
+
+
+class RemoteReadError(ImageReadError):
+    """An input behind a URL that cannot be fetched (404, timeout, refused, a protocol
+    without its package): the message names the URL."""
 
 
 def is_url(path: Any) -> bool:
@@ -94,7 +109,6 @@ def _timeout() -> float:
 
 
 def _error(url: str, problem: str):
-    from ats_cli.data.images import RemoteReadError
 
     return RemoteReadError(url, problem)
 
