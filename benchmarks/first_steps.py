@@ -1,8 +1,8 @@
 """What the first training steps give the attention: per step, the size of the attention
 net's gradient from the classification loss and from the entropy term, the feature net's
 and the classifier's, the attention's entropy against its uniform value, and (with the
-generator's boxes.json) the attention mass on the objects and the share of drawn patches
-that touch one.
+generator's boxes.json) the attention mass on the label objects and on the distractors,
+and the share of drawn patches that touch a label object.
 
     python benchmarks/first_steps.py DATA [--steps 60] [--boxes PHOTOS/boxes.json] [KEY=VALUE ...]
 
@@ -73,7 +73,7 @@ def main() -> None:
     print(f"settled: batch {cfg.batch_size}, n_patches {cfg.n_patches}, patch {cfg.patch_size}, scale {scale:g}, "
           f"entropy {cfg.entropy}, feature_net {cfg.feature_net}, lr {cfg.lr}")
     print("step | CE loss (train acc, running) | |g_att| CE | |g_att| H | |g_feat| | |g_cls| | H / H_uniform | "
-          "mass on objects | drawn on objects")
+          "mass on objects | on distractors | drawn on objects")
     g = torch.Generator().manual_seed(1)
     step, acc_avg = 0, 0.0
     model.train()
@@ -83,7 +83,7 @@ def main() -> None:
             idx = order[start:start + cfg.batch_size]
             batch = collate([ds[i] for i in idx])
             support = _oracle_mask(batch, ds, boxes) if args.oracle else batch.support
-            out = model(batch.low, batch.sources, support_mask=support, generator=g)
+            out = model(batch.low, batch.sources, support_mask=support, generator=g, **batch.views)
             right = (out.logits.argmax(1) == batch.labels).float().mean()
             acc_avg = float(right) if step == 0 else 0.9 * acc_avg + 0.1 * float(right)
             ce = step_loss(model, out, batch.labels) + model.entropy_weight * exploration(out).mean()
@@ -100,49 +100,52 @@ def main() -> None:
                 if step >= args.steps:
                     break
                 continue
-            mass, drawn = _on_objects(out, batch, ds, boxes, cfg.patch_size) if boxes else (float("nan"),) * 2
+            mass, others, drawn = _on_objects(out, batch, ds, boxes, cfg.patch_size) if boxes else (float("nan"),) * 3
             k = out.attention[0].numel()
             print(f"{step:4d} | {float(ce):.3f} ({acc_avg:.2f}) | {_norm(g_ce[:len(att)]):.2e} | {_norm(g_h):.2e} | "
                   f"{_norm(g_ce[len(att):len(att) + len(feat)]):.2e} | {_norm(g_ce[len(att) + len(feat):]):.2e} | "
-                  f"{float(out.entropy.mean()) / math.log(k):.4f} | {mass:.4f} | {drawn:.3f}", flush=True)
+                  f"{float(out.entropy.mean()) / math.log(k):.4f} | {mass:.4f} | {others:.4f} | {drawn:.3f}",
+                  flush=True)
             if step >= args.steps:
                 break
 
 
-def _objects(ds, i: int, boxes: dict) -> list:
+def _objects(ds, i: int, boxes: dict, role: str = "object") -> list:
+    """Image ``i``'s boxes of ``role``: "object" (of its label) or "distractor"."""
     key = "/".join(Path(ds.records[i].path).parts[-2:])
-    return [o for o in boxes.get(key, []) if o[3] == "object"]
+    return [o for o in boxes.get(key, []) if o[3] == role]
 
 
 def _oracle_mask(batch, ds, boxes) -> torch.Tensor:
     """[B, h, w] True on the low-res pixels of each image's label objects."""
-    B, _, h, w = batch.low.shape
-    mask = torch.zeros(B, h, w, dtype=torch.bool)
+    B, _, fh, fw = batch.low.shape
+    mask = torch.zeros(B, fh, fw, dtype=torch.bool)
     for b, i in enumerate(batch.indices.tolist()):
         H, W = source_shapes(batch.sources)[b]
+        h, w = (fh, fw) if batch.view_sizes is None else (int(v) for v in batch.view_sizes[b])  # its own view
         for y, x, s, _ in _objects(ds, i, boxes):
             mask[b, int(y * h / H):math.ceil((y + s) * h / H), int(x * w / W):math.ceil((x + s) * w / W)] = True
     return mask
 
 
-def _on_objects(out, batch, ds, boxes, patch) -> tuple[float, float]:
-    """Mean attention mass on the label objects' cells, and the share of drawn patches whose
-    square overlaps a label object."""
-    masses, hits, total = [], 0, 0
+def _on_objects(out, batch, ds, boxes, patch) -> tuple[float, float, float]:
+    """Mean attention mass on the label objects' cells and on the distractors', and the
+    share of drawn patches whose square overlaps a label object."""
+    masses, others, hits, total = [], [], 0, 0
     for b, i in enumerate(batch.indices.tolist()):
         objs = _objects(ds, i, boxes)
         H, W = source_shapes(batch.sources)[b]
-        a = out.attention[b]
-        ah, aw = a.shape
-        m = torch.zeros_like(a, dtype=torch.bool)
-        for y, x, s, _ in objs:
-            m[int(y * ah / H):math.ceil((y + s) * ah / H), int(x * aw / W):math.ceil((x + s) * aw / W)] = True
-        masses.append(float(a[m].sum().detach()))
+        ah, aw = out.grids[b] if out.grids else out.attention[b].shape  # its own grid, top-left of a padded one
+        a = out.attention[b, :ah, :aw]
+        for found, where in ((objs, masses), (_objects(ds, i, boxes, "distractor"), others)):
+            m = torch.zeros_like(a, dtype=torch.bool)
+            for y, x, s, _ in found:
+                m[int(y * ah / H):math.ceil((y + s) * ah / H), int(x * aw / W):math.ceil((x + s) * aw / W)] = True
+            where.append(float(a[m].sum().detach()))
         for oy, ox in out.offsets[b].tolist():
             total += 1
             hits += any(oy < y + s and y < oy + patch and ox < x + s and x < ox + patch for y, x, s, _ in objs)
-    return sum(masses) / len(masses), hits / max(total, 1)
-
+    return sum(masses) / len(masses), sum(others) / len(others), hits / max(total, 1)
 
 if __name__ == "__main__":
     main()
