@@ -467,9 +467,11 @@ def train_one_epoch(cfg: TrainConfig, ctx: Dist, device: torch.device, net: torc
 
 def _feature_keys(model: Any, dataset: Any, batch: Batch) -> list[str | None] | None:
     """The content keys of ``batch``'s images for ``model``'s feature store
-    (:mod:`ats_cli.data.features`), None without one."""
+    (:mod:`ats_cli.data.features`), None without one (or without a dataset to key them by:
+    batches handed over as a list)."""
     store = getattr(model, "feature_store", None)
-    return None if store is None else image_keys(store.keys_of, dataset, batch.indices, batch.sources)
+    return None if store is None or dataset is None else image_keys(store.keys_of, dataset, batch.indices,
+                                                                     batch.sources)
 
 
 def _flush_features(model: Any) -> None:
@@ -573,7 +575,7 @@ def evaluate(model, loader: DataLoader, device: torch.device, *, n_patches: int 
     for batch in readable(loader):
         gen.manual_seed(_seed(EVAL_SEED, int(batch.indices[0])))
         labels = batch.labels.to(device)
-        keys = _feature_keys(model, loader.dataset, batch)
+        keys = _feature_keys(model, getattr(loader, "dataset", None), batch)
         probs, out = predict_probs(model, batch.low.to(device), batch.sources, n_patches=n_patches, generator=gen,
                                    support_mask=batch.support_on(device), **batch.views,
                                    **({} if keys is None else {"feature_keys": keys}))

@@ -159,6 +159,7 @@ def test_train_writes_a_run_with_the_flags_and_the_defaults(run, mnist):
     del defaults["feature_train"], defaults["position_features"], defaults["pooling"], defaults["none_class"]
     del defaults["count_floor"], defaults["eval_count_floor"]
     del defaults["feature_net"]  # auto: grey images start from the random-initialised net
+    del defaults["feature_store"]  # auto: off, the feature net trains
     assert {k: saved[k] for k in given} == given
     assert {k: saved[k] for k in defaults} == defaults
     assert saved["min_brightness"] == AUTO_MIN_BRIGHTNESS  # Megapixel MNIST: a black background

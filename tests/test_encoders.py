@@ -274,7 +274,7 @@ def test_train_and_predict_with_a_timm_encoder(tmp_path):
                  "--epochs", 1, "--n-patches", 2, "--patch-size", 16, "--scale", 0.125, "--batch-size", 8,
                  "--workers", 0)
     assert result.exit_code == 0, result.output
-    assert "--feature-train none" in result.output
+    assert "feature_train none" in result.output
     assert json.loads((run / "config.json").read_text())["feature_train"] == "none"
     (tmp_path / "w.safetensors").unlink()  # predict needs neither the weights file nor the network
     result = ats("predict", data / "test.csv", "--model", run, "--out", tmp_path / "p.csv")

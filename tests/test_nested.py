@@ -305,7 +305,7 @@ def test_bad_configurations_fail_in_one_line(size, region, k, message):
 
 
 def test_counts_pooling_is_refused_in_one_line():
-    with pytest.raises(NestedConfigError, match="--pooling counts \\(and highest-counts, topmost-counts\\) needs one"):
+    with pytest.raises(NestedConfigError, match="pooling counts \\(and highest-counts, topmost-counts\\) needs one"):
         tiny_nested(pooling={"name": "counts"})
 
 
