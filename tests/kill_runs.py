@@ -219,10 +219,30 @@ def train_loop(root: Path, kills: int, seed: int = 0, say=print) -> list[dict]:
     return results
 
 
+def predict_model(root: Path) -> Path:
+    """The model the predict loop runs (made once per ``root``): the training loop's
+    architecture, untrained and written in this process. What is compared is two runs' CSVs,
+    not their accuracy, and an ``ats train`` run for it would cost a process start-up and
+    three epochs (twice in the suite when pytest-xdist runs the two loops apart)."""
+    import torch
+
+    from ats_cli.checkpoint import save_checkpoint
+    from ats_cli.config import TrainConfig
+    from ats_cli.models import create_model, model_spec
+
+    path = root / "model.pt"
+    if not path.exists():
+        torch.manual_seed(0)
+        cfg = TrainConfig(n_patches=2, patch_size=8, feature_width=8, attention_width=4, scale=0.25)
+        spec = model_spec(cfg, n_classes=2, channels=1)
+        save_checkpoint(path, spec=spec, classes=["a", "b"], model=create_model(spec))
+    return path
+
+
 def predict_loop(root: Path, kills: int, seed: int = 0, say=print) -> list[dict]:
     """Kill ``ats predict --out`` ``kills`` times at random moments, each followed by the same
     command; raises AssertionError on the first failure."""
-    model = reference_run(root)[1] / "best.pt"
+    model = predict_model(root)
     images = make_images(root / "images")
     start = time.monotonic()
     done = predict(images, model, root / "reference.csv")

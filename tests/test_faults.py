@@ -398,13 +398,19 @@ def straight(squares, tmp_path_factory):
     return run
 
 
+@pytest.fixture(scope="module")
+def epoch_end_writes(squares, tmp_path_factory) -> int:
+    """How many writes epoch 2's end makes (counted once for both faults)."""
+    with pytest.MonkeyPatch.context() as m:
+        progress, state = _arm_at_epoch_end(2, m, lambda k, when: None)
+        train(_cfg(squares, tmp_path_factory.mktemp("count") / "run", epochs=3), progress=progress, log=_quiet)
+    return state["k"]
+
+
 @pytest.mark.parametrize("fault", ["kill", "disk full"])
 def test_6_a_kill_or_full_disk_at_every_point_of_the_epoch_end_never_duplicates_or_loses_an_epoch(
-        squares, straight, tmp_path, monkeypatch, fault):
-    with monkeypatch.context() as m:  # how many writes does epoch 2's end make?
-        progress, state = _arm_at_epoch_end(2, m, lambda k, when: None)
-        train(_cfg(squares, tmp_path / "count", epochs=3), progress=progress, log=_quiet)
-    points = [(k, "before") for k in range(state["k"])] + [(state["k"] - 1, "after")]
+        squares, straight, epoch_end_writes, tmp_path, monkeypatch, fault):
+    points = [(k, "before") for k in range(epoch_end_writes)] + [(epoch_end_writes - 1, "after")]
     assert len(points) >= 4
     for point in points:
         run = tmp_path / f"{point[0]}-{point[1]}"

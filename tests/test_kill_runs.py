@@ -13,27 +13,19 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
-
 sys.path.insert(0, str(Path(__file__).parent))
 import kill_runs  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    """One folder for both loops: the uninterrupted training run is made once (the model predict uses)."""
-    return tmp_path_factory.mktemp("kills")
-
-
-def test_train_killed_twice_then_rerun_learns_what_an_uninterrupted_run_learns(root):
-    results = kill_runs.train_loop(root, kills=2, seed=0, say=lambda _: None)
+def test_train_killed_twice_then_rerun_learns_what_an_uninterrupted_run_learns(tmp_path):
+    results = kill_runs.train_loop(tmp_path, kills=2, seed=0, say=lambda _: None)
     assert [r["same_weights"] and r["same_metrics"] for r in results] == [True, True]
     # the second kill came after the first checkpoint: its rerun was a --resume
     assert results[1]["rerun"] == "--resume", results[1]
 
 
-def test_predict_killed_twice_then_rerun_writes_the_uninterrupted_csv(root):
-    results = kill_runs.predict_loop(root, kills=2, seed=0, say=lambda _: None)
+def test_predict_killed_twice_then_rerun_writes_the_uninterrupted_csv(tmp_path):
+    results = kill_runs.predict_loop(tmp_path, kills=2, seed=0, say=lambda _: None)
     assert [r["same_csv"] for r in results] == [True, True]
     # a rerun predicts only what is missing: nothing after a finished run, else what its part
     # files lack (the second kill is aimed at the appending, but a loaded machine can move it

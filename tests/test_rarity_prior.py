@@ -44,6 +44,19 @@ def test_the_cpu_median_selects_what_the_device_median_sorts():
     assert not torch.equal(got[2], values[2].median(-1).values)
 
 
+def test_with_every_pixel_supported_the_median_and_the_rarity_are_those_of_the_sort():
+    """keep None (no support, no tissue mask) takes torch's own median, a selection: the
+    same values as the sort over all entries, for short and long rows, odd and even, ties."""
+    g = torch.Generator().manual_seed(1)
+    for n in (1, 2, 7, 600, SELECT_FROM + 2):
+        values = torch.rand(4, 3, n, generator=g)
+        values[0, 0, : n // 2] = 0.5  # ties
+        assert torch.equal(_median(values, None), _median_by_sort(values, torch.ones(1, 1, n, dtype=torch.bool)))
+    low = _tissue()
+    everywhere = torch.ones(1, 1, 32, 32, dtype=torch.bool)
+    assert torch.equal(rarity(low), rarity(low, everywhere))  # the sort's path, every pixel chosen
+
+
 def test_rarity_is_one_for_a_typical_pixel_high_for_the_odd_one_and_free_of_stain_and_contrast():
     low = _tissue()
     r = rarity(low)

@@ -47,13 +47,17 @@ def rarity(low: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
 
     Computed for the whole batch at once, with no value read back from the device (an
     image without a supported pixel uses all of them, chosen on the device): the medians
-    are order statistics of the supported values, sorted with the others set to +inf.
+    are order statistics of the supported values, sorted with the others set to +inf;
+    with every pixel supported (``keep`` None: no support, no tissue mask), torch's own
+    median, a selection 4-6x cheaper than the sort on a CPU and the same value.
     """
     with torch.no_grad():
         x = low.float().flatten(2)  # [B, C, h*w]
-        chosen = torch.ones_like(x[:, 0], dtype=torch.bool) if keep is None else keep.flatten(1).to(x.device)
-        chosen = chosen | ~chosen.any(1, keepdim=True)  # none supported: all of them
-        centre = _median(x, chosen[:, None])[..., None]  # [B, C, 1]
+        chosen = None
+        if keep is not None:
+            chosen = keep.flatten(1).to(x.device)
+            chosen = chosen | ~chosen.any(1, keepdim=True)  # none supported: all of them
+        centre = _median(x, None if chosen is None else chosen[:, None])[..., None]  # [B, C, 1]
         # the norm written out: torch's strided norm over the channel axis is much slower on a CPU
         dist = (x - centre).square().sum(1).sqrt()  # [B, h*w]
         ref = _median(dist, chosen).clamp_min(1e-3)
@@ -66,9 +70,11 @@ def rarity(low: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
 SELECT_FROM = 1 << 16
 
 
-def _median(values: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+def _median(values: torch.Tensor, chosen: torch.Tensor | None) -> torch.Tensor:
     """``torch.median`` (the lower middle value) of ``values`` [..., N] over the entries
-    ``chosen`` (bool, broadcast to it; at least one per row), per row."""
+    ``chosen`` (bool, broadcast to it; at least one per row; None: all of them), per row."""
+    if chosen is None:  # every entry: one batched selection on any device, nothing read back
+        return values.median(dim=-1).values
     if values.device.type == "cpu" and values.shape[-1] >= SELECT_FROM:
         # a selection, not a sort (a slide's coarse view holds millions of cells);
         # per row, as rows hold different counts -- reading them is free on a CPU, not on a GPU
