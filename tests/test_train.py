@@ -558,3 +558,20 @@ def test_a_numpy_archive_given_as_a_model_is_named_for_what_it_is(tmp_path):
         load_checkpoint(path)
     assert str(err.value).startswith(f"{path}: not an ats checkpoint (a NumPy .npz archive of x_train.npy, "
                                      "y_train.npy)"), str(err.value)
+
+
+def test_the_curves_are_drawn_at_the_first_and_last_epoch_and_at_most_every_so_often_between(squares, tmp_path,
+                                                                                          monkeypatch):
+    """curves.png costs more than a small run's epoch: drawn at the first epoch, the last,
+    and in between only once PLOT_EVERY_S have passed (here never, then always)."""
+    import ats_cli.train as train_module
+
+    drawn = []
+    monkeypatch.setattr(train_module, "_plot_curves", lambda history, path: drawn.append(len(history)))
+    monkeypatch.setattr(train_module, "PLOT_EVERY_S", 1e9)
+    train(_cfg(squares, tmp_path / "rare", epochs=4), log=lambda s: None)
+    assert drawn == [1, 4]
+    drawn.clear()
+    monkeypatch.setattr(train_module, "PLOT_EVERY_S", 0.0)
+    train(_cfg(squares, tmp_path / "every", epochs=4), log=lambda s: None)
+    assert drawn == [1, 2, 3, 4]
