@@ -28,6 +28,10 @@ DIR`` write one FeatureCollection per image (docs/slides.md, "Attention in QuPat
   ``draw_order``; each patch then also has ``region`` (K), its ``attention`` is the fine
   attention within its region and its ``weight`` its weight in the whole estimate (the
   region's times its own);
+* for a tile-mil model (:mod:`ats_cli.baselines_tilemil`) the attention cells are its tiles
+  (``cell i,j`` the tile at row i, column j of the grid from the top left, clipped to the
+  image), every tissue tile written (up to ``MAX_CELLS``, the highest), and the patches are
+  the tiles of most attention; ``properties.cells.tile`` gives the tile's side;
 * the boxes a dataset CSV records for the image (``boxes``/``digits`` columns), when
   known, as annotations classified ``label box``.
 
