@@ -115,7 +115,9 @@ class TrainConfig:
     method: str = _key("ats", "{choices}", METHOD_PANEL, choices={
         "ats": "", "uniform": "fixed uniform attention", "deepmil": "gated attention over all grid patches",
         "cnn": "ResNet-18 on the low-res view",
-        "ips": "iterative patch selection, Bergner et al. 2023"}, flag=True)
+        "ips": "iterative patch selection, Bergner et al. 2023",
+        "tile-mil": "every tissue tile encoded once by a frozen encoder, gated attention-MIL on the stored "
+                    "features (CLAM-SB)"}, flag=True)
     # --method ips (ats_cli.baselines_ips); defaults: the paper's Megapixel MNIST configuration
     ips_memory: int = _key(100, "With --method ips: patches the memory buffer keeps, M, the top-scoring of the grid, "
                            "then encoded with gradients and pooled", METHOD_PANEL)
@@ -259,7 +261,8 @@ class TrainConfig:
                                 "nets: random) | none (random) | FILE (safetensors, or a state dict)", NET_PANEL,
                                 flag=True)
     feature_train: str = _key("auto", "What of the feature net trains: {choices}; docs/training.md", NET_PANEL,
-                              choices={"auto": "none when it starts from pretrained weights, else all",
+                              choices={"auto": "none when it starts from pretrained weights or for method "
+                                               "tile-mil, else all",
                                        "none": "frozen: no gradients, no optimizer state",
                                        "head": "a frozen encoder under a trainable linear+ReLU projection to "
                                                "feature_width", "all": ""})
@@ -269,7 +272,7 @@ class TrainConfig:
                               "$ATS_FEATURE_STORE) and read them back instead of encoding a patch again: {choices}; "
                               "docs/training.md#the-feature-store", NET_PANEL, choices={
                                   "auto": "on when feature_train is none, the encoder pretrained or exported, and "
-                                          "augment none", "on": "", "off": ""})
+                                          "augment none; always for method tile-mil", "on": "", "off": ""})
     feature_store_gb: float = _key(4.0, "The feature store's cap on disk (GiB, all encoders' features together); "
                                    "past it the oldest are deleted", NET_PANEL)
     # optimisation
@@ -327,9 +330,9 @@ class TrainConfig:
         if self.none_class == "on" and self.pooling != "auto":  # auto: settled below
             if refusal := none_class_refusal(self.pooling, "none_class"):
                 problems.append(refusal)
-        if self.pooling not in ("features", "auto") and self.method in ("cnn", "deepmil", "ips"):
+        if self.pooling not in ("features", "auto") and self.method in ("cnn", "deepmil", "ips", "tile-mil"):
             problems.append(f"pooling {self.pooling}: method {self.method} does not pool by attention sampling")
-        if self.position_features == "on" and self.method in ("cnn", "deepmil", "ips"):
+        if self.position_features == "on" and self.method in ("cnn", "deepmil", "ips", "tile-mil"):
             problems.append(f"position_features on: method {self.method} does not pool sampled patches")
         if self.ips_memory < 1 or self.ips_iter < 1 or self.ips_stride < 0:
             problems.append(f"ips_memory and ips_iter must be >= 1 and ips_stride >= 0 (got {self.ips_memory}, "
@@ -344,9 +347,16 @@ class TrainConfig:
         if self.feature_store == "on" and self.feature_train not in ("none", "auto"):
             problems.append(f"feature_store on needs a frozen feature net (feature_train none, got "
                             f"{self.feature_train})")
-        if self.feature_store == "on" and (self.method not in ("ats", "uniform") or self.levels != 1):
+        if self.feature_store == "on" and (self.method not in ("ats", "uniform", "tile-mil") or self.levels != 1):
             problems.append(f"feature_store on: method {self.method} with {self.levels} level(s) has no store "
-                            "(one-level ats and uniform have)")
+                            "(one-level ats and uniform have, and tile-mil)")
+        if self.method == "tile-mil":  # ats_cli.baselines_tilemil: features computed once, of a frozen encoder
+            if self.feature_train not in ("none", "auto"):
+                problems.append(f"feature_train {self.feature_train}: method tile-mil trains on a frozen encoder's "
+                                "stored features (feature_train none)")
+            if self.augment not in ("none", "auto"):
+                problems.append(f"augment {self.augment}: method tile-mil encodes each tile once and cannot augment "
+                                "its tiles (augment none)")
         if self.feature_store_gb < 0:
             problems.append(f"feature_store_gb must be >= 0 (got {self.feature_store_gb})")
         if self.workers < -1:
@@ -807,9 +817,11 @@ def _at_evaluation(given: int, trained: int, name: str) -> tuple[int, str]:
 
 def _baseline(flags: TrainConfig) -> str:
     """Why a baseline (--method other than ats) gets the thesis's settings: it samples and
-    trains as the thesis's did, everywhere (ips as its own paper's); "" for ats."""
+    trains as the thesis's did, everywhere (ips as its own paper's, tile-mil as CLAM-SB's); "" for ats."""
     if flags.method == "ips":
         return "method ips selects and trains as its paper (Bergner et al. 2023) does"
+    if flags.method == "tile-mil":
+        return "method tile-mil tiles, encodes and trains as CLAM-SB (Lu et al. 2021) does"
     return f"method {flags.method} samples and trains as the thesis's baselines" if flags.method != "ats" else ""
 
 
@@ -1068,6 +1080,8 @@ def _feature_train(flags: TrainConfig, facts: DataFacts) -> tuple[str, str]:
     at ``feature_lr``, when given)."""
     if flags.feature_train != "auto":
         return flags.feature_train, "given"
+    if flags.method == "tile-mil":
+        return "none", "method tile-mil: a frozen encoder's features, computed once per tile"
     if facts.pretrained:
         return "none", f"the feature net starts from pretrained weights ({facts.pretrained}): frozen"
     if flags.init:  # fine-tuning or a curriculum: feature_lr sets how fast it moves
@@ -1084,6 +1098,8 @@ def _feature_store(flags: TrainConfig, facts: DataFacts, feature_train: str, aug
     (:mod:`ats_cli.data.features`)."""
     if flags.feature_store != "auto":
         return flags.feature_store, "given"
+    if flags.method == "tile-mil":  # the method's point: every tile encoded once, whatever the encoder
+        return "on", "method tile-mil: each tile's feature is computed once, then read back"
     if flags.method not in ("ats", "uniform") or flags.levels != 1:
         return "off", (f"method {flags.method}" if flags.method not in ("ats", "uniform") else "two levels") + \
             ": not for this model"

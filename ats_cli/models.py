@@ -9,7 +9,9 @@ under its name, so a checkpoint is rebuilt without unpickling anything. The meth
 
 * ``ats`` -- attention sampling (:class:`ats_cli.core.model.ATSModel`);
 * ``uniform``, ``deepmil``, ``cnn`` -- the thesis's baselines (:mod:`ats_cli.baselines`);
-* ``ips`` -- iterative patch selection (Bergner et al. 2023, :mod:`ats_cli.baselines_ips`).
+* ``ips`` -- iterative patch selection (Bergner et al. 2023, :mod:`ats_cli.baselines_ips`);
+* ``tile-mil`` -- every tissue tile encoded once by a frozen encoder, gated attention-MIL on
+  the stored features (CLAM-SB, :mod:`ats_cli.baselines_tilemil`).
 
 A new method is a function from a spec to a model, decorated with
 ``@register_method("name")``.
@@ -46,6 +48,7 @@ import torch.nn as nn
 from ats_cli import nets
 from ats_cli.baselines import CNNClassifier, DeepMIL, UniformAttention
 from ats_cli.baselines_ips import IPSModel
+from ats_cli.baselines_tilemil import TileMIL
 from ats_cli.config import COUNTING_POOLINGS, VOTING_POOLINGS, ConfigError, TrainConfig, levels_spec, rarity_cap
 from ats_cli.core.model import ATSModel
 from ats_cli.nets.encoders import feature_spec
@@ -113,7 +116,7 @@ def register_method(name: str):
 
 
 def available_methods() -> list[str]:
-    """The registered method names, attention sampling first, then the thesis's baselines, then ips."""
+    """The registered method names, attention sampling first, then the thesis's baselines, then ips and tile-mil."""
     return _METHODS.available()
 
 
@@ -284,13 +287,19 @@ def _ips(spec: dict[str, Any]) -> nn.Module:
                     iteration=spec["ips_iter"], scale=spec["scale"])
 
 
+@register_method("tile-mil")
+def _tile_mil(spec: dict[str, Any]) -> nn.Module:
+    return TileMIL(_features(spec), spec["n_classes"], tile_size=spec["patch_size"][0], scale=spec["scale"])
+
+
 def check_model(model) -> None:
-    """ValueError unless ``model`` samples patches from an attention map over its low-res
-    view (``--method ats`` or ``uniform``): Deep MIL reads a fixed grid and the CNN no
-    patches, so neither has patches and cells to export."""
-    if not isinstance(model, ATSModel):
-        raise ValueError(f"GeoJSON export needs an attention-sampling model (--method ats or uniform); this one is a "
-                         f"{type(model).__name__}")
+    """ValueError unless ``model`` has an attention map to export with its patches: one that
+    samples patches from an attention over its low-res view (``--method ats`` or
+    ``uniform``), or tile-mil's attention over its tiles (the cells are then the tiles). Deep
+    MIL's map is over an overlapping grid and the CNN reads no patches."""
+    if not isinstance(model, (ATSModel, TileMIL)):
+        raise ValueError(f"GeoJSON export needs an attention-sampling model (--method ats or uniform) or a tile-mil "
+                         f"one; this one is a {type(model).__name__}")
 
 
 def check_patch_size(model: nn.Module, spec: dict[str, Any]) -> None:

@@ -204,15 +204,23 @@ class GeoJSONSummary:
 
 
 def sample_attention(predictor: Predictor, opened: OpenedImage, *, n_patches: int | None, seed: int,
-                     return_patches: bool = False):
+                     return_patches: bool = False, path: str | os.PathLike[str] | None = None):
     """One seeded sampling of ``opened``, as ``ats predict`` runs it (a slide's tissue mask
     included): the forward pass every picture of it is drawn from, so the same seed shows
-    the same patches in the figure and the GeoJSON."""
+    the same patches in the figure and the GeoJSON. ``path``: the file ``opened`` was read
+    from, for a model with a feature store (tile-mil: its tiles' features read back, keyed
+    as ``ats predict`` keys them)."""
+    from ats_cli.data.inputs import batch_sources
+
     generator = torch.Generator(device=predictor.device).manual_seed(seed)
     mask = None if opened.support is None else opened.support[None]
+    keys = predictor.feature_keys(None if path is None else [path], batch_sources([opened.source]))
     with torch.no_grad():
-        return predictor.model(opened.low[None].to(predictor.device), [opened.source], n_patches=n_patches,
-                               generator=generator, return_patches=return_patches, support_mask=mask)
+        out = predictor.model(opened.low[None].to(predictor.device), [opened.source], n_patches=n_patches,
+                              generator=generator, return_patches=return_patches, support_mask=mask,
+                              **({} if keys is None else {"feature_keys": keys}))
+    predictor.flush_features()
+    return out
 
 
 def _open(model, image, device: str, reading: Mapping[str, object] | None):
@@ -226,8 +234,10 @@ def _open(model, image, device: str, reading: Mapping[str, object] | None):
 
 def _attention_extent(model, opened: OpenedImage) -> tuple[float, float, float, float]:
     """Where the attention map lies in full-res pixels, imshow order (l, r, b, t): the
-    low-res view less the attention net's margin."""
+    low-res view less the attention net's margin, or the model's own (tile-mil: its tiles)."""
     H, W = opened.source.size
+    if hasattr(model, "attention_extent"):
+        return model.attention_extent((H, W))
     low_h, low_w = opened.low.shape[-2:]
     margin = getattr(getattr(model, "attention_net", None), "margin", 0)  # Deep MIL: its grid spans the image
     ry, rx = H / low_h, W / low_w
@@ -275,7 +285,7 @@ def render_attention(
     training settings)."""
     predictor, opened = _open(model, image, device, reading)
     net = predictor.model
-    output = sample_attention(predictor, opened, n_patches=n_patches, seed=seed, return_patches=True)
+    output = sample_attention(predictor, opened, n_patches=n_patches, seed=seed, return_patches=True, path=image)
     record = AttentionRecord.from_output(net, opened, output)
     probs = class_probabilities(net, output.logits[0]).cpu()
     k = int(probs.argmax())
@@ -303,6 +313,8 @@ def render_attention(
         # the figure's "uniform" is that of the map it draws: the regions' entropy, not the
         # model's regulariser (the regions' plus the mean of the drawn regions' own)
         entropy = float(attention_entropy(torch.as_tensor(record.attention, dtype=torch.float64).reshape(1, -1))[0])
+    if record.tile:  # tile-mil reads every tissue tile: the patches shown are those of most attention
+        sampling = f"the {n} of {int((record.attention > 0).sum())} tissue tiles of most attention"
     if getattr(net, "replace", False):
         sampling += ", with replacement"
     elif weights is not None and estimator:
@@ -314,7 +326,7 @@ def render_attention(
         patches=output.patches[0].detach().cpu().float().numpy(), prediction=prediction,
         probability=float(probs[k]), ranking=ranking, label=info.label if info else None,
         boxes=info.boxes if info else [], model_name=predictor.path.name, sampling=sampling,
-        entropy=entropy, regions=record.regions or ())
+        entropy=entropy, regions=record.regions or (), tiles=bool(record.tile))
     drawn = draw_attention(figure, out, dpi=dpi)
     return RenderSummary(Path(out), drawn.size_px, prediction=figure.prediction, probability=figure.probability,
                          label=figure.label, n_boxes=len(figure.boxes), n_sites=len(drawn.sites),
@@ -343,7 +355,7 @@ def write_attention_geojson(
     predictor, opened = _open(model, image, device, reading)
     net = predictor.model
     check_model(net)
-    output = sample_attention(predictor, opened, n_patches=n_patches, seed=seed)
+    output = sample_attention(predictor, opened, n_patches=n_patches, seed=seed, path=image)
     probs = class_probabilities(net, output.logits[0]).cpu().tolist()
     record = AttentionRecord.from_output(net, opened, output)
     info = _image_info(image, data)
@@ -398,7 +410,7 @@ def render_evolution(
         net = predictor.model
         if opened is None:  # every epoch of a run shares channels, scale and patch size
             _, opened = _open(predictor, image, device, reading)
-        output = sample_attention(predictor, opened, n_patches=1, seed=0)
+        output = sample_attention(predictor, opened, n_patches=1, seed=0, path=image)
         panels.append(EpochPanel(epoch, output.attention[0].detach().cpu().double().numpy(),
                                  metrics.get(epoch, {}).get("test_acc")))
     assert opened is not None and net is not None

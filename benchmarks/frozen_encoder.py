@@ -1,10 +1,13 @@
 """A training step with a frozen pretrained encoder against the same step with it trainable;
-with ``--store``, epochs of ``ats train`` with the frozen encoder's feature store on and off.
+with ``--store``, epochs of ``ats train`` with the frozen encoder's feature store on and off;
+with ``--tile-mil``, ``--method tile-mil`` against ``ats`` on small synthetic slides, one frozen encoder.
 
     OMP_NUM_THREADS=2 PYTHONPATH=. python benchmarks/frozen_encoder.py [--repeats 2] [--steps 2]
         [--net timm:resnet18] [--device cpu] [--json OUT.json]
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/frozen_encoder.py --store [--epochs 4]
         [--net torchvision:resnet18] [--device cpu] [--json OUT.json]
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/frozen_encoder.py --tile-mil [--epochs 3]
+        [--slide-size 1024] [--net torchvision:resnet18] [--device cpu] [--json OUT.json]
 
 ``--store``: ``ats train`` (the library's ``train``) on a small synthetic set of RGB photos
 (24 train and 8 test images of 256x256: tinted noise with one bright square), the encoder
@@ -15,6 +18,16 @@ with ``feature_store off`` and ``on``, each in its own run directory. Per epoch:
 training steps' ms per image (``ms_per_sample`` of metrics.jsonl) and the share of the
 training steps' patches read back from the store (``feature_hit_rate``); the two runs'
 losses are compared too (equal where the encoder's kernels do not depend on the batch).
+
+``--tile-mil``: ``ats make-dataset synthetic-slides`` (8 train + 4 test slides of
+``--slide-size``², pyramidal TIFFs, its recipe: patches of 64 px, 12 per slide, a view at 1/32),
+then ``ats train`` with the same random frozen encoder (``--feature-weights none``,
+``feature_train none``), no augmentation, batch 4, ``--workers 0``, three runs in their own
+directories: ``--method tile-mil`` (its feature store on, as settled), ``ats`` with the feature
+store on, ``ats`` with it off. Per run and epoch: the wall time from the start of the run (epoch
+1: settling, the slides' views, and for tile-mil every tissue tile of the train and test
+slides encoded) or the previous epoch to the epoch's line, the training steps' ms per slide,
+the test accuracy; the feature store's bytes on disk at the end; the run's wall time.
 
 The model is what ``ats train --feature-net timm:resnet18`` builds (randomly initialised:
 nothing is downloaded; weights do not change the cost), 16 patches of 64x64 px per image
@@ -152,6 +165,53 @@ def store_runs(net: str, epochs: int, device: str, where: str) -> dict:
     return runs
 
 
+def _store_bytes(run: str) -> int:
+    """Bytes of the feature segments under ``run``'s store (0 without one)."""
+    from pathlib import Path
+
+    return sum(p.stat().st_size for p in Path(run, "cache", "features").glob("*/*.seg"))
+
+
+def tile_mil_runs(net: str, epochs: int, device: str, where: str, size: int) -> dict:
+    """``--method tile-mil`` against ``ats`` (store on, off) on the same slides (module docstring)."""
+    from ats_cli.recipes import resolve_config
+    from ats_cli.train import train
+
+    data = os.path.join(where, "slides")
+    subprocess.run([sys.executable, "-m", "ats_cli", "make-dataset", "synthetic-slides", data, "--n-train", "8",
+                    "--n-test", "4", "--size", str(size), "--workers", "1"], check=True, capture_output=True)
+    runs = {}
+    for name, method, store in (("tile-mil", "tile-mil", "auto"), ("ats, store on", "ats", "on"),
+                                ("ats, store off", "ats", "off")):
+        out = os.path.join(where, name.replace(", ", "-").replace(" ", "-"))
+        cfg = resolve_config(None, data=data, out=out, method=method, feature_net=net, feature_weights="none",
+                             feature_train="none", feature_store=store, batch_size=4, epochs=epochs, workers=0,
+                             augment="none", device=device, seed=0)
+        marks = [time.perf_counter()]
+
+        def log(line: str, marks: list[float] = marks) -> None:
+            if line.startswith("epoch "):
+                marks.append(time.perf_counter())
+
+        history = train(cfg, log=log)
+        runs[name] = {"wall_s": marks[-1] - marks[0],
+                      "epoch_s": [marks[i + 1] - marks[i] for i in range(len(marks) - 1)],
+                      "ms_per_slide": [h["ms_per_sample"] for h in history],
+                      "test_acc": [h["test_acc"] for h in history],
+                      "hit_rate": [h.get("feature_hit_rate") for h in history],
+                      "store_bytes": _store_bytes(out)}
+        r = runs[name]
+        print(f"{name:15s}: epoch wall s " + ", ".join(f"{v:.1f}" for v in r["epoch_s"])
+              + "; train ms/slide " + ", ".join(f"{v:.0f}" for v in r["ms_per_slide"])
+              + "; test acc " + ", ".join(f"{v:.2f}" for v in r["test_acc"])
+              + f"; store {r['store_bytes'] / 2**20:.2f} MiB; {r['wall_s']:.0f} s in all", flush=True)
+    tile = runs["tile-mil"]["epoch_s"]
+    runs["tile_mil_later_over_first"] = statistics.median(tile[1:]) / tile[0] if len(tile) > 1 else float("nan")
+    print(f"tile-mil: epochs 2+ / epoch 1 = {runs['tile_mil_later_over_first']:.3f}x; store "
+          f"{runs['tile-mil']['store_bytes'] / max(runs['ats, store on']['store_bytes'], 1):.1f}x ats's")
+    return runs
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--net", default="timm:resnet18")
@@ -162,7 +222,18 @@ def main() -> None:
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--store", action="store_true", help="epochs with the feature store on and off")
     p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--tile-mil", action="store_true", help="--method tile-mil against ats on synthetic slides")
+    p.add_argument("--slide-size", type=int, default=1024)
     a = p.parse_args()
+    if a.tile_mil:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as where:
+            runs = tile_mil_runs(a.net, a.epochs, a.device, where, a.slide_size)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"net": a.net, "device": a.device, "slide_size": a.slide_size, **runs}, f, indent=1)
+        return
     if a.store:
         import tempfile
 

@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from ats_cli.baselines import CNNClassifier, DeepMIL, UniformAttention, grid_offsets
 from ats_cli.baselines_ips import IPSModel
+from ats_cli.baselines_tilemil import TileMIL
 from ats_cli.checkpoint import CheckpointError, load_model, save_checkpoint
 from ats_cli.cli import app
 from ats_cli.config import ConfigError, TrainConfig
@@ -29,7 +30,7 @@ from ats_cli.train import train
 from tests.test_train import _cfg, _write_squares_dataset
 
 runner = CliRunner()
-METHODS = ["ats", "uniform", "deepmil", "cnn", "ips"]
+METHODS = ["ats", "uniform", "deepmil", "cnn", "ips", "tile-mil"]
 # ips keeps 2 of the 4 grid patches of a 32x32 image, scored 3 at a time: selection happens
 IPS_SMALL = {"ips_memory": 2, "ips_iter": 3}
 SCALE = 0.25  # 32x32 images -> an 8x8 low-res view: 64 attention cells, 16x16 patches
@@ -58,10 +59,26 @@ def _coloured(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return images, labels
 
 
+def _calibrate_frozen_encoder(net: torch.nn.Module) -> None:
+    """tile-mil's encoder is frozen: at random initialisation its batch norms' statistics
+    (mean 0, variance 1) leave features of ~0.005 that differ by less, nothing like what a
+    pretrained encoder hands its head. Its batch norms' statistics taken on images of the
+    task (as pretraining would have set them) stand in for pretraining; the weights stay random."""
+    for m in net.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.momentum = None  # the plain mean over the batch
+    net.train()
+    with torch.no_grad():
+        net(_coloured(64, 999)[0][:, :, :16, :16].float() / 255)
+    net.eval()
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_each_method_learns_a_separable_task_well_above_chance(method):
     torch.manual_seed(0)
     model = create_model(_spec(method))
+    if method == "tile-mil":
+        _calibrate_frozen_encoder(model.feature_net)
     steps = 60
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     # a decaying rate, as ats train's default cosine schedule: the CNN's BatchNorm running
@@ -176,12 +193,13 @@ def test_an_unknown_method_is_refused_naming_the_available_ones(tmp_path):
     assert available_methods() == METHODS
     for method in available_methods():  # every registered method is a valid --method
         assert resolve_config(None, data="d", out="o", method=method).method == method
-    with pytest.raises(UnknownMethodError, match="unknown method 'mil'; available: ats, uniform, deepmil, cnn, ips"):
+    with pytest.raises(UnknownMethodError,
+                       match="unknown method 'mil'; available: ats, uniform, deepmil, cnn, ips, tile-mil"):
         create_model({**_spec("ats"), "method": "mil"})
     good = _spec("ats")
     save_checkpoint(tmp_path / "m.pt", spec={**good, "method": "mil"}, classes=["a", "b"], model=create_model(good))
     with pytest.raises(CheckpointError, match="m.pt: .*unknown method 'mil'; available: ats, uniform, deepmil, cnn, "
-                                              "ips"):
+                                              "ips, tile-mil"):
         load_model(tmp_path / "m.pt")
 
 
@@ -203,7 +221,7 @@ def test_each_method_trains_reloads_and_predicts(squares, tmp_path, method):
     model, ckpt = load_model(run / "last.pt")
     assert ckpt["spec"]["method"] == method
     assert isinstance(model, {"ats": ATSModel, "uniform": ATSModel, "deepmil": DeepMIL, "cnn": CNNClassifier,
-                              "ips": IPSModel}[method])
+                              "ips": IPSModel, "tile-mil": TileMIL}[method])
     result = runner.invoke(app, ["predict", str(squares / "test" / "0.png"), "--model", str(run / "last.pt")])
     assert result.exit_code == 0, result.output
     assert "horizontal" in result.output or "vertical" in result.output

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ats_cli.baselines_tilemil import attach_feature_store
 from ats_cli.checkpoint import CheckpointError, load_model
 from ats_cli.core.model import ATSModel, ATSOutput
 from ats_cli.core.sampling import ESTIMATORS
@@ -76,6 +77,7 @@ def load_predictor(model: str | os.PathLike[str], device: str = "auto", *, estim
     if len(classes) != n_out:
         raise CheckpointError(f"{path}: lists {len(classes)} class names for a model with {n_out} outputs")
     channels = int(ckpt["spec"]["channels"])
+    attach_feature_store(net, ckpt["spec"], path)  # tile-mil: its tiles' features, read back where stored
     saved = ckpt["spec"]["input"]
     options = {k: saved.get(k) for k in ("reader", "level", "mpp", "tissue", "resample")}
     return Predictor(model=net, classes=classes, channels=channels, device=dev, path=path, input_options=options,
@@ -207,7 +209,8 @@ class Predictor:
 
         def run(batch: list[tuple[int, OpenedImage]]) -> None:
             try:
-                probs, output = self._probs([img for _, img in batch], n_patches, samples, seed)
+                probs, output = self._probs([img for _, img in batch], n_patches, samples, seed,
+                                            paths=[items[index].path for index, _ in batch])
             except Exception as e:  # a patch that cannot be read, a model error: this input fails, not the run
                 if len(batch) > 1:  # find out which image it was: retry one by one
                     for one in batch:
@@ -257,17 +260,36 @@ class Predictor:
             raise PredictionInterrupted([row for row in rows if row is not None], len(items)) from None
         finally:
             opened_images.close()
+            self.flush_features()
         return [row for row in rows if row is not None]
 
-    def _probs(self, images: list[OpenedImage], n_patches: int | None, samples: int, seed: int
-               ) -> tuple[torch.Tensor, ATSOutput]:
+    def feature_keys(self, paths: Sequence[str | os.PathLike[str]] | None, sources: object
+                     ) -> list[str | None] | None:
+        """The content keys of the files at ``paths``, read as ``sources`` (a batch's), for the
+        model's feature store (:func:`ats_cli.baselines_tilemil.attach_feature_store`), as
+        training keys them (:func:`ats_cli.data.features.image_keys`); None without a store."""
+        store = getattr(self.model, "feature_store", None)
+        if store is None or paths is None:
+            return None
+        lazy = not isinstance(sources, torch.Tensor)
+        return [store.keys_of.key(p, sources[k] if lazy else None) for k, p in enumerate(paths)]
+
+    def flush_features(self) -> None:
+        """Write what the model's feature store holds unwritten (a segment of the tiles encoded)."""
+        store = getattr(self.model, "feature_store", None)
+        if store is not None:
+            store.flush()
+
+    def _probs(self, images: list[OpenedImage], n_patches: int | None, samples: int, seed: int,
+               paths: Sequence[str | os.PathLike[str]] | None = None) -> tuple[torch.Tensor, ATSOutput]:
         low, view_sizes = batch_views([img.low for img in images])  # different sizes: padded, sizes kept
         low = low.to(self.device)
         sources = batch_sources([img.source for img in images])
         masks = batch_support([img.support for img in images], low.shape[-2:])
         generator = torch.Generator(device=self.device).manual_seed(seed)
         probs, output = predict_probs(self.model, low, sources, n_patches=n_patches, samples=samples,
-                                      generator=generator, support_mask=masks, view_sizes=view_sizes)
+                                      generator=generator, support_mask=masks, view_sizes=view_sizes,
+                                      feature_keys=self.feature_keys(paths, sources))
         return probs.cpu(), output
 
 

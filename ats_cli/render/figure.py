@@ -77,6 +77,7 @@ class AttentionFigure:
     sampling: str = ""  # how the patches were drawn, for the subtitle
     entropy: float = float("nan")  # of the attention, nats
     regions: Sequence[RegionSite] = ()  # a two-level model's drawn regions (attention: over its region grid)
+    tiles: bool = False  # the attention's cells are tiles the model read, one patch each (tile-mil): drawn as blocks
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ def draw_attention(figure: AttentionFigure, out: str | Path, *, dpi: int = 110) 
     ax.imshow(background, cmap=cmap, vmin=0, vmax=1, extent=(0, W, H, 0), interpolation="antialiased", zorder=1,
               aspect="auto")
     norm = log_norm(att.max(), att.size)
-    reach = _heat(ax, att, norm, f.attention_extent, (ph, pw))
+    reach = _heat(ax, att, norm, f.attention_extent, (ph, pw), blocks=f.tiles)
     _regions(ax, f.regions, (ph, pw))
     digit_boxes(ax, f.boxes, labels=True)
     frame(ax, H, W)
@@ -148,6 +149,11 @@ def draw_attention(figure: AttentionFigure, out: str | Path, *, dpi: int = 110) 
              f"heat: each pixel shows the largest attention of the cells whose patch covers it "
              f"({reach}x{reach} cells of {att.shape[0]}x{att.shape[1]})"
              + ("; red: boxes from the dataset CSV" if f.boxes else "")]
+    if f.tiles:
+        lines = [f"boxes: the {n} tiles of most attention, brighter and thicker for more, #1-#{len(shown)} numbered "
+                 "by attention",
+                 f"heat: the attention of each of the {att.shape[0]}x{att.shape[1]} tiles of {pw}x{ph} (0 where not "
+                 "tissue)" + ("; red: boxes from the dataset CSV" if f.boxes else "")]
     if f.regions:
         side = f.regions[0].size
         lines[1:2] = [f"heat: the coarse attention over the {att.shape[0]}x{att.shape[1]} regions of {side}x{side}"
@@ -212,7 +218,7 @@ def _one_or_two_lines(parts: list[str], fig_w: float, fontsize: float = 7.5) -> 
     return "  ·  ".join(parts[:half]) + "\n" + "  ·  ".join(parts[half:])
 
 
-def _heat(ax, att: np.ndarray, norm, extent, patch_size: tuple[int, int]) -> int:
+def _heat(ax, att: np.ndarray, norm, extent, patch_size: tuple[int, int], *, blocks: bool = False) -> int:
     """Attention as a smooth, semi-transparent heat over the image.
 
     A trained map is very peaked (a few dozen cells of tens of thousands hold most of it),
@@ -222,7 +228,9 @@ def _heat(ax, att: np.ndarray, norm, extent, patch_size: tuple[int, int]) -> int
     most-attended cell whose patch would cover it, and a peak reads as a patch-sized blob
     where the model would look. The map is then log-scaled, upsampled bilinearly (about
     :data:`HEAT_PX` across) and coloured, its opacity rising with the square of the scale,
-    so the image shows through where attention is low. Returns the window's side in cells."""
+    so the image shows through where attention is low. Returns the window's side in cells.
+    ``blocks``: each cell is a tile the model read whole (tile-mil): drawn as its block,
+    neither widened nor smoothed."""
     from matplotlib import colormaps
 
     left, right, bottom, top = extent
@@ -230,15 +238,17 @@ def _heat(ax, att: np.ndarray, norm, extent, patch_size: tuple[int, int]) -> int
     cells = min(pw * att.shape[1] / max(right - left, 1e-9), ph * att.shape[0] / max(bottom - top, 1e-9))
     reach = max(1, int(round(cells)) // 2 * 2 + 1)  # odd, so the window is centred on its cell
     t = np.asarray(norm(np.clip(att, norm.vmin, None)), dtype=np.float64)
+    if blocks:
+        reach = 1
     if reach > 1:
         t = _max_filter(t, reach)
-    factor = max(1, math.ceil(HEAT_PX / max(att.shape)))
+    factor = 1 if blocks else max(1, math.ceil(HEAT_PX / max(att.shape)))
     if factor > 1:
         t = _upsample(t, factor)
     t = np.clip(t, 0, 1)
     rgba = colormaps[CMAP](t)
     rgba[..., 3] = HEAT_ALPHA * t**2
-    ax.imshow(rgba, extent=extent, interpolation="antialiased", zorder=2, aspect="auto")
+    ax.imshow(rgba, extent=extent, interpolation="nearest" if blocks else "antialiased", zorder=2, aspect="auto")
     return reach
 
 

@@ -28,6 +28,10 @@ DIR`` write one FeatureCollection per image (docs/slides.md, "Attention in QuPat
   ``draw_order``; each patch then also has ``region`` (K), its ``attention`` is the fine
   attention within its region and its ``weight`` its weight in the whole estimate (the
   region's times its own);
+* for a tile-mil model (:mod:`ats_cli.baselines_tilemil`) the attention cells are its tiles
+  (``cell i,j`` the tile at row i, column j of the grid from the top left, clipped to the
+  image), every tissue tile written (up to ``MAX_CELLS``, the highest), and the patches are
+  the tiles of most attention; ``properties.cells.tile`` gives the tile's side;
 * the boxes a dataset CSV records for the image (``boxes``/``digits`` columns), when
   known, as annotations classified ``label box``.
 
@@ -145,6 +149,10 @@ def grid_extent(record: AttentionRecord) -> tuple[float, float, float, float]:
     top left: :func:`cell_boxes`'s footprint, or a two-level model's region grid (whose
     last row and column may run past the image)."""
     frame, grid = record.frame, record.region_grid
+    if record.tile:  # tile-mil: the tile grid, whose last row and column may run past the image
+        rows, cols = record.attention.shape
+        side = record.tile * frame.downsample
+        return 0.0, 0.0, cols * side, rows * side
     if grid is not None:
         size = record.regions[0].size * frame.downsample
         return 0.0, 0.0, grid[1] * size, grid[0] * size
@@ -203,7 +211,7 @@ def feature_collection(
     samples: int = 1,
     label: str | None = None,
     boxes: Sequence[tuple[str, int, int, int, int]] = (),
-    mass: float = CELL_MASS,
+    mass: float | None = None,
     max_cells: int = MAX_CELLS,
     prediction: str | None = None,
 ) -> dict:
@@ -211,7 +219,9 @@ def feature_collection(
     ``probs``: the class probabilities the prediction reports (``ats predict`` averages
     ``samples`` samplings; the patches are the last one's). ``prediction``: what was
     predicted, when not the most probable class (a multi-label model's set, ``3;7``);
-    ``p`` in the annotation's name stays the largest probability."""
+    ``p`` in the annotation's name stays the largest probability. ``mass``: the share of the
+    attention the cells written hold; default :data:`CELL_MASS`, and for a tile-mil model's
+    record (its cells are its tiles) all of it: every tissue tile, up to ``max_cells``."""
     classes = [str(c) for c in classes]
     probs = [float(p) for p in probs]
     if len(probs) != len(classes):
@@ -247,6 +257,8 @@ def feature_collection(
                            "classification": {"name": LABEL_BOX_CLASS, "color": list(LABEL_BOX_COLOUR)}},
         })
 
+    if mass is None:
+        mass = 1.0 if record.tile else CELL_MASS
     att = record.attention
     n_cells = att.size
     chosen = select_cells(att, mass=mass, max_cells=max_cells)
@@ -254,8 +266,11 @@ def feature_collection(
     values = att.ravel()[chosen]
     rgb, vmin, vmax = _cell_colours(values, vmax)
     grid = record.region_grid
-    cells = cell_boxes(att.shape, record.low_size, record.margin, frame) if grid is None \
-        else region_boxes(grid, record.regions[0].size, frame)
+    if record.tile:  # tile-mil: each cell is a tile the model read, clipped to the image
+        cells = region_boxes(att.shape, record.tile, frame)
+    else:
+        cells = cell_boxes(att.shape, record.low_size, record.margin, frame) if grid is None \
+            else region_boxes(grid, record.regions[0].size, frame)
     aw = att.shape[1]
     for i, value, col in zip(chosen.tolist(), values.tolist(), rgb.tolist(), strict=True):
         features.append({
@@ -322,6 +337,11 @@ def feature_collection(
         "cell_colour_scale": {"colormap": CELL_CMAP, "scale": "log10", "min": _sig(vmin), "max": _sig(vmax)},
         "patch_colour": list(PATCH_COLOUR),
     }
+    if record.tile:  # a tile-mil model: only its files have this key
+        properties["cells"]["tile"] = {
+            "size_level": record.tile, "size_level0": _num(record.tile * frame.downsample),
+            "note": "cells are the tiles the model read (cell i,j at row i, column j of tiles from the top left; "
+                    "0 attention: not tissue); patches are the tiles of most attention"}
     if grid is not None:  # a two-level model: only its files have this key
         properties["regions"] = {
             "count": len(record.regions), "grid": list(grid), "size_level": record.regions[0].size,

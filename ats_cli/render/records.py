@@ -126,6 +126,9 @@ class AttentionRecord:
     # a two-level model's drawn regions (``attention`` is then its coarse attention over the
     # region grid, ``sampled_probs`` each patch's fine attention within its region); None: one level
     regions: tuple[RegionSite, ...] | None = None
+    # tile-mil (ats_cli.baselines_tilemil): the attention's cells are the model's tiles, of this
+    # side in the patch level's pixels, cell (i, j) at (i * tile, j * tile); 0: the low-res view's cells
+    tile: int = 0
 
     @property
     def region_grid(self) -> tuple[int, int] | None:
@@ -155,6 +158,7 @@ class AttentionRecord:
             margin=int(getattr(getattr(model, "attention_net", None), "margin", 0)),
             frame=level_frame(opened.source),
             regions=_region_sites(model, output, b),
+            tile=int(getattr(model, "tile_size", 0)),
         )
 
 
