@@ -156,6 +156,9 @@ def test_a_method_that_fails_gets_its_row_the_others_run_and_a_rerun_trains_only
                   ("ips", "1", ""), ("ips", "", "killed by SIGKILL (out of memory?)"),
                   ("ats", "1", ""), ("ats", "2", "")]
     assert [r["test_acc"] for r in rows if r["method"] == "ats"] == ["0.5", "0.75"]
+    # each process's own peak: a Python without torch, tens of MB at most, not this test
+    # process's hundreds (ru_maxrss would report those: the kernel keeps them across exec)
+    assert all(0 < float(r["peak_mb"]) < 100 for r in rows if r["method"] == "ats"), rows
     assert float(rows[-1]["wall_s"]) > float(rows[-2]["wall_s"]) > 0
     assert (out / "compare.png").is_file()
 
