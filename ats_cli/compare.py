@@ -511,7 +511,7 @@ def plot_compare(results: Sequence[MethodResult], path: str | os.PathLike[str], 
         else:
             ax.plot([], [], "x--", color=color, label=f"{label}: no epoch")
     if chance is not None:
-        ax.axhline(chance, color="gray", ls=":", lw=1, label=f"chance ({chance:.2f})")
+        ax.axhline(chance, color="gray", ls=":", lw=1, label=f"largest class ({chance:.2f})")
     if drawn:
         from matplotlib.ticker import FuncFormatter, NullFormatter
 
@@ -527,7 +527,7 @@ def plot_compare(results: Sequence[MethodResult], path: str | os.PathLike[str], 
            title="Accuracy against wall time", ylim=(0, 1.02))
     ax.grid(alpha=0.3, which="both")
     if results or chance is not None:
-        ax.legend(loc="lower right", fontsize=8)
+        ax.legend(loc="best", fontsize=8)
     names = [r.method for r in results]
     peaks = [r.peak_mb or 0.0 for r in results]
     handles = bars.bar(range(len(results)), peaks, color=[colors[i % len(colors)] for i in range(len(results))])
