@@ -23,7 +23,7 @@ from ats_cli.cli import app
 from ats_cli.config import AUTO_MIN_BRIGHTNESS, TrainConfig
 
 runner = CliRunner()
-COMMANDS = ("make-dataset", "train", "predict", "visualize", "info", "benchmark", "doctor", "selfcheck")
+COMMANDS = ("make-dataset", "train", "predict", "visualize", "info", "benchmark", "compare", "doctor", "selfcheck")
 SIZE = 112
 TRAIN_KEYS = {"epochs": 2, "n_patches": 2, "patch_size": 28, "scale": 0.25, "attention_width": 4, "feature_width": 8,
               "batch_size": 4, "workers": 0, "device": "cpu", "lr": 0.01, "tissue_mask": "off", "seed": 3}

@@ -71,6 +71,7 @@ from ats_cli.cli.make_dataset import make_dataset_app  # noqa: E402
 
 app.add_typer(make_dataset_app, name="make-dataset")
 from ats_cli.cli import benchmark as _benchmark  # noqa: E402
+from ats_cli.cli import compare as _compare  # noqa: E402
 from ats_cli.cli import doctor as _doctor  # noqa: E402
 from ats_cli.cli import export as _export  # noqa: E402
 from ats_cli.cli import info as _info  # noqa: E402
@@ -80,7 +81,8 @@ from ats_cli.cli import pretrain as _pretrain  # noqa: E402
 from ats_cli.cli import train as _train  # noqa: E402
 from ats_cli.cli import visualize as _visualize  # noqa: E402
 
-_ = (_from_folder, _selfcheck, _train, _predict, _visualize, _doctor, _info, _benchmark, _pretrain, _export)
+_ = (_from_folder, _selfcheck, _train, _predict, _visualize, _doctor, _info, _benchmark, _compare, _pretrain,
+     _export)
 from ats_cli.cli.options import use_help_command  # noqa: E402
 
 use_help_command(app, make_dataset_app)  # help reflowed to the terminal, no <bool> beside flags
