@@ -96,16 +96,16 @@ def test_an_unknown_method_is_refused_in_one_line_and_nothing_is_written(squares
 
 
 def test_the_methods_are_what_the_config_allows(monkeypatch):
-    """A method added to ats train's allowed values (as tile-mil will be) is accepted
-    without a change to the comparison."""
+    """A method added to ats train's allowed values (as tile-mil was) is accepted without a
+    change to the comparison."""
     import ats_cli.config as config
 
     real = config.allowed_values
-    monkeypatch.setattr(config, "allowed_values", lambda: {**real(), "method": (*real()["method"], "tile-mil")})
     assert compare_mod.parse_methods("tile-mil, ats,tile-mil") == ["tile-mil", "ats"]
-    monkeypatch.setattr(config, "allowed_values", real)
     with pytest.raises(compare_mod.CompareError, match="unknown method"):
-        compare_mod.parse_methods("tile-mil")
+        compare_mod.parse_methods("a-new-method")
+    monkeypatch.setattr(config, "allowed_values", lambda: {**real(), "method": (*real()["method"], "a-new-method")})
+    assert compare_mod.parse_methods("a-new-method") == ["a-new-method"]
 
 
 # A stand-in for `ats train` (no torch, a fraction of a second): writes the epochs' records as
