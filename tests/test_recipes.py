@@ -276,14 +276,18 @@ def test_a_task_with_a_rule_of_its_own_is_a_recipe_file_and_an_extension_file(tm
     train = ["train", str(data), "--out", str(run), "--recipe", str(recipe), *TINY_TRAIN]
     predict = ["predict", str(data / "test.csv"), "--model", str(run / "best.pt"), "--out", str(preds),
                "--device", "cpu"]
-    done = subprocess.run([sys.executable, "-c", prefix + cli, *train], capture_output=True, text=True)
+    # one process trains, then predicts from the checkpoint; one without the file is refused
+    both = cli.replace("r = CliRunner().invoke(app, sys.argv[1:])",
+                       "cut = sys.argv.index('--then')\n"
+                       "r = CliRunner().invoke(app, sys.argv[1:cut])\n"
+                       "r = r if r.exit_code else CliRunner().invoke(app, sys.argv[cut + 1:])")
+    done = subprocess.run([sys.executable, "-c", prefix + both, *train, "--then", *predict], capture_output=True,
+                          text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert json.loads((run / "config.json").read_text())["pooling"] == "plain"
-    without = subprocess.run([sys.executable, "-c", cli, *predict], capture_output=True, text=True)
+    without = subprocess.run([sys.executable, "-c", cli, *predict, "--overwrite"], capture_output=True, text=True)
     assert without.returncode != 0 and "unknown pooling 'plain'" in without.stdout + without.stderr
     assert "Traceback" not in without.stdout + without.stderr
-    done = subprocess.run([sys.executable, "-c", prefix + cli, *predict], capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout + done.stderr
     assert len(preds.read_text().splitlines()) == 1 + len((data / "test.csv").read_text().splitlines()) - 1
 
 
