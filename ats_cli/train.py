@@ -764,7 +764,7 @@ def _train(cfg: TrainConfig, ctx: Dist, device: torch.device, *, resume: bool, b
     if ctx.is_main:
         atomic_write_text(run / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
     best_acc = max((selection_score(h) for h in history), default=(-1.0, 0))
-    last_plot: float | None = None  # when curves.png was last drawn (plot_due)
+    last_plot = time.monotonic()  # when curves.png was last drawn, or training started (plot_due)
     # Every parameter takes part in every forward pass (the attention net through the
     # sampled probabilities and the entropy, even when its zero-initialised last layer
     # makes the gradient zero), so DDP needs no find_unused_parameters (tested).
@@ -994,13 +994,14 @@ def selection_score(record: dict[str, Any]) -> tuple[float, int]:
 PLOT_EVERY_S = 30.0  # curves.png is redrawn at most this often while a run goes on (plot_due)
 
 
-def plot_due(last: float | None, final: bool) -> bool:
-    """Whether this epoch redraws ``curves.png``: the first epoch, the last one (or one a
-    stop ends), and otherwise at most every PLOT_EVERY_S seconds. Why: a drawing costs
-    about a third of a second of CPU, more than a whole epoch of a small run (a dataset of
-    a few dozen images, the tests' runs); metrics.jsonl records every epoch as it ends, and
-    the figure is drawn from it."""
-    return last is None or final or time.monotonic() - last >= PLOT_EVERY_S
+def plot_due(last: float, final: bool) -> bool:
+    """Whether this epoch redraws ``curves.png``: the last one (or one a stop ends), and
+    otherwise one ending at least PLOT_EVERY_S seconds after the last drawing (or the start
+    of training: a long run's first epoch is drawn). Why: a drawing costs about a third of
+    a second of CPU, more than a whole epoch of a small run (a dataset of a few dozen
+    images, the tests' runs); metrics.jsonl records every epoch as it ends, and the figure
+    is drawn from it."""
+    return final or time.monotonic() - last >= PLOT_EVERY_S
 
 
 def _plot_curves(history: list[dict[str, Any]], path: Path) -> None:
