@@ -59,7 +59,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ats_cli.io import atomic_path, atomic_write_text
+from ats_cli.io import atomic_save_png, atomic_write_text
 
 __all__ = ["CompareError", "MethodResult", "allowed_methods", "parse_methods", "data_digest", "train_argv",
            "run_compare", "csv_rows", "write_csv", "plot_compare", "STATE", "CSV_COLUMNS"]
@@ -545,11 +545,7 @@ def plot_compare(results: Sequence[MethodResult], path: str | os.PathLike[str], 
         bars.set_ylim(0, max(peaks) * 1.15)
     bars.grid(alpha=0.3, axis="y")
     fig.tight_layout()
-    try:
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, dpi=100, format="png")
-    finally:
-        plt.close(fig)
+    atomic_save_png(fig, path)
 
 
 def _minor_label(x: float, _pos: Any = None) -> str:

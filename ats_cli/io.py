@@ -58,7 +58,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_path", "atomic_write_bytes", "atomic_write_text", "check_writable", "sweep_temporaries", "settled",
+__all__ = ["atomic_path", "atomic_save_png",
+           "atomic_write_bytes", "atomic_write_text", "check_writable", "sweep_temporaries", "settled",
            "COARSE_SETTLE_NS", "FINE_SETTLE_NS", "alive", "held", "released", "die_with_parent", "owner_gone",
            "read_record", "write_record", "PARENT_POLL_S"]
 
@@ -82,6 +83,19 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def atomic_save_png(fig: Any, path: str | os.PathLike[str], dpi: int = 100) -> None:
+    """Write the matplotlib figure ``fig`` to ``path`` as a PNG, atomically
+    (:func:`atomic_path`), and close it whether or not the write succeeded: a figure left
+    open holds its memory for the process's life."""
+    import matplotlib.pyplot as plt
+
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=dpi, format="png")
+    finally:
+        plt.close(fig)
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, fsync: bool = True) -> None:

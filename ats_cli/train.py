@@ -68,7 +68,7 @@ from ats_cli.data.inputs import (
 from ats_cli.diagnose import attention_learns, attention_moved, chance_accuracy, uniform_entropy
 from ats_cli.diagnose import warnings as degenerate_warnings
 from ats_cli.inference import predict_probs
-from ats_cli.io import atomic_path, atomic_write_text
+from ats_cli.io import atomic_save_png, atomic_write_text
 from ats_cli.models import check_patch_size, create_model, model_spec
 from ats_cli.multilabel import confusion_counts, exact_matches, is_multilabel, macro_f1
 from ats_cli.multilabel import loss as multilabel_loss
@@ -1038,11 +1038,7 @@ def _plot_curves(history: list[dict[str, Any]], path: Path) -> None:
         ax.legend()
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
     fig.tight_layout()
-    try:
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, dpi=100, format="png")
-    finally:
-        plt.close(fig)
+    atomic_save_png(fig, path)
 
 
 class _TensorBoard:
