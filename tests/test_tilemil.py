@@ -17,12 +17,12 @@ from ats_cli.baselines_tilemil import TileMIL, tissue_tiles
 from ats_cli.checkpoint import load_model
 from ats_cli.cli import app
 from ats_cli.config import ConfigError, TrainConfig
-from ats_cli.core.source import TensorSource
 from ats_cli.data.features import FeatureStore, encoder_identity
 from ats_cli.nets import create
 from ats_cli.predict import load_predictor
 from ats_cli.predict.inputs import InputItem
 from ats_cli.train import train
+from tests.test_ips import _Recording  # a source that counts its reads
 from tests.test_train import _cfg, _write_squares_dataset
 
 runner = CliRunner()
@@ -38,21 +38,6 @@ def test_the_tissue_mask_decides_the_tiles_and_no_mask_gives_every_tile():
     want[2, 3] = want[1, 0] = True
     assert torch.equal(tissue_tiles(mask, (40, 56), 16), want)
     assert tissue_tiles(torch.zeros(10, 14, dtype=torch.bool), (40, 56), 16).all()  # no tissue at all: every tile
-
-
-class _Recording:
-    """A patch source over a tensor that records how many patches each read asked for."""
-
-    def __init__(self, image: torch.Tensor):
-        self.inner = TensorSource(image)
-        self.reads: list[int] = []
-
-    size = property(lambda self: self.inner.size)
-    channels = property(lambda self: self.inner.channels)
-
-    def read_patches(self, offsets, size):
-        self.reads.append(int(offsets.shape[0]))
-        return self.inner.read_patches(offsets, size)
 
 
 def _model(seed: int = 0) -> TileMIL:
