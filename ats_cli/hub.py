@@ -41,6 +41,7 @@ from typing import Any
 from ats_cli.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from ats_cli.checkpoint import VERSION as CHECKPOINT_VERSION
 from ats_cli.checkpoint import CheckpointError
+from ats_cli.io import first_line
 
 __all__ = ["CARD", "CONFIG", "FORMAT", "HUB_PREFIX", "VERSION", "WEIGHTS", "HubError", "HubOfflineError",
            "download", "is_hub_ref", "is_model_dir", "locate", "read_model_dir"]
@@ -115,7 +116,7 @@ def read_model_dir(folder: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         state = st.load_file(str(weights))
     except Exception as e:  # safetensors raises its own types for a damaged or foreign file
-        raise HubError(f"{weights}: not a safetensors file ({_first_line(e)})") from None
+        raise HubError(f"{weights}: not a safetensors file ({first_line(e)})") from None
     _check_finite(weights, state)
     try:
         spec = migrate_spec(config["spec"])
@@ -138,7 +139,7 @@ def _read_config(folder: Path) -> dict[str, Any]:
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # nesting past the stack
-        raise HubError(f"{path}: not a JSON model config ({_first_line(e)})") from None
+        raise HubError(f"{path}: not a JSON model config ({first_line(e)})") from None
     kind = config.get("format") if isinstance(config, dict) else None
     if kind == ENCODER_FORMAT:
         raise HubError(f"{path}: an encoder (ats export --encoder), not a model; give it to --feature-net {folder}")
@@ -187,16 +188,8 @@ def download(ref: str) -> Path:
             f"`hf download {repo} --local-dir DIR` (or copy a directory from ats export --hub-ready), then give "
             "DIR in its place (--model DIR, init=DIR)") from None
     except (OSError, ValueError) as e:  # the client's errors: repository or revision not found, gated, HTTP
-        raise HubError(f"{ref}: cannot be had from the Hugging Face hub ({_first_line(e)})") from None
+        raise HubError(f"{ref}: cannot be had from the Hugging Face hub ({first_line(e)})") from None
     return Path(folder)
-
-
-# ---------------------------------------------------------------- writing
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:200]
 
 
 def _import(module: str, what: str):

@@ -58,7 +58,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_path", "atomic_save_png",
+__all__ = ["atomic_path", "atomic_save_png", "first_line",
            "atomic_write_bytes", "atomic_write_text", "check_writable", "sweep_temporaries", "settled",
            "COARSE_SETTLE_NS", "FINE_SETTLE_NS", "alive", "held", "released", "die_with_parent", "owner_gone",
            "read_record", "write_record", "PARENT_POLL_S"]
@@ -164,6 +164,13 @@ def settled(stamped_ns: int, mtime_ns: int, ctime_ns: int) -> bool:
     therefore checked by content once, then proven by its times."""
     coarse = mtime_ns % 1_000_000_000 == 0 or ctime_ns % 1_000_000_000 == 0
     return stamped_ns - max(mtime_ns, ctime_ns) >= (COARSE_SETTLE_NS if coarse else FINE_SETTLE_NS)
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's message cut to its first line (at most 200 characters), or its type's
+    name when it says nothing: what goes in parentheses in a one-line error."""
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:200]
 
 
 def load_refusal(e: BaseException) -> tuple[str | None, str]:

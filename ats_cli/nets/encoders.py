@@ -53,6 +53,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ats_cli.io import first_line
 from ats_cli.registry import RANDOM_FEATURE_NET, register_net_prefix
 
 __all__ = ["Encoder", "EncoderError", "MissingExtraError", "HubUnavailableError", "EXTRA", "FORMAT", "VERSION",
@@ -79,11 +80,6 @@ class MissingExtraError(EncoderError):
 class HubUnavailableError(EncoderError):
     """A hub model whose config or weights cannot be fetched (offline, gated, unreachable);
     the message says how to pass local weights instead."""
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:200]
 
 
 def import_extra(module: str, what: str):
@@ -207,7 +203,7 @@ def _hub_id(arch: str) -> str | None:
 
 def _hub_error(name: str, e: BaseException, what: str) -> HubUnavailableError:
     return HubUnavailableError(
-        f"--feature-net {name}: cannot fetch its {what} from the Hugging Face hub ({_first_line(e)}); offline, or a "
+        f"--feature-net {name}: cannot fetch its {what} from the Hugging Face hub ({first_line(e)}); offline, or a "
         "gated model (accept its terms on the hub, then `hf auth login`)? Pass local weights instead: "
         "--feature-weights FILE (safetensors or a state dict) with --feature-net timm:ARCH?key=value naming the "
         "architecture, or an encoder directory from ats export --encoder")
@@ -450,7 +446,7 @@ def _local(name: str) -> tuple[Path, dict[str, Any]]:
         raise EncoderError(f"--feature-net {name}: {folder / CONFIG} not found; make it with "
                            "ats export RUN DIR --encoder") from None
     except (OSError, json.JSONDecodeError) as e:
-        raise EncoderError(f"--feature-net {name}: {folder / CONFIG}: {_first_line(e)}") from None
+        raise EncoderError(f"--feature-net {name}: {folder / CONFIG}: {first_line(e)}") from None
     if config.get("format") == "ats-model":  # ats_cli.hub.FORMAT (not imported: it imports the checkpoint)
         raise EncoderError(f"--feature-net {name}: {folder} is a whole model (ats export --hub-ready), not an "
                            f"encoder: give it to --model or key init, or make its feature net one with ats export "
@@ -541,18 +537,18 @@ def _timm_backbone(name: str, recipe: dict[str, Any], pretrained: bool = False) 
             return timm.create_model(recipe["pretrained_name"], pretrained=True, num_classes=0, **args)
         except (TypeError, ValueError, KeyError, AssertionError) as e:
             raise EncoderError(f"--feature-net {name}: timm cannot build {recipe['arch']} with {recipe['args']} "
-                               f"({_first_line(e)})") from None
+                               f"({first_line(e)})") from None
         except OSError as e:  # huggingface_hub's errors (offline, gated, missing) are OSErrors
             raise _hub_error(name, e, "weights") from None
         except RuntimeError as e:  # e.g. weights with layer scales for a model built without them
             raise EncoderError(f"--feature-net {name}: its pretrained weights do not fit the model built with "
-                               f"{recipe['args'] or 'no arguments'} ({_first_line(e)}); the model card names the "
+                               f"{recipe['args'] or 'no arguments'} ({first_line(e)}); the model card names the "
                                "create_model arguments to give after ?") from None
     try:
         return timm.create_model(recipe["arch"], pretrained=False, num_classes=0, **args)
     except (TypeError, ValueError, KeyError, AssertionError) as e:  # an argument the architecture does not take
         raise EncoderError(f"--feature-net {name}: timm cannot build {recipe['arch']} with {recipe['args']} "
-                           f"({_first_line(e)})") from None
+                           f"({first_line(e)})") from None
 
 
 def _drop_classifier(model: nn.Module) -> str:
@@ -613,7 +609,7 @@ def read_weights(path: str | os.PathLike[str], flag: str = "--feature-weights") 
         except EncoderError:
             raise
         except Exception as e:
-            raise EncoderError(f"{flag} {path}: not a safetensors file ({_first_line(e)})") from None
+            raise EncoderError(f"{flag} {path}: not a safetensors file ({first_line(e)})") from None
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
@@ -663,7 +659,7 @@ def _load(module: nn.Module, state: dict[str, torch.Tensor], where: str, *, igno
     try:
         module.load_state_dict({k: v for k, v in state.items() if k in own})
     except RuntimeError as e:
-        raise EncoderError(f"{where}: the weights do not fit the network ({_first_line(e)})") from None
+        raise EncoderError(f"{where}: the weights do not fit the network ({first_line(e)})") from None
 
 
 def _load_whole(net: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
@@ -712,7 +708,7 @@ def load_start_weights(feature_net: nn.Module, name: str, weights: str, kwargs: 
     except HubUnavailableError:
         raise
     except Exception as e:  # urllib's many errors when offline
-        raise HubUnavailableError(f"--feature-net {name}: cannot fetch its pretrained weights ({_first_line(e)}); "
+        raise HubUnavailableError(f"--feature-net {name}: cannot fetch its pretrained weights ({first_line(e)}); "
                                   "pass a local copy with --feature-weights FILE, or --feature-weights none") from None
     _load(target, state, f"--feature-net {name}", ignore=encoder.dropped)
     return f"{arch}'s pretrained weights (torchvision, from {where})"
