@@ -83,9 +83,14 @@ def alive(pid: int) -> bool:
     return fields[0] != "Z"
 
 
+def command(data: Path) -> list[str]:
+    """The preparation every run here makes: the killed ones and the ones that finish alike
+    (entries are named by the scale: a killed run at another scale leaves other entries)."""
+    return [*ATS, "make-dataset", "prepare", str(data), "--workers", "2", "--scale", "0.25"]
+
+
 def prepare(data: Path, env: dict, timeout: float = FINISH_S) -> subprocess.CompletedProcess:
-    return subprocess.run([*ATS, "make-dataset", "prepare", str(data), "--workers", "2", "--scale", "0.25"],
-                          capture_output=True, text=True, env=env, timeout=timeout)
+    return subprocess.run(command(data), capture_output=True, text=True, env=env, timeout=timeout)
 
 
 def kill_loop(data: Path, kills: int, seed: int = 0, say=print) -> list[dict]:
@@ -106,8 +111,7 @@ def kill_loop(data: Path, kills: int, seed: int = 0, say=print) -> list[dict]:
     results = []
     for k in range(kills):
         shutil.rmtree(store, ignore_errors=True)
-        proc = subprocess.Popen([*ATS, "make-dataset", "prepare", str(data), "--workers", "2", "--scale", "0.25"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        proc = subprocess.Popen(command(data), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         if k % 2 == 0:  # any moment of the run: starting, locking, preparing, reporting
             at = rng.uniform(0.0, whole)
             time.sleep(at)

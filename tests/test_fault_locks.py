@@ -67,8 +67,7 @@ def _hold(path: Path, record: dict, fork: bool = False) -> subprocess.Popen:
 
 def test_kill_9_of_a_preparer_leaves_no_orphans_and_the_next_preparation_completes(pngs):
     store = pngs / ".ats-prepared"
-    proc = subprocess.Popen([*kill_prepare.ATS, "make-dataset", "prepare", str(pngs), "--workers", "2"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
+    proc = subprocess.Popen(kill_prepare.command(pngs), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
     workers: list[int] = []
     try:
         deadline = time.monotonic() + 120
