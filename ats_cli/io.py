@@ -166,11 +166,12 @@ def settled(stamped_ns: int, mtime_ns: int, ctime_ns: int) -> bool:
     return stamped_ns - max(mtime_ns, ctime_ns) >= (COARSE_SETTLE_NS if coarse else FINE_SETTLE_NS)
 
 
-def first_line(e: BaseException) -> str:
-    """An exception's message cut to its first line (at most 200 characters), or its type's
-    name when it says nothing: what goes in parentheses in a one-line error."""
+def first_line(e: BaseException, limit: int | None = 200) -> str:
+    """An exception's message cut to its first line (at most ``limit`` characters; None: the
+    whole line, where it names a file that must stay whole), or its type's name when it
+    says nothing: what goes in parentheses in a one-line error."""
     text = str(e).strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:200]
+    return (text[0] if text else type(e).__name__)[:limit]
 
 
 def load_refusal(e: BaseException) -> tuple[str | None, str]:

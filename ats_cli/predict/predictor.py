@@ -28,6 +28,7 @@ from ats_cli.core.sampling import ESTIMATORS
 from ats_cli.data.images import ImageReadError
 from ats_cli.data.inputs import OpenedImage, batch_sources, batch_support, batch_views, open_input
 from ats_cli.inference import predict_probs
+from ats_cli.io import first_line
 from ats_cli.multilabel import DEFAULT_THRESHOLD, decide, is_multilabel
 from ats_cli.predict.inputs import InputItem
 from ats_cli.runtime import resolve_device
@@ -217,7 +218,7 @@ class Predictor:
                         run([one])
                     return
                 index, _ = batch[0]
-                finish(index, _failed(items[index], f"{items[index].path}: prediction failed ({_first_line(e)})"))
+                finish(index, _failed(items[index], f"{items[index].path}: prediction failed ({first_line(e)})"))
                 return
             for b, ((index, opened), p) in enumerate(zip(batch, probs.tolist(), strict=True)):
                 if not all(math.isfinite(v) for v in p):
@@ -244,7 +245,7 @@ class Predictor:
                 try:
                     opened = opened_images.get(index)
                 except Exception as e:  # whatever a reader raises: this file fails, the others go on
-                    text = _first_line(e)
+                    text = first_line(e, limit=None)
                     if not isinstance(e, (ImageReadError, OSError, ValueError)):
                         text = f"{type(e).__name__}: {text}"
                     finish(index, _failed(item, text if str(item.path) in text else f"{item.path}: {text}"))
@@ -334,8 +335,3 @@ class _read_ahead:  # noqa: N801 (used like a function)
 
 def _failed(item: InputItem, message: str) -> PredictionRow:
     return PredictionRow(path=item.path, label=item.label, error=message)
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
