@@ -14,6 +14,23 @@ Raw arrays take the image's full uint8 size on disk, many times a PNG of mostly 
 pixels, and were not faster to read (opening a memory map costs more than decoding the
 few tiles ten patches touch); the tiles take about the PNG's size.
 
+Why not Zarr v3 (issue 70; ``benchmarks/loader.py --zarr``, benchmarks/README.md,
+"Loader"): on the same images, one Zarr group per image (the pixels as one shard of 64x64
+inner chunks, the view as one chunk) written and read by zarr-python takes 7.7x the time to
+prepare (zstd; blosc-zstd and gzip take more) and about 100x the time per patch (its every
+read passes an asyncio loop and the codec pipeline: 1.2 ms a patch, against 12 us). Only the
+same format written and read by code of our own comes near, and still misses the targets of
+1.2x: 1.5x per patch with gzip (2.0x with numcodecs' zstd), 3.5x the view read (no sparse
+view among its codecs), 1.75x a sample, and 1.32x the disk blocks (five files an entry
+against one), on Megapixel MNIST at the paper spec. On dense JPEG photos zarr-python
+takes 1.7x to prepare and 13x a patch; read directly, zstd chunks read 2.3x faster than
+our zlib tiles (the codec, which the entry could adopt, not the container), gzip ones as
+fast. Zarr would also give up what one file gives: an entry replaced by one rename, and
+a reader that knows by its inode that the file it reads is the one whose view it was
+given. Zarr's gains (other tools read it, object storage) do not concern a cache of decoded
+pixels that lives beside its dataset and is made again from it at will, so the entry stays
+the format of our own.
+
 Results do not change: a prepared image gives bit for bit the view and patches the
 source gives (tested), so a run with the same seed gives the same metrics.
 
