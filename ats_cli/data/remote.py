@@ -136,8 +136,11 @@ def _filesystem(url: str, asynchronous: bool = False) -> tuple[Any, str]:
             options["client_kwargs"] = {"timeout": aiohttp.ClientTimeout(total=None, connect=t, sock_read=t)}
         fs, where = fsspec.core.url_to_fs(url, **options)
         if asynchronous and not fs.async_impl:  # file://, and the other synchronous protocols
-            from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
-
+            try:
+                from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+            except ImportError:  # fsspec before 2024.12
+                raise _error(url, f"zarr reads {protocol}:// through fsspec's AsyncFileSystemWrapper, new in "
+                             f"fsspec 2024.12 (this is {fsspec.__version__}): pip install -U fsspec") from None
             fs = AsyncFileSystemWrapper(fs, asynchronous=True)
         return fs, where
     except ImportError as e:  # fsspec names the package a protocol needs
