@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 zarr = pytest.importorskip("zarr")
 
 from ats_cli.cli import app  # noqa: E402
+from ats_cli.data.images import ImageReadError  # noqa: E402
 from ats_cli.data.inputs import ViewCache  # noqa: E402
 from ats_cli.data.slides import open_image  # noqa: E402
 from tests.httpserve import serve  # noqa: E402
@@ -191,3 +192,31 @@ def test_the_view_of_a_store_behind_a_url_is_never_stored(tmp_path):
     local = open_image(tmp_path / "site" / "s.ome.zarr")
     assert (low == local.low_res_view(0.1)).all()
     assert not (tmp_path / "views").exists() or not any((tmp_path / "views").iterdir())
+
+
+def test_a_sharded_store_behind_a_url_fetches_the_inner_chunks_a_patch_touches(tmp_path):
+    """NGFF 0.5 stores of whole slides are sharded (Zarr v3: many chunks in one object, an
+    index at its end): zarr asks the server for the index and the chunks' byte ranges, so
+    a patch costs its chunks, not its shard; a missing shard is named as a missing chunk."""
+    import numpy as np
+    import torch
+
+    image = np.random.default_rng(0).integers(0, 256, (3, 512, 768), dtype=np.uint8)
+    store = tmp_path / "site" / "sharded.ome.zarr"
+    group = zarr.open_group(str(store), mode="w", zarr_format=3)
+    group.create_array("0", shape=image.shape, chunks=(3, 64, 64), shards=(3, 256, 256), dtype="uint8")[...] = image
+    axes = [{"name": "c", "type": "channel"}, {"name": "y", "type": "space"}, {"name": "x", "type": "space"}]
+    group.attrs["ome"] = {"version": "0.5", "multiscales": [{"axes": axes, "datasets": [
+        {"path": "0", "coordinateTransformations": [{"type": "scale", "scale": [1, 1, 1]}]}]}]}
+    with serve(tmp_path / "site") as server:
+        slide = open_image(server.url("sharded.ome.zarr"))
+        server.reset()
+        got = slide.read_patches(torch.tensor([[10, 20], [300, 400]]), (64, 64))
+        assert np.array_equal(got[0].numpy(), image[:, 10:74, 20:84])
+        assert np.array_equal(got[1].numpy(), image[:, 300:364, 400:464])
+        shard = store / "0" / "c" / "0" / "1" / "1"
+        assert set(server.sent) == {"sharded.ome.zarr/0/c/0/0/0", "sharded.ome.zarr/0/c/0/1/1"}
+        assert server.sent["sharded.ome.zarr/0/c/0/1/1"] < 0.3 * shard.stat().st_size  # 4 of its 16 chunks
+        shard.unlink()
+        with pytest.raises(ImageReadError, match="chunk 0/c/0/1/1 of level 0 \\(row 256, column 256\\) is missing"):
+            open_image(server.url("sharded.ome.zarr")).read_patches(torch.tensor([[300, 400]]), (64, 64))
