@@ -409,8 +409,8 @@ class OmeZarrReader(SlideReader):
         except _MissingChunk as e:  # behind a URL (_Strict): missing is not background
             raise self._missing(level, e.key[len(self._paths[level]) + 1:]) from None
         except Exception as e:  # whatever the codec or the store raises: name the store and where
-            why = describe(self.path, e) if self._remote is not None and not isinstance(e, ValueError) \
-                else f"{type(e).__name__}: {e}"
+            fetching = isinstance(e, OSError | TimeoutError) or type(e).__module__.split(".")[0] == "aiohttp"
+            why = describe(self.path, e) if self._remote is not None and fetching else f"{type(e).__name__}: {e}"
             raise SlideReadError(self.path, f"cannot read the {w}x{h} region at row {row}, column {col} of level "
                                  f"{level} ({why})") from e
         kept = [n for n in self._axis if n in ("y", "x", "c")]  # the axes the selection kept, in array order
