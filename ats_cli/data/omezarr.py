@@ -252,13 +252,15 @@ class OmeZarrReader(SlideReader):
             sub = ds.get("path") if isinstance(ds, dict) else None
             if not isinstance(sub, str) or not sub or Path(sub).is_absolute() or ".." in Path(sub).parts:
                 raise SlideReadError(path, f"dataset {k} of its multiscales has no path inside the store ({sub!r})")
-            docs = [n for n in ("zarr.json", ".zarray") if _read_json(_join(path, sub), n) is not None]
-            if remote is not None and not docs:  # zarr would say "not found" without the URL
+            # the array's metadata, bounded before zarr parses it: Zarr v3's, else v2's
+            fmt = 3 if _read_json(_join(path, sub), "zarr.json") is not None else \
+                2 if _read_json(_join(path, sub), ".zarray") is not None else None
+            if remote is not None and fmt is None:  # zarr would say "not found" without the URL
                 raise SlideReadError(path, f"level {k} ({sub}) is not there: no {_join(path, sub)}/zarr.json or "
                                      ".zarray (HTTP 404 or no such object)")
             try:
-                arr = zarr.open_array(store=str(path / sub), mode="r") if remote is None else \
-                    zarr.open_array(store=remote, path=sub, mode="r", zarr_format=3 if "zarr.json" in docs else 2)
+                arr = zarr.open_array(store=str(path / sub), mode="r", zarr_format=fmt) if remote is None else \
+                    zarr.open_array(store=remote, path=sub, mode="r", zarr_format=fmt)
             except Exception as e:  # zarr raises many types for a missing or broken array
                 raise SlideReadError(path, f"level {k} ({sub}) is not a readable Zarr array "
                                      f"({type(e).__name__}: {e})") from e
