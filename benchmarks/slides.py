@@ -15,9 +15,14 @@ With ``--url``: the same ``ats predict`` on the slide read from a URL, served fr
 file: wall times, and the bytes the server sent against the file's size (no dense
 baseline). ``--slide jpeg`` writes the URL tests' pyramid instead (256² JPEG tiles, about a
 third of it tissue: tests/test_urls.py), whose tiles are the size of a scanner's.
+``--url --omezarr``: the same for an OME-Zarr copy of each slide with the same pixels
+(NGFF 0.5, one chunk per TIFF tile, zstd: tests/test_omezarr_urls.py), beside the TIFF's
+rows, and the store's local wall time against the TIFF's.
 
 Usage: python benchmarks/slides.py --sizes 10000 20000 --out /tmp/slidebench
        python benchmarks/slides.py --url --slide jpeg --sizes 20000 100000
+       python benchmarks/slides.py --url --omezarr --slide jpeg --sizes 100000 \
+           --model models/synthetic-slides-100k-ats.pt
 Prints a Markdown table row per size; copy it into benchmarks/slides.md with `uptime`.
 """
 
@@ -131,6 +136,9 @@ def main() -> None:
                          "the process has started ((wall_N - wall_1) / (N - 1))")
     ap.add_argument("--url", action="store_true",
                     help="also predict each slide from a URL served on 127.0.0.1: wall time and bytes fetched")
+    ap.add_argument("--omezarr", action="store_true",
+                    help="with --url: also write each slide as an OME-Zarr store with the same pixels and predict it "
+                         "from its path and from a URL")
     ap.add_argument("--slide", choices=("zlib", "jpeg"), default="zlib",
                     help="zlib: 512² noise tiles (write_slide); jpeg: the URL tests' pyramid of 256² JPEG tiles")
     ap.add_argument("--model", type=Path, default=None,
@@ -181,23 +189,46 @@ def slide_for(a, n: int) -> tuple[Path, float]:
     return slide, time.perf_counter() - t
 
 
+def _bytes(path: Path) -> int:
+    """A file's size, or a store's: the sum of its files'."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
 def url_table(a, model: Path) -> None:
     """``ats predict`` of each slide from its local path and from a URL on 127.0.0.1, each in a
-    fresh process (cold: nothing cached), with the bytes the server sent for the URL."""
+    fresh process (cold: nothing cached), with the bytes the server sent for the URL; with
+    ``--omezarr``, the same for the slide's OME-Zarr copy (the same pixels, one chunk per tile)."""
     from tests.httpserve import serve
 
-    print("| size | file MB | local predict s | URL predict s | URL / local | fetched MB | fetched / file "
-          "| requests |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| format | size | MB on disk | write s | local predict s | URL predict s | URL / local | fetched MB "
+          "| fetched / file | requests |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for n in a.sizes:
-        slide, _ = slide_for(a, n)
-        local, _ = run_predict(slide, model)
-        with serve(slide.parent) as server:
-            remote, _ = run_predict(server.url(slide.name), model)  # type: ignore[arg-type]
-            sent, requests = server.sent[slide.name], server.requests
-        size = slide.stat().st_size
-        print(f"| {n:,} | {size / 2**20:,.1f} | {local:.2f} | {remote:.2f} | {remote / local:.2f}x | "
-              f"{sent / 2**20:.2f} | {100 * sent / size:.2f}% | {requests} |", flush=True)
+        slide, wt = slide_for(a, n)
+        inputs = [("TIFF", slide, wt)]
+        if a.omezarr:
+            store = slide.with_suffix(".ome.zarr")
+            t = time.perf_counter()
+            if not store.exists():
+                from tests.test_omezarr_urls import write_omezarr_copy
+
+                write_omezarr_copy(slide, store)
+            inputs.append(("OME-Zarr", store, time.perf_counter() - t))
+        walls = {}
+        for kind, path, wt in inputs:
+            local, _ = run_predict(path, model)
+            walls[kind] = local
+            with serve(path.parent) as server:
+                remote, _ = run_predict(server.url(path.name), model)  # type: ignore[arg-type]
+                sent = sum(v for k, v in server.sent.items() if k == path.name or k.startswith(path.name + "/"))
+                requests = server.requests
+            size = _bytes(path)
+            print(f"| {kind} | {n:,} | {size / 2**20:,.1f} | {wt:.0f} | {local:.2f} | {remote:.2f} | "
+                  f"{remote / local:.2f}x | {sent / 2**20:.2f} | {100 * sent / size:.2f}% | {requests} |", flush=True)
+        if a.omezarr:
+            print(f"OME-Zarr local / TIFF local: {walls['OME-Zarr'] / walls['TIFF']:.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -416,10 +416,16 @@ def source_state(slide, scale: float) -> tuple[dict, int, int]:
     (the metadata and the chunks of the view's level: ``slide.view_files``) and the metadata's
     content; a chunk added, removed or rewritten names another entry. A URL: the URL, its
     size, ETag and Last-Modified (:func:`ats_cli.data.remote.remote_stat`), proven (times 0)
-    when the server gives a validator, else never (times now: the view is not stored)."""
+    when the server gives a validator, else never (times now: the view is not stored). An
+    OME-Zarr store behind a URL, never: it is one object per chunk, a server lists none of
+    them, and no one object's validator says that a chunk was rewritten (stating every chunk
+    of the view's level would cost a request each)."""
     from ats_cli.core.source import low_res_size
     from ats_cli.data.remote import is_url, proves_unchanged, remote_stat
 
+    if is_url(slide.path) and getattr(slide, "view_files", None) is not None:  # a store: never stored
+        now = time.time_ns()
+        return {"url": slide.path, "store": "behind a URL"}, now, now
     if is_url(slide.path):  # what the server says of the bytes; no validator: never stored (view())
         stat = remote_stat(slide.path)
         proven = 0 if proves_unchanged(stat) else time.time_ns()

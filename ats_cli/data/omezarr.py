@@ -42,15 +42,29 @@ brightfield slide has no such chunk, a store written so that has them must be re
 with them. Inside a shard, a chunk the shard's index marks empty is read as the fill
 value: that is the writer's statement, not a loss.)
 
+Behind a URL (``http(s)://``, ``file://``, ``s3://``, ...: :mod:`ats_cli.data.remote`), a
+store is read through zarr's ``FsspecStore`` over an asynchronous fsspec file system: the
+metadata documents once each at opening (bounded as above, from what the server says of
+their size), then each chunk a region touches as one request, the chunks of a
+``read_patches`` call in flight together, each fetched once per call and none kept
+afterwards (a chunk is decoded into the patches and dropped, as a TIFF tile is). No local
+copy and no listing: a server lists no directories, so a chunk the store lacks is found
+when it is fetched (HTTP 404) and is the same error naming the URL, the chunk and where it
+is; a store whose URL has neither ``zarr.json`` nor ``.zattrs`` below it "does not exist".
+A store's view is never kept in the view cache when it is behind a URL: no one object's
+validator says a chunk was rewritten (:func:`ats_cli.data.inputs.source_state`).
+
 The ``zarr`` package (the ``[zarr]`` extra) is imported when a store is opened, never at
-start-up. Local stores only; URLs are not read here.
+start-up.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +73,7 @@ import numpy as np
 from ats_cli.core.source import thread_pool
 from ats_cli.data.dataset import OMEZARR
 from ats_cli.data.images import max_pixels_limit
+from ats_cli.data.remote import RemoteReadError, async_filesystem, describe, fetch_document, input_path, is_url
 from ats_cli.data.slides import (
     MPP_TOLERANCE,
     PARALLEL_SEGMENT_PIXELS,
@@ -77,33 +92,49 @@ _MICRONS = {"angstrom": 1e-4, "picometer": 1e-6, "nanometer": 1e-3, "micrometer"
 _OLD_AXES = "tczyx"  # NGFF 0.1-0.3 without named axes: the last ndim of these
 
 
-def _read_json(store: Path, name: str) -> dict | None:
-    """The JSON object ``store/name``, or None when the file is absent; refused by name
-    when it is too large, not JSON, or not an object."""
-    doc = store / name
+def _join(store: Path | str, name: str) -> Path | str:
+    """``store/name``: a path, or the URL of an object below a store's URL."""
+    return store.rstrip("/") + "/" + name if is_url(store) else Path(store) / name
+
+
+def _read_json(store: Path | str, name: str) -> dict | None:
+    """The JSON object ``store/name``, or None when the file (the object, behind a URL) is
+    absent; refused by name when it is too large, not JSON, or not an object."""
+    doc = _join(store, name)
+    if is_url(store):
+        data = fetch_document(doc, MAX_METADATA_BYTES)  # a RemoteReadError naming the object's URL
+        if data is None:
+            return None
+    else:
+        try:
+            size = doc.stat().st_size
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise SlideReadError(store, f"cannot read {name} ({e.strerror or e})") from e
+        if size > MAX_METADATA_BYTES:
+            raise SlideReadError(store, f"{name} is {size:,} bytes, more than the {MAX_METADATA_BYTES:,} a metadata "
+                                 "document may have")
+        try:
+            data = doc.read_bytes()
+        except OSError as e:
+            raise SlideReadError(store, f"cannot read {name} ({e.strerror or e})") from e
     try:
-        size = doc.stat().st_size
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise SlideReadError(store, f"cannot read {name} ({e.strerror or e})") from e
-    if size > MAX_METADATA_BYTES:
-        raise SlideReadError(store, f"{name} is {size:,} bytes, more than the {MAX_METADATA_BYTES:,} a metadata "
-                             "document may have")
-    try:
-        value = json.loads(doc.read_bytes())
-    except (OSError, ValueError) as e:
+        value = json.loads(data)
+    except ValueError as e:
         raise SlideReadError(store, f"{name} is not readable JSON ({type(e).__name__}: {e})") from e
     if not isinstance(value, dict):
         raise SlideReadError(store, f"{name} holds {type(value).__name__}, not a JSON object")
     return value
 
 
-def read_multiscales(store: Path) -> tuple[dict, dict, str]:
+def read_multiscales(store: Path | str) -> tuple[dict, dict, str]:
     """(the first multiscale, the attributes it was found in, the NGFF version) of the
-    group at ``store``: ``zarr.json``'s ``attributes.ome`` (0.5) or ``.zattrs`` (0.4 and
-    earlier). Raises :class:`SlideReadError` naming the store when there is none."""
+    group at ``store`` (a path or a URL): ``zarr.json``'s ``attributes.ome`` (0.5) or
+    ``.zattrs`` (0.4 and earlier). Raises :class:`SlideReadError` naming the store when
+    there is none."""
     v3 = _read_json(store, "zarr.json")
+    zattrs = None
     if v3 is not None:
         attrs = v3.get("attributes") or {}
         ome = attrs.get("ome") if isinstance(attrs, dict) else None
@@ -114,9 +145,13 @@ def read_multiscales(store: Path) -> tuple[dict, dict, str]:
         else:
             attrs = None
     else:
-        attrs, version = _read_json(store, ".zattrs"), ""
+        attrs = zattrs = _read_json(store, ".zattrs")
+        version = ""
     if not isinstance(attrs, dict) or "multiscales" not in attrs:
-        found = "zarr.json" if v3 is not None else ".zattrs" if (store / ".zattrs").exists() else None
+        found = "zarr.json" if v3 is not None else ".zattrs" if zattrs is not None else None
+        if found is None and is_url(store):  # a URL names no directory to find: nothing is there
+            raise RemoteReadError(store, "does not exist (HTTP 404 or no such object: no zarr.json or .zattrs "
+                                  "below it, so no OME-Zarr store)")
         where = f"its {found} has" if found else "it has no zarr.json or .zattrs, so"
         raise SlideReadError(store, f"is not an OME-Zarr image: {where} no 'multiscales' metadata (NGFF: the "
                              "group's attributes name the pyramid's levels)")
@@ -204,22 +239,28 @@ class OmeZarrReader(SlideReader):
 
     name = OMEZARR
 
-    def __init__(self, path: Path, max_pixels: int | None = None):
-        path = Path(path)
+    def __init__(self, path: Path | str, max_pixels: int | None = None):
+        path = input_path(path)  # a URL stays the URL string
         ms, attrs, version = read_multiscales(path)
         datasets = ms.get("datasets")
         if not isinstance(datasets, list) or not datasets:
             raise SlideReadError(path, "its multiscales list no datasets (the pyramid's levels)")
         zarr = _zarr(path)
+        remote = _remote_store(path) if is_url(path) else None
         self._paths, self._arrays = [], []
         for k, ds in enumerate(datasets):
             sub = ds.get("path") if isinstance(ds, dict) else None
             if not isinstance(sub, str) or not sub or Path(sub).is_absolute() or ".." in Path(sub).parts:
                 raise SlideReadError(path, f"dataset {k} of its multiscales has no path inside the store ({sub!r})")
-            for name in ("zarr.json", ".zarray"):  # bounded before zarr parses it
-                _read_json(path / sub, name)
+            # the array's metadata, bounded before zarr parses it: Zarr v3's, else v2's
+            fmt = 3 if _read_json(_join(path, sub), "zarr.json") is not None else \
+                2 if _read_json(_join(path, sub), ".zarray") is not None else None
+            if remote is not None and fmt is None:  # zarr would say "not found" without the URL
+                raise SlideReadError(path, f"level {k} ({sub}) is not there: no {_join(path, sub)}/zarr.json or "
+                                     ".zarray (HTTP 404 or no such object)")
             try:
-                arr = zarr.open_array(store=str(path / sub), mode="r")
+                arr = zarr.open_array(store=str(path / sub), mode="r", zarr_format=fmt) if remote is None else \
+                    zarr.open_array(store=remote, path=sub, mode="r", zarr_format=fmt)
             except Exception as e:  # zarr raises many types for a missing or broken array
                 raise SlideReadError(path, f"level {k} ({sub}) is not a readable Zarr array "
                                      f"({type(e).__name__}: {e})") from e
@@ -262,6 +303,7 @@ class OmeZarrReader(SlideReader):
         super().__init__(path, levels, channels, f"ome-zarr {version}")
         self.max_pixels = max_pixels_limit(max_pixels)
         self._present: set[tuple[int, str]] = set()  # chunk files seen on disk (stat once each)
+        self._remote = remote
         self._scale_from(path, ms, datasets, axes)
 
     def _scale_from(self, path: Path, ms: dict, datasets: list, axes: list[tuple[str, str | None]]) -> None:
@@ -320,6 +362,8 @@ class OmeZarrReader(SlideReader):
     def _check_present(self, row: int, col: int, h: int, w: int, level: int) -> None:
         """Refuse a region that touches a chunk (a shard, in a sharded array) missing from
         the store, by name (module docstring: missing is not background)."""
+        if self._remote is not None:  # behind a URL: the store says so when a chunk is fetched (_Strict)
+            return
         arr = self._arrays[level]
         grid = tuple(int(v) for v in (arr.shards or arr.chunks))
         ranges = []
@@ -336,10 +380,24 @@ class OmeZarrReader(SlideReader):
             if (level, key) in self._present:
                 continue
             if not (self.path / self._paths[level] / key).is_file():
-                y, x = coords[self._axis["y"]] * grid[self._axis["y"]], coords[self._axis["x"]] * grid[self._axis["x"]]
-                raise SlideReadError(self.path, f"chunk {self._paths[level]}/{key} of level {level} (row {y}, column "
-                                     f"{x}) is missing: the store is incomplete (an interrupted copy?)")
+                raise self._missing(level, key, coords)
             self._present.add((level, key))
+
+    def _missing(self, level: int, key: str, coords: tuple[int, ...] | None = None) -> SlideReadError:
+        """The error for chunk ``key`` (a shard, in a sharded array) of ``level``, missing
+        from the store; ``coords``: its grid position, else read from the key."""
+        arr = self._arrays[level]
+        grid = tuple(int(v) for v in (arr.shards or arr.chunks))
+        if coords is None:
+            parts = [p for p in re.split(r"[./]", key) if p != "c"]
+            coords = tuple(int(p) for p in parts) if len(parts) == arr.ndim and all(p.isdigit() for p in parts) \
+                else None
+        where = ""
+        if coords is not None:
+            y, x = coords[self._axis["y"]] * grid[self._axis["y"]], coords[self._axis["x"]] * grid[self._axis["x"]]
+            where = f" (row {y}, column {x})"
+        return SlideReadError(self.path, f"chunk {self._paths[level]}/{key} of level {level}{where} is missing: the "
+                              "store is incomplete (an interrupted copy?)")
 
     def _read_region(self, row, col, h, w, level):
         self._check_chunks(level)
@@ -350,9 +408,13 @@ class OmeZarrReader(SlideReader):
                     slice(None) if n == "c" else 0 for n in self._axis)
         try:
             data = np.asarray(self._arrays[level][sel])
+        except _MissingChunk as e:  # behind a URL (_Strict): missing is not background
+            raise self._missing(level, e.key[len(self._paths[level]) + 1:]) from None
         except Exception as e:  # whatever the codec or the store raises: name the store and where
+            fetching = isinstance(e, OSError | TimeoutError) or type(e).__module__.split(".")[0] == "aiohttp"
+            why = describe(self.path, e) if self._remote is not None and fetching else f"{type(e).__name__}: {e}"
             raise SlideReadError(self.path, f"cannot read the {w}x{h} region at row {row}, column {col} of level "
-                                 f"{level} ({type(e).__name__}: {e})") from e
+                                 f"{level} ({why})") from e
         kept = [n for n in self._axis if n in ("y", "x", "c")]  # the axes the selection kept, in array order
         data = data.transpose([kept.index(n) for n in ("y", "x", "c") if n in kept])
         if data.ndim == 2:
@@ -410,6 +472,57 @@ class OmeZarrReader(SlideReader):
             dirnames.sort()
             files += [Path(dirpath) / n for n in sorted(names)]
         return files
+
+
+class _MissingChunk(Exception):
+    """A chunk (or shard) the store does not have: raised by :class:`_Strict` through zarr,
+    which would otherwise read it as the fill value."""
+
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+_METADATA_NAMES = ("zarr.json", ".zarray", ".zattrs", ".zgroup", ".zmetadata")
+
+
+def _remote_store(url: str) -> Any:
+    """zarr's ``FsspecStore`` over the store at ``url`` (an asynchronous fsspec file system:
+    each chunk one request, several in flight at once), read-only, whose missing chunks are
+    errors (:func:`_strict_store`)."""
+    from zarr.storage import FsspecStore
+
+    fs, where = async_filesystem(url)
+    return _strict_store()(FsspecStore(fs, path=where.rstrip("/"), read_only=True))
+
+
+@functools.cache
+def _strict_store() -> type:
+    """The store class that raises :class:`_MissingChunk` for a chunk its store lacks (made
+    on first use: zarr is imported when a store is opened). zarr reads a key the store
+    lacks as the fill value; a local store's chunk files are checked before reading
+    (``_check_present``), but behind a URL there is no listing to check against, so the
+    store says so itself when the chunk is fetched."""
+    from zarr.storage import WrapperStore
+
+    def check(key: str, value: Any) -> None:
+        if value is None and key.rsplit("/", 1)[-1] not in _METADATA_NAMES:
+            raise _MissingChunk(key)
+
+    class StrictStore(WrapperStore):
+        async def get(self, key, prototype, byte_range=None):
+            value = await self._store.get(key, prototype, byte_range)
+            check(key, value)
+            return value
+
+        async def get_partial_values(self, prototype, key_ranges):
+            key_ranges = list(key_ranges)
+            values = await self._store.get_partial_values(prototype, key_ranges)
+            for (key, _), value in zip(key_ranges, values, strict=True):
+                check(key, value)
+            return values
+
+    return StrictStore
 
 
 def _zarr(path: Path) -> Any:

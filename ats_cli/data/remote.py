@@ -22,7 +22,10 @@ demand. What is fetched, and why:
 * **Ordinary images** (PNG, JPEG, ...) are decoded whole anyway, so they are fetched whole,
   into memory, under the pixel budget (checked from the header, as for a local file) and a
   byte limit: :data:`MAX_FETCH_BYTES` (1 GiB; a 64 M pixel PNG is at most 256 MB).
-* **OME-Zarr stores and virtual slides** are not read from a URL (yet): refused by name.
+* **OME-Zarr stores** are read by zarr through an asynchronous fsspec file system
+  (:func:`async_filesystem`), chunk by chunk, only the chunks the view's level and the
+  patches touch (:mod:`ats_cli.data.omezarr`); their metadata documents through
+  :func:`fetch_document`, bounded. **Virtual slides** are not read from a URL: refused by name.
 
 A URL that cannot be read (404, a refused connection, no answer within
 ``ATS_URL_TIMEOUT`` seconds, default 60, a protocol whose package is not installed) is a
@@ -48,6 +51,7 @@ from urllib.parse import urlsplit
 
 __all__ = ["ImageReadError", "RemoteReadError",
            "is_url", "input_path", "url_suffix", "url_name", "open_remote", "remote_stat", "fetch_bytes",
+           "fetch_document", "async_filesystem", "not_found",
            "BLOCK_BYTES", "CACHE_BLOCKS", "MAX_FETCH_BYTES", "TIMEOUT_ENV"]
 
 # scheme "://": two letters at least, so that a Windows drive (C:/...) is never a URL
@@ -113,22 +117,32 @@ def _error(url: str, problem: str):
     return RemoteReadError(url, problem)
 
 
-def _filesystem(url: str) -> tuple[Any, str]:
+def _filesystem(url: str, asynchronous: bool = False) -> tuple[Any, str]:
     """(fsspec file system, its path) for ``url``; HTTP with a timeout on connecting and on
-    each read (aiohttp's default waits 5 minutes for a stalled server)."""
+    each read (aiohttp's default waits 5 minutes for a stalled server). ``asynchronous``:
+    the file system zarr's store reads through (:func:`zarr_store`), made async if its
+    protocol is not."""
     try:
         import fsspec
     except ImportError:
         raise _error(url, "reading a URL needs fsspec: pip install 'ats[remote]'") from None
     protocol = urlsplit(url).scheme.lower()
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"asynchronous": True} if asynchronous else {}
     try:
         if protocol in ("http", "https"):
             import aiohttp
 
             t = _timeout()
             options["client_kwargs"] = {"timeout": aiohttp.ClientTimeout(total=None, connect=t, sock_read=t)}
-        return fsspec.core.url_to_fs(url, **options)
+        fs, where = fsspec.core.url_to_fs(url, **options)
+        if asynchronous and not fs.async_impl:  # file://, and the other synchronous protocols
+            try:
+                from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+            except ImportError:  # fsspec before 2024.12
+                raise _error(url, f"zarr reads {protocol}:// through fsspec's AsyncFileSystemWrapper, new in "
+                             f"fsspec 2024.12 (this is {fsspec.__version__}): pip install -U fsspec") from None
+            fs = AsyncFileSystemWrapper(fs, asynchronous=True)
+        return fs, where
     except ImportError as e:  # fsspec names the package a protocol needs
         fix = "pip install 'ats[remote]'" if protocol in ("http", "https") else "its fsspec package"
         raise _error(url, f"the {protocol}:// protocol needs a package that is not installed ({e}): {fix}") from None
@@ -144,7 +158,7 @@ def describe(url: str, e: BaseException) -> str:
     if isinstance(e, FileNotFoundError) and isinstance(e.__cause__, Exception):
         return describe(url, e.__cause__)  # fsspec's HTTP info says "not found" for any failure: the cause says why
     status = getattr(e, "status", None) or getattr(e, "code", None)
-    if isinstance(e, FileNotFoundError) or status == 404:
+    if not_found(e):
         return "does not exist (HTTP 404 or no such object)"
     if isinstance(e, TimeoutError | asyncio.TimeoutError):
         return f"no answer within {_timeout():g} s (timed out; {TIMEOUT_ENV}=SECONDS waits longer)"
@@ -155,6 +169,47 @@ def describe(url: str, e: BaseException) -> str:
         return f"access denied ({e})"
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"cannot be fetched ({type(e).__name__}{': ' + text if text else ''})"
+
+
+def not_found(e: BaseException) -> bool:
+    """Whether ``e`` says that nothing is at the URL (HTTP 404, no such object), as
+    :func:`describe` words it, rather than that the server could not be asked."""
+    if isinstance(e, FileNotFoundError) and isinstance(e.__cause__, Exception):
+        return not_found(e.__cause__)
+    status = getattr(e, "status", None) or getattr(e, "code", None)
+    return isinstance(e, FileNotFoundError) or status == 404
+
+
+def fetch_document(url: str, limit: int) -> bytes | None:
+    """The content of a small object at ``url`` (an OME-Zarr store's metadata document), or
+    None when there is none (HTTP 404, no such object). Refused by name, before it is
+    fetched, when the server says it is larger than ``limit`` bytes; any other failure is a
+    RemoteReadError naming the URL."""
+    fs, where = _filesystem(url)
+    try:
+        size = fs.info(where).get("size")
+    except Exception as e:  # noqa: BLE001 - see remote_stat
+        if not_found(e):
+            return None
+        raise _error(url, describe(url, e)) from None
+    if size is not None and size > limit:
+        raise _error(url, f"is {size:,} bytes, more than the {limit:,} a metadata document may have")
+    try:
+        data = fs.cat_file(where) if size is not None else fs.cat_file(where, 0, limit + 1)
+    except Exception as e:  # noqa: BLE001 - see remote_stat
+        if not_found(e):
+            return None
+        raise _error(url, describe(url, e)) from None
+    if len(data) > limit:
+        raise _error(url, f"sent more than the {limit:,} bytes a metadata document may have")
+    return data
+
+
+def async_filesystem(url: str) -> tuple[Any, str]:
+    """(an asynchronous fsspec file system, its path) for ``url``: what zarr's
+    ``FsspecStore`` reads an OME-Zarr store behind a URL through (the HTTP timeout of
+    :func:`remote_stat`'s; a synchronous protocol, as ``file://``, wrapped)."""
+    return _filesystem(url, asynchronous=True)
 
 
 def remote_stat(url: str) -> dict[str, Any]:

@@ -827,12 +827,14 @@ def open_image(
 def _open_url(url: str, reader: str, max_pixels: int) -> SlideReader:
     """The reader of an input behind a URL (:mod:`ats_cli.data.remote`): a TIFF (and a
     vendor file that is one, as an Aperio SVS) through tifffile over fsspec's file, read
-    in blocks; an ordinary image fetched whole. OpenSlide opens files by name, so it never
-    reads a URL; OME-Zarr stores and virtual slides are not read from one either."""
+    in blocks; an OME-Zarr store through zarr's fsspec store, chunk by chunk; an ordinary
+    image fetched whole. OpenSlide opens files by name, so it never reads a URL; virtual
+    slides are not read from one either."""
     kind = backend(url) if reader == "auto" else reader
-    if kind in (OMEZARR, VIRTUAL):
-        what = "an OME-Zarr store" if kind == OMEZARR else "a virtual slide"
-        raise SlideReadError(url, f"is {what}, which ats does not read from a URL; copy it to a local path")
+    if kind == OMEZARR:
+        return _reader_class(OMEZARR)(url, max_pixels)
+    if kind == VIRTUAL:
+        raise SlideReadError(url, "is a virtual slide, which ats does not read from a URL; copy it to a local path")
     if kind == OPENSLIDE and reader == OPENSLIDE:
         raise SlideReadError(url, "OpenSlide reads local files only; --reader tifffile (or auto) reads a TIFF from a "
                              "URL, other vendor formats must be downloaded first")
