@@ -55,6 +55,21 @@ def _no_cuda_unless_asked(request, monkeypatch):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
+# ---- curves.png: drawn where a test looks at it
+@pytest.fixture(autouse=True)
+def _curves_drawn_where_looked_at(request, monkeypatch):
+    """Drawing curves.png (matplotlib: three panels, a tight layout, a 1400x400 PNG) costs
+    ~0.35 s of CPU a run, more than most of the suite's tiny runs spend training; the ~150
+    runs made in the tests' own processes spent ~50 s of the suite's CPU on pictures no test
+    looked at. So ``ats_cli.train._plot_curves`` draws nothing in a test unless it is marked
+    ``draws_curves`` (the tests that look for the file, or write it under a fault); runs in
+    a subprocess draw as always."""
+    if request.node.get_closest_marker("draws_curves") is None:
+        import ats_cli.train
+
+        monkeypatch.setattr(ats_cli.train, "_plot_curves", lambda history, path: None)
+
+
 # ---- the order: the files that hold the longest tests first
 # pytest-xdist hands the tests out in collection order (alphabetical files); a test of half a
 # minute that starts last runs alone while the other worker idles, and the suite lasts that

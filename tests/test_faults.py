@@ -408,6 +408,7 @@ def epoch_end_writes(squares, tmp_path_factory) -> int:
 
 
 @pytest.mark.parametrize("fault", ["kill", "disk full"])
+@pytest.mark.draws_curves
 def test_6_a_kill_or_full_disk_at_every_point_of_the_epoch_end_never_duplicates_or_loses_an_epoch(
         squares, straight, epoch_end_writes, tmp_path, monkeypatch, fault):
     points = [(k, "before") for k in range(epoch_end_writes)] + [(epoch_end_writes - 1, "after")]

@@ -81,6 +81,7 @@ def _weights(run):
     return load_checkpoint(run / "last.pt")["model"]
 
 
+@pytest.mark.draws_curves
 def test_two_epochs_lower_the_loss_and_write_the_run_directory(squares, tmp_path):
     history = train(_cfg(squares, tmp_path / "run", epochs=3), log=lambda s: None)
     assert [h["epoch"] for h in history] == [1, 2, 3]
@@ -184,6 +185,7 @@ def interactive_sigint():
     signal.signal(signal.SIGINT, previous)
 
 
+@pytest.mark.draws_curves
 def test_ctrl_c_while_an_epoch_is_being_saved_finishes_the_save_and_stops(squares, tmp_path, monkeypatch,
                                                                           interactive_sigint):
     """Ctrl-C while epoch 1's checkpoints, metrics and curves are written (the first
