@@ -165,6 +165,47 @@ def store_runs(net: str, epochs: int, device: str, where: str) -> dict:
     return runs
 
 
+def store_slide_runs(net: str, epochs: int, device: str, where: str, size: int, n_train: int, n_test: int) -> dict:
+    """``ats train`` on virtual synthetic slides of ``size``², the feature store off and on (module docstring)."""
+    from ats_cli.recipes import resolve_config
+    from ats_cli.train import train
+
+    data = os.path.join(where, "slides")
+    subprocess.run([sys.executable, "-m", "ats_cli", "make-dataset", "synthetic-slides", data, "--n-train",
+                    str(n_train), "--n-test", str(n_test), "--size", str(size), "--virtual", "--workers", "1"],
+                   check=True, capture_output=True)
+    runs = {}
+    for store in ("off", "on"):
+        out = os.path.join(where, f"store-{store}")
+        cfg = resolve_config(None, data=data, out=out, feature_net=net, feature_weights="none",
+                             feature_train="none", feature_store=store, batch_size=min(4, n_train), epochs=epochs,
+                             workers=0, augment="none", device=device, seed=0)
+        marks = [time.perf_counter()]
+
+        def log(line: str, marks: list[float] = marks) -> None:
+            if line.startswith("epoch "):
+                marks.append(time.perf_counter())
+
+        history = train(cfg, log=log)
+        runs[store] = {"wall_s": marks[-1] - marks[0],
+                       "epoch_s": [marks[i + 1] - marks[i] for i in range(len(marks) - 1)],
+                       "ms_per_slide": [h["ms_per_sample"] for h in history],
+                       "hit_rate": [h.get("feature_hit_rate") for h in history],
+                       "train_loss": [h["train_loss"] for h in history],
+                       "store_bytes": _store_bytes(out)}
+        r = runs[store]
+        print(f"store {store:3s}: epoch wall s " + ", ".join(f"{v:.1f}" for v in r["epoch_s"])
+              + "; train ms/slide " + ", ".join(f"{v:.0f}" for v in r["ms_per_slide"])
+              + ("; read back " + ", ".join(f"{v:.0%}" for v in r["hit_rate"]) if store == "on" else "")
+              + f"; store {r['store_bytes'] / 2**20:.2f} MiB; {r['wall_s']:.0f} s in all", flush=True)
+    on = runs["on"]["ms_per_slide"]
+    runs["later_over_first"] = statistics.median(on[1:]) / on[0] if len(on) > 1 else float("nan")
+    runs["same_losses"] = runs["on"]["train_loss"] == runs["off"]["train_loss"]
+    print(f"store on: training epochs 2+ / epoch 1 = {runs['later_over_first']:.2f}x; losses equal to store off: "
+          f"{runs['same_losses']}")
+    return runs
+
+
 def _store_bytes(run: str) -> int:
     """Bytes of the feature segments under ``run``'s store (0 without one)."""
     from pathlib import Path
@@ -224,6 +265,10 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--tile-mil", action="store_true", help="--method tile-mil against ats on synthetic slides")
     p.add_argument("--slide-size", type=int, default=1024)
+    p.add_argument("--slides", type=int, default=0, metavar="SIZE",
+                   help="with --store: virtual synthetic slides of SIZE² instead of the photos")
+    p.add_argument("--n-train", type=int, default=4)
+    p.add_argument("--n-test", type=int, default=2)
     a = p.parse_args()
     if a.tile_mil:
         import tempfile
@@ -238,7 +283,8 @@ def main() -> None:
         import tempfile
 
         with tempfile.TemporaryDirectory() as where:
-            runs = store_runs(a.net, a.epochs, a.device, where)
+            runs = (store_slide_runs(a.net, a.epochs, a.device, where, a.slides, a.n_train, a.n_test) if a.slides
+                    else store_runs(a.net, a.epochs, a.device, where))
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"net": a.net, "device": a.device, **runs}, f, indent=1)
