@@ -2,7 +2,10 @@
 net's gradient from the classification loss and from the entropy term, the feature net's
 and the classifier's, the attention's entropy against its uniform value, and (with the
 generator's boxes.json) the attention mass on the label objects and on the distractors,
-and the share of drawn patches that touch a label object.
+the share of drawn patches that touch a label object, and what each patch's own logits
+(the classifier on its feature alone, what the per-patch loss trains) give its image's
+label on the drawn patches that show a label object, a distractor, or only background:
+whether the features tell the objects apart yet.
 
     python benchmarks/first_steps.py DATA [--steps 60] [--boxes PHOTOS/boxes.json] [KEY=VALUE ...]
 
@@ -73,7 +76,8 @@ def main() -> None:
     print(f"settled: batch {cfg.batch_size}, n_patches {cfg.n_patches}, patch {cfg.patch_size}, scale {scale:g}, "
           f"entropy {cfg.entropy}, feature_net {cfg.feature_net}, lr {cfg.lr}")
     print("step | CE loss (train acc, running) | |g_att| CE | |g_att| H | |g_feat| | |g_cls| | H / H_uniform | "
-          "mass on objects | on distractors | drawn on objects")
+          "mass on objects | on distractors | drawn on objects | p(label) per patch: objects / distractors / "
+          "background")
     g = torch.Generator().manual_seed(1)
     step, acc_avg = 0, 0.0
     model.train()
@@ -101,10 +105,13 @@ def main() -> None:
                     break
                 continue
             mass, others, drawn = _on_objects(out, batch, ds, boxes, cfg.patch_size) if boxes else (float("nan"),) * 3
+            p_obj, p_dis, p_bg = _patch_label_probs(out, batch, ds, boxes, cfg.patch_size) if boxes else \
+                (float("nan"),) * 3
             k = out.attention[0].numel()
             print(f"{step:4d} | {float(ce):.3f} ({acc_avg:.2f}) | {_norm(g_ce[:len(att)]):.2e} | {_norm(g_h):.2e} | "
                   f"{_norm(g_ce[len(att):len(att) + len(feat)]):.2e} | {_norm(g_ce[len(att) + len(feat):]):.2e} | "
-                  f"{float(out.entropy.mean()) / math.log(k):.4f} | {mass:.4f} | {others:.4f} | {drawn:.3f}",
+                  f"{float(out.entropy.mean()) / math.log(k):.4f} | {mass:.4f} | {others:.4f} | {drawn:.3f} | "
+                  f"{p_obj:.3f} / {p_dis:.3f} / {p_bg:.3f}",
                   flush=True)
             if step >= args.steps:
                 break
@@ -146,6 +153,25 @@ def _on_objects(out, batch, ds, boxes, patch) -> tuple[float, float, float]:
             total += 1
             hits += any(oy < y + s and y < oy + patch and ox < x + s and x < ox + patch for y, x, s, _ in objs)
     return sum(masses) / len(masses), sum(others) / len(others), hits / max(total, 1)
+
+
+def _patch_label_probs(out, batch, ds, boxes, patch) -> tuple[float, float, float]:
+    """Mean probability of the image's label from each drawn patch's own logits
+    (``out.patch_logits``), over the patches that overlap a label object, those that overlap
+    only a distractor, and the rest (background); nan where a group is empty."""
+    probs = torch.softmax(out.patch_logits.detach().float(), dim=-1)
+    groups: dict[str, list[float]] = {"object": [], "distractor": [], "background": []}
+    for b, i in enumerate(batch.indices.tolist()):
+        label = int(batch.labels[b])
+        found = {role: _objects(ds, i, boxes, role) for role in ("object", "distractor")}
+        for k, (oy, ox) in enumerate(out.offsets[b].tolist()):
+            role = next((r for r in ("object", "distractor") if any(
+                oy < y + s and y < oy + patch and ox < x + s and x < ox + patch for y, x, s, _ in found[r])),
+                "background")
+            groups[role].append(float(probs[b, k, label]))
+    mean = [sum(v) / len(v) if v else float("nan") for v in groups.values()]
+    return mean[0], mean[1], mean[2]
+
 
 if __name__ == "__main__":
     main()
