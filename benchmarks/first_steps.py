@@ -7,7 +7,8 @@ the share of drawn patches that touch a label object, and what each patch's own 
 label on the drawn patches that show a label object, a distractor, or only background:
 whether the features tell the objects apart yet.
 
-    python benchmarks/first_steps.py DATA [--steps 60] [--boxes PHOTOS/boxes.json] [KEY=VALUE ...]
+    python benchmarks/first_steps.py DATA [--steps 60] [--boxes PHOTOS/boxes.json]
+        [--oracle [--oracle-share S]] [KEY=VALUE ...]
 
 KEY=VALUE are ``ats train`` settings (``entropy=0``, ``batch_size=8``, ``feature_net=...``);
 the rest is settled from the data as ``ats train`` settles it. One process, the CPU.
@@ -56,6 +57,9 @@ def main() -> None:
     ap.add_argument("--oracle", action="store_true",
                     help="draw only on the label objects (boxes.json): what the feature net learns when every "
                          "patch shows one")
+    ap.add_argument("--oracle-share", type=float, default=1.0,
+                    help="with --oracle: the share of images drawn only on their objects, the others as trained "
+                         "(how many draws on the objects the feature net needs)")
     ap.add_argument("settings", nargs="*")
     args = ap.parse_intermixed_args()
     torch.manual_seed(0)
@@ -79,6 +83,7 @@ def main() -> None:
           "mass on objects | on distractors | drawn on objects | p(label) per patch: objects / distractors / "
           "background")
     g = torch.Generator().manual_seed(1)
+    pick = torch.Generator().manual_seed(2)  # which images --oracle-share draws on their objects
     step, acc_avg = 0, 0.0
     model.train()
     while step < args.steps:
@@ -86,7 +91,7 @@ def main() -> None:
         for start in range(0, len(order) - cfg.batch_size + 1, cfg.batch_size):
             idx = order[start:start + cfg.batch_size]
             batch = collate([ds[i] for i in idx])
-            support = _oracle_mask(batch, ds, boxes) if args.oracle else batch.support
+            support = _oracle_mask(batch, ds, boxes, args.oracle_share, pick) if args.oracle else batch.support
             out = model(batch.low, batch.sources, support_mask=support, generator=g, **batch.views)
             right = (out.logits.argmax(1) == batch.labels).float().mean()
             acc_avg = float(right) if step == 0 else 0.9 * acc_avg + 0.1 * float(right)
@@ -123,11 +128,16 @@ def _objects(ds, i: int, boxes: dict, role: str = "object") -> list:
     return [o for o in boxes.get(key, []) if o[3] == role]
 
 
-def _oracle_mask(batch, ds, boxes) -> torch.Tensor:
-    """[B, h, w] True on the low-res pixels of each image's label objects."""
+def _oracle_mask(batch, ds, boxes, share: float = 1.0, pick: torch.Generator | None = None) -> torch.Tensor:
+    """[B, h, w] True on the low-res pixels of each image's label objects; with ``share`` < 1
+    only for that share of the images (drawn from ``pick``), the others keep their own support."""
     B, _, fh, fw = batch.low.shape
     mask = torch.zeros(B, fh, fw, dtype=torch.bool)
+    chosen = torch.rand(B, generator=pick) < share
     for b, i in enumerate(batch.indices.tolist()):
+        if not chosen[b]:
+            mask[b] = True if batch.support is None else batch.support[b]
+            continue
         H, W = source_shapes(batch.sources)[b]
         h, w = (fh, fw) if batch.view_sizes is None else (int(v) for v in batch.view_sizes[b])  # its own view
         for y, x, s, _ in _objects(ds, i, boxes):
