@@ -8,7 +8,11 @@ folders. Each scenario is trained exactly as the README says, with no flag but -
 
 Usage:
     python benchmarks/real_pixels.py OUT [--epochs 15] [--scenarios digits,faces,cat-cup,coins]
-        [--seed 0] [--images 240] [--make-only]
+        [--seed 0] [--images 240] [--make-only] [--set KEY=VALUE ... --run NAME]
+
+``--set KEY=VALUE`` (repeatable) passes a setting to ``ats train`` (``--set patch_loss=0``): a
+comparison against the defaults, its run written to OUT/SCENARIO/NAME (``--run``; default
+``run``), beside the default's on the same photos and split.
 
 Writes OUT/SCENARIO/{photos,data,run} and prints one table row per scenario: test accuracy,
 the epoch it was reached, the attention's entropy per epoch against its uniform value, and
@@ -191,9 +195,10 @@ def _ats(*args: str) -> str:
     return r.stdout
 
 
-def run(scenario: str, out: Path, epochs: int, images: int, seed: int, make_only: bool, size: int = 0) -> dict:
+def run(scenario: str, out: Path, epochs: int, images: int, seed: int, make_only: bool, size: int = 0,
+        settings: tuple[str, ...] = (), name: str = "run") -> dict:
     base = out / scenario
-    photos, data, run_dir = base / "photos", base / "data", base / "run"
+    photos, data, run_dir = base / "photos", base / "data", base / name
     if not photos.exists() and scenario == EVERYDAY:
         make_everyday(photos, images, seed, size)
     elif not photos.exists():
@@ -203,12 +208,14 @@ def run(scenario: str, out: Path, epochs: int, images: int, seed: int, make_only
     if make_only:
         return {}
     t0 = time.time()
-    (base / "train.log").write_text(_ats("train", str(data), "--out", str(run_dir), "--epochs", str(epochs),
-                                         "--overwrite"))
+    given = [arg for kv in settings for arg in ("--set", kv)]
+    log, preds = ("train.log", "preds.csv") if name == "run" else (f"{name}.log", f"{name}-preds.csv")
+    (base / log).write_text(_ats("train", str(data), "--out", str(run_dir), "--epochs", str(epochs),
+                                 "--overwrite", *given))
     wall = time.time() - t0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     records = [r for r in records if "epoch" in r]
-    pred = _ats("predict", str(data), "--model", str(run_dir / "best.pt"), "--out", str(base / "preds.csv"),
+    pred = _ats("predict", str(data), "--model", str(run_dir / "best.pt"), "--out", str(base / preds),
                 "--overwrite")
     return {"scenario": scenario, "records": records, "wall_s": wall, "predict": pred}
 
@@ -222,10 +229,14 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=240, help="photos per scenario (train is 60%%: 144)")
     ap.add_argument("--make-only", action="store_true")
     ap.add_argument("--size", type=int, default=0, help="all photos SIZE x SIZE (default: mixed sizes)")
+    ap.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                    help="an ats train setting, for a comparison with the defaults (repeatable)")
+    ap.add_argument("--run", default="run", help="the run's folder name under OUT/SCENARIO (with --set)")
     args = ap.parse_args()
     os.environ.setdefault("ATS_OFFLINE", "1")
     for s in args.scenarios.split(","):
-        res = run(s, args.out, args.epochs, args.images, args.seed, args.make_only, args.size)
+        res = run(s, args.out, args.epochs, args.images, args.seed, args.make_only, args.size, tuple(args.settings),
+                  args.run)
         if not res:
             continue
         recs = res["records"]
@@ -233,6 +244,9 @@ def main() -> None:
         best = max(recs, key=lambda r: (r[f"{split}_acc"], r["epoch"]))  # as ats train chooses best.pt
         first = min(r["epoch"] for r in recs if r[f"{split}_acc"] == best[f"{split}_acc"])
         share = " ".join(f"{r['entropy'] / r['entropy_uniform']:.3f}" for r in recs[:3])
+        print(f"{s} {args.run} {' '.join(args.settings)}: {split} acc per epoch "
+              + " ".join(f"{r[f'{split}_acc']:.3f}" for r in recs) + "; entropy / uniform per epoch "
+              + " ".join(f"{r['entropy'] / r['entropy_uniform']:.3f}" for r in recs), flush=True)
         acc = next((line for line in res["predict"].splitlines() if line.startswith("accuracy")), "?")
         print(f"| {s} | {acc} | {split} {best[f'{split}_acc']:.3f} first at epoch {first} (best.pt: "
               f"{best['epoch']}) | {share} ... {recs[-1]['entropy'] / recs[-1]['entropy_uniform']:.3f} | "
