@@ -347,9 +347,10 @@ class TrainConfig:
         if self.feature_store == "on" and self.feature_train not in ("none", "auto"):
             problems.append(f"feature_store on needs a frozen feature net (feature_train none, got "
                             f"{self.feature_train})")
-        if self.feature_store == "on" and (self.method not in ("ats", "uniform", "tile-mil") or self.levels != 1):
+        if self.feature_store == "on" and (self.method not in ("ats", "uniform", "tile-mil")
+                                           or (self.levels != 1 and self.method != "ats")):
             problems.append(f"feature_store on: method {self.method} with {self.levels} level(s) has no store "
-                            "(one-level ats and uniform have, and tile-mil)")
+                            "(ats has, with one level or two; uniform with one; and tile-mil)")
         if self.method == "tile-mil":  # ats_cli.baselines_tilemil: features computed once, of a frozen encoder
             if self.feature_train not in ("none", "auto"):
                 problems.append(f"feature_train {self.feature_train}: method tile-mil trains on a frozen encoder's "
@@ -1100,7 +1101,7 @@ def _feature_store(flags: TrainConfig, facts: DataFacts, feature_train: str, aug
         return flags.feature_store, "given"
     if flags.method == "tile-mil":  # the method's point: every tile encoded once, whatever the encoder
         return "on", "method tile-mil: each tile's feature is computed once, then read back"
-    if flags.method not in ("ats", "uniform") or flags.levels != 1:
+    if flags.method not in ("ats", "uniform") or (flags.levels != 1 and flags.method != "ats"):
         return "off", (f"method {flags.method}" if flags.method not in ("ats", "uniform") else "two levels") + \
             ": not for this model"
     if feature_train != "none":

@@ -165,6 +165,43 @@ def test_a_forward_with_the_store_equals_one_without_and_reads_back_what_it_enco
     assert store.hits >= 2 * 6 and store.misses >= 6 * 3
 
 
+def test_a_two_level_forward_with_the_store_equals_one_without_and_reads_back(tmp_path):
+    """Two levels: the fine patches' features come from the store as one level's do (their
+    offsets are the image's own pixels); logits and gradients equal the plain model's, so the
+    nested estimator is the same; the same draws again read every keyed patch back."""
+    from tests.test_nested import SIZE, tiny_nested
+
+    images = torch.randint(0, 256, (2, 1, SIZE, SIZE), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    low = images.float().div(255)[:, :, ::2, ::2].contiguous()
+    plain, stored = tiny_nested().eval(), tiny_nested().eval()
+    for m in (plain, stored):
+        m.feature_net.requires_grad_(False)
+    store = _store(tmp_path)
+    store.dim = 5  # TinyFeatures(5)
+    stored.feature_store = store
+    for seed in (0, 0, 1):
+        a = plain(low, images, generator=torch.Generator().manual_seed(seed))
+        b = stored(low, images, generator=torch.Generator().manual_seed(seed), feature_keys=["img-a", "img-b"])
+        assert torch.equal(a.logits, b.logits)
+        ga = torch.autograd.grad(a.logits.sum(), list(plain.attention_net.parameters()))
+        gb = torch.autograd.grad(b.logits.sum(), list(stored.attention_net.parameters()))
+        assert all(torch.equal(x, y) for x, y in zip(ga, gb, strict=True))  # the fine attention's gradient
+    drawn = plain.regions * plain.n_patches * 2  # patches a forward draws over both images
+    assert store.misses <= 2 * drawn and store.hits >= drawn  # the repeated draw read back whole
+
+
+def test_a_two_level_run_with_the_store_trains_exactly_as_one_without(tmp_path):
+    data = _write_squares_dataset(tmp_path / "sq", n_train=16, n_test=8)
+    runs = {}
+    for mode in ("off", "on"):
+        runs[mode] = train(_cfg(data, tmp_path / mode, feature_train="none", feature_store=mode, levels=2,
+                                regions=2, region_size=32, scale=0.25, rarity_prior=0),
+                           log=lambda s: None)
+    for key in ("train_loss", "test_loss", "train_acc", "test_acc"):
+        assert [h[key] for h in runs["on"]] == [h[key] for h in runs["off"]], key
+    assert runs["on"][1]["feature_hit_rate"] > 0 and "feature_hit_rate" not in runs["off"][0]
+
+
 def _rgb_squares(tmp_path):
     return _write_squares_dataset(tmp_path / "rgb", n_train=16, n_test=8, channels=3)
 

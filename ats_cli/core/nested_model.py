@@ -55,7 +55,7 @@ from ats_cli.core.nested import (
     region_scores,
 )
 from ats_cli.core.sampling import attention_distribution, entropy, estimator_threshold, estimator_weights, sample
-from ats_cli.core.source import Sources, gather_patches, positions_to_offsets, source_sizes
+from ats_cli.core.source import Sources, gather_patches, gather_some, positions_to_offsets, source_sizes
 from ats_cli.extensions.pooling_counts import CountPooling
 
 __all__ = ["NestedATSModel", "NestedOutput", "region_views", "coarse_scale_for"]
@@ -276,10 +276,14 @@ class NestedATSModel(ATSModel):
         support_mask: torch.Tensor | None = None,
         patch_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
         view_sizes: torch.Tensor | None = None,
+        feature_keys: list[str | None] | None = None,
     ) -> NestedOutput:
         """As :meth:`ATSModel.forward`, ``low`` being the coarse views [B, C, h, w] and
         ``n_patches`` the patches per region. ``view_sizes`` (a batch of views of different
-        sizes, padded) is refused: images of different sizes have different region grids."""
+        sizes, padded) is refused: images of different sizes have different region grids.
+        ``feature_keys``: as :meth:`ATSModel.forward`; the fine patches' offsets are in the
+        image's own pixels, as one level's are, so a patch drawn again from another region
+        draw is read back too."""
         n = self.patches_now if n_patches is None else int(n_patches)
         R = self.region_size
         sizes = source_sizes(sources)
@@ -320,10 +324,17 @@ class NestedATSModel(ATSModel):
         offsets = (within.view(B, k, n, 2) + roff[:, :, None, :].to(within.device)).view(B, k * n, 2)
 
         # ---- the patches, their values and the nested estimate
-        patches = pixels_to_float(gather_patches(sources, offsets, self.patch_size).to(low.device))
-        if patch_transform is not None:
-            patches = patch_transform(patches)
-        unit, gain = self.patch_parts(patches.flatten(0, 1))
+        store = self.feature_store
+        if store is not None and feature_keys is not None and patch_transform is None and not return_patches:
+            patches = None
+            raw = store.features(self.feature_net, lambda miss: gather_some(sources, offsets, self.patch_size, miss),
+                                 feature_keys, offsets, self.patch_size, low.device)
+            unit, gain = self._parts(raw)
+        else:
+            patches = pixels_to_float(gather_patches(sources, offsets, self.patch_size).to(low.device))
+            if patch_transform is not None:
+                patches = patch_transform(patches)
+            unit, gain = self.patch_parts(patches.flatten(0, 1))
         feats = (unit if gain is None else gain * unit).view(B, k * n, -1)
         values = self.pooling.values(feats, self.classifier, None)
         pooled, _ = nested_expectation(values.view(B, k, n, -1), outer.probs, inner.probs.reshape(B, k, n),
