@@ -26,9 +26,10 @@ losses are compared too (equal where the encoder's kernels do not depend on the 
 
 ``--store --slides SIZE``: the same on ``ats make-dataset synthetic-slides --virtual`` slides
 of SIZE² (``--n-train`` + ``--n-test``), read as the dataset says (the one-level
-synthetic-slides recipe: 12 patches of 64 px from a view at 1/32; the two-level 12k recipe has
-no feature store), batch 4; per epoch the wall from the run's start or the previous epoch's
-line (evaluation included), the training ms per slide and the share read back.
+synthetic-slides recipe: 12 patches of 64 px from a view at 1/32; ``--recipe
+synthetic-slides-12k``: two levels, 4 regions of 768 px, 3 patches of 64 px in each), batch
+4; per epoch the wall from the run's start or the previous epoch's line (evaluation
+included), the training ms per slide and the share read back.
 
 ``--tile-mil-model SIZES``: for each side, ``--n-test`` virtual slides (and 2 training ones).
 tile-mil's cost per slide without running it: its tissue tiles counted on each slide (the
@@ -186,8 +187,10 @@ def store_runs(net: str, epochs: int, device: str, where: str) -> dict:
     return runs
 
 
-def store_slide_runs(net: str, epochs: int, device: str, where: str, size: int, n_train: int, n_test: int) -> dict:
-    """``ats train`` on virtual synthetic slides of ``size``², the feature store off and on (module docstring)."""
+def store_slide_runs(net: str, epochs: int, device: str, where: str, size: int, n_train: int, n_test: int,
+                     recipe: str | None = None) -> dict:
+    """``ats train`` on virtual synthetic slides of ``size``², the feature store off and on,
+    with ``recipe`` (None: the one the dataset names) (module docstring)."""
     from ats_cli.recipes import resolve_config
     from ats_cli.train import train
 
@@ -198,7 +201,7 @@ def store_slide_runs(net: str, epochs: int, device: str, where: str, size: int, 
     runs = {}
     for store in ("off", "on"):
         out = os.path.join(where, f"store-{store}")
-        cfg = resolve_config(None, data=data, out=out, feature_net=net, feature_weights="none",
+        cfg = resolve_config(None, recipe, data=data, out=out, feature_net=net, feature_weights="none",
                              feature_train="none", feature_store=store, batch_size=min(4, n_train), epochs=epochs,
                              workers=0, augment="none", device=device, seed=0)
         marks = [time.perf_counter()]
@@ -387,6 +390,8 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--tile-mil", action="store_true", help="--method tile-mil against ats on synthetic slides")
     p.add_argument("--slide-size", type=int, default=1024)
+    p.add_argument("--recipe", default=None, help="with --store --slides: train with this recipe (default: the "
+                   "dataset's, the one-level synthetic-slides; synthetic-slides-12k: two levels)")
     p.add_argument("--slides", type=int, default=0, metavar="SIZE",
                    help="with --store: virtual synthetic slides of SIZE² instead of the photos")
     p.add_argument("--tile-mil-model", default=None, metavar="SIZES",
@@ -418,7 +423,8 @@ def main() -> None:
         import tempfile
 
         with tempfile.TemporaryDirectory() as where:
-            runs = (store_slide_runs(a.net, a.epochs, a.device, where, a.slides, a.n_train, a.n_test) if a.slides
+            runs = (store_slide_runs(a.net, a.epochs, a.device, where, a.slides, a.n_train, a.n_test, a.recipe)
+                    if a.slides
                     else store_runs(a.net, a.epochs, a.device, where))
         if a.json:
             with open(a.json, "w") as f:
