@@ -151,10 +151,12 @@ from pathlib import Path
 import ats_cli.predict as package
 import ats_cli.predict.inputs as inputs
 from ats_cli.cli import app
-real, busy = inputs.resolve_inputs, Path(sys.argv[1])
-def slow(*args, **kw):  # the first writer is busy with the inputs when the second starts
+real, busy, go = inputs.resolve_inputs, Path(sys.argv[1]), Path(sys.argv[1] + ".go")
+def slow(*args, **kw):  # the first writer is busy with the inputs until the second has tried
     busy.touch()
-    time.sleep(8)
+    deadline = time.monotonic() + 60
+    while not go.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     return real(*args, **kw)
 inputs.resolve_inputs = package.resolve_inputs = slow
 sys.argv = ["ats", "predict", *sys.argv[2:]]
@@ -174,6 +176,7 @@ def test_3_two_writers_of_one_out_cannot_both_run(cohort, tmp_path):
         while not busy.exists() and time.monotonic() < deadline and first.poll() is None:
             time.sleep(0.1)
         second = run(folder, "-m", b, "--out", out)
+        (tmp_path / "busy.go").touch()  # the first writer goes on
         output = first.communicate(timeout=120)[0]
     finally:
         first.kill()
