@@ -334,6 +334,24 @@ class ATSModel(nn.Module):
         whoever trains them apart (pretraining the patch classes on the unit feature)."""
         return self._parts(self.feature_net(patches))
 
+    def drawn_features(self, sources: Sources, offsets: torch.Tensor, device: torch.device, *,
+                       feature_keys: list[str | None] | None = None,
+                       patch_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                       return_patches: bool = False) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """(patches, unit, gain) of the patches at ``offsets`` [B, n, 2] (the image's own
+        pixels, at one level or two): :meth:`patch_parts` of the pixels read and transformed,
+        or, with :attr:`feature_store` and ``feature_keys`` (:meth:`forward` says when), of
+        the features read back where stored and encoded where not; ``patches`` is then None."""
+        store = self.feature_store
+        if store is not None and feature_keys is not None and patch_transform is None and not return_patches:
+            raw = store.features(self.feature_net, lambda miss: gather_some(sources, offsets, self.patch_size, miss),
+                                 feature_keys, offsets, self.patch_size, device)
+            return (None, *self._parts(raw))
+        patches = pixels_to_float(to_device(gather_patches(sources, offsets, self.patch_size), device))
+        if patch_transform is not None:
+            patches = patch_transform(patches)
+        return (patches, *self.patch_parts(patches.flatten(0, 1)))
+
     def _parts(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`patch_parts` from the feature net's output [N, D] (computed, or read back
         from the feature store)."""
@@ -408,17 +426,8 @@ class ATSModel(nn.Module):
             grids=grids,
         )
         B = low.shape[0]
-        store = self.feature_store
-        if store is not None and feature_keys is not None and patch_transform is None and not return_patches:
-            patches = None
-            raw = store.features(self.feature_net, lambda miss: gather_some(sources, offsets, self.patch_size, miss),
-                                 feature_keys, offsets, self.patch_size, low.device)
-            unit, gain = self._parts(raw)
-        else:
-            patches = pixels_to_float(to_device(gather_patches(sources, offsets, self.patch_size), low.device))
-            if patch_transform is not None:
-                patches = patch_transform(patches)
-            unit, gain = self.patch_parts(patches.flatten(0, 1))
+        patches, unit, gain = self.drawn_features(sources, offsets, low.device, feature_keys=feature_keys,
+                                                  patch_transform=patch_transform, return_patches=return_patches)
         feats = (unit if gain is None else gain * unit).view(B, n, -1)
         if self.position is not None:  # f(x, p): a function of the drawn cell, as x is
             feats = self.position(feats, patch_centres(offsets, sizes, self.patch_size))

@@ -55,7 +55,7 @@ from ats_cli.core.nested import (
     region_scores,
 )
 from ats_cli.core.sampling import attention_distribution, entropy, estimator_threshold, estimator_weights, sample
-from ats_cli.core.source import Sources, gather_patches, gather_some, positions_to_offsets, source_sizes
+from ats_cli.core.source import Sources, positions_to_offsets, source_sizes
 from ats_cli.extensions.pooling_counts import CountPooling
 
 __all__ = ["NestedATSModel", "NestedOutput", "region_views", "coarse_scale_for"]
@@ -324,17 +324,8 @@ class NestedATSModel(ATSModel):
         offsets = (within.view(B, k, n, 2) + roff[:, :, None, :].to(within.device)).view(B, k * n, 2)
 
         # ---- the patches, their values and the nested estimate
-        store = self.feature_store
-        if store is not None and feature_keys is not None and patch_transform is None and not return_patches:
-            patches = None
-            raw = store.features(self.feature_net, lambda miss: gather_some(sources, offsets, self.patch_size, miss),
-                                 feature_keys, offsets, self.patch_size, low.device)
-            unit, gain = self._parts(raw)
-        else:
-            patches = pixels_to_float(gather_patches(sources, offsets, self.patch_size).to(low.device))
-            if patch_transform is not None:
-                patches = patch_transform(patches)
-            unit, gain = self.patch_parts(patches.flatten(0, 1))
+        patches, unit, gain = self.drawn_features(sources, offsets, low.device, feature_keys=feature_keys,
+                                                  patch_transform=patch_transform, return_patches=return_patches)
         feats = (unit if gain is None else gain * unit).view(B, k * n, -1)
         values = self.pooling.values(feats, self.classifier, None)
         pooled, _ = nested_expectation(values.view(B, k, n, -1), outer.probs, inner.probs.reshape(B, k, n),
