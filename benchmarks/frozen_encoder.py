@@ -192,7 +192,6 @@ def store_slide_runs(net: str, epochs: int, device: str, where: str, size: int, 
     """``ats train`` on virtual synthetic slides of ``size``², the feature store off and on,
     with ``recipe`` (None: the one the dataset names) (module docstring)."""
     from ats_cli.recipes import resolve_config
-    from ats_cli.train import train
 
     data = os.path.join(where, "slides")
     subprocess.run([sys.executable, "-m", "ats_cli", "make-dataset", "synthetic-slides", data, "--n-train",
@@ -204,19 +203,7 @@ def store_slide_runs(net: str, epochs: int, device: str, where: str, size: int, 
         cfg = resolve_config(None, recipe, data=data, out=out, feature_net=net, feature_weights="none",
                              feature_train="none", feature_store=store, batch_size=min(4, n_train), epochs=epochs,
                              workers=0, augment="none", device=device, seed=0)
-        marks = [time.perf_counter()]
-
-        def log(line: str, marks: list[float] = marks) -> None:
-            if line.startswith("epoch "):
-                marks.append(time.perf_counter())
-
-        history = train(cfg, log=log)
-        runs[store] = {"wall_s": marks[-1] - marks[0],
-                       "epoch_s": [marks[i + 1] - marks[i] for i in range(len(marks) - 1)],
-                       "ms_per_slide": [h["ms_per_sample"] for h in history],
-                       "hit_rate": [h.get("feature_hit_rate") for h in history],
-                       "train_loss": [h["train_loss"] for h in history],
-                       "store_bytes": _store_bytes(out)}
+        runs[store] = _timed_run(cfg, out)
         r = runs[store]
         print(f"store {store:3s}: epoch wall s " + ", ".join(f"{v:.1f}" for v in r["epoch_s"])
               + "; train ms/slide " + ", ".join(f"{v:.0f}" for v in r["ms_per_slide"])
@@ -331,6 +318,28 @@ def tile_mil_model(net: str, epochs: int, device: str, where: str, sizes: list[i
     return out
 
 
+def _timed_run(cfg, out: str) -> dict:
+    """``ats train`` with ``cfg`` in this process, timed per epoch: the wall from the start (or
+    the previous epoch's line) to each epoch's line, and per epoch the training ms per slide,
+    the share read back from the feature store, the losses and the test accuracy."""
+    from ats_cli.train import train
+
+    marks = [time.perf_counter()]
+
+    def log(line: str) -> None:
+        if line.startswith("epoch "):
+            marks.append(time.perf_counter())
+
+    history = train(cfg, log=log)
+    return {"wall_s": marks[-1] - marks[0],
+            "epoch_s": [marks[i + 1] - marks[i] for i in range(len(marks) - 1)],
+            "ms_per_slide": [h["ms_per_sample"] for h in history],
+            "hit_rate": [h.get("feature_hit_rate") for h in history],
+            "train_loss": [h["train_loss"] for h in history],
+            "test_acc": [h["test_acc"] for h in history],
+            "store_bytes": _store_bytes(out)}
+
+
 def _store_bytes(run: str) -> int:
     """Bytes of the feature segments under ``run``'s store (0 without one)."""
     from pathlib import Path
@@ -341,7 +350,6 @@ def _store_bytes(run: str) -> int:
 def tile_mil_runs(net: str, epochs: int, device: str, where: str, size: int) -> dict:
     """``--method tile-mil`` against ``ats`` (store on, off) on the same slides (module docstring)."""
     from ats_cli.recipes import resolve_config
-    from ats_cli.train import train
 
     data = os.path.join(where, "slides")
     subprocess.run([sys.executable, "-m", "ats_cli", "make-dataset", "synthetic-slides", data, "--n-train", "8",
@@ -353,19 +361,7 @@ def tile_mil_runs(net: str, epochs: int, device: str, where: str, size: int) -> 
         cfg = resolve_config(None, data=data, out=out, method=method, feature_net=net, feature_weights="none",
                              feature_train="none", feature_store=store, batch_size=4, epochs=epochs, workers=0,
                              augment="none", device=device, seed=0)
-        marks = [time.perf_counter()]
-
-        def log(line: str, marks: list[float] = marks) -> None:
-            if line.startswith("epoch "):
-                marks.append(time.perf_counter())
-
-        history = train(cfg, log=log)
-        runs[name] = {"wall_s": marks[-1] - marks[0],
-                      "epoch_s": [marks[i + 1] - marks[i] for i in range(len(marks) - 1)],
-                      "ms_per_slide": [h["ms_per_sample"] for h in history],
-                      "test_acc": [h["test_acc"] for h in history],
-                      "hit_rate": [h.get("feature_hit_rate") for h in history],
-                      "store_bytes": _store_bytes(out)}
+        runs[name] = _timed_run(cfg, out)
         r = runs[name]
         print(f"{name:15s}: epoch wall s " + ", ".join(f"{v:.1f}" for v in r["epoch_s"])
               + "; train ms/slide " + ", ".join(f"{v:.0f}" for v in r["ms_per_slide"])
