@@ -3,6 +3,7 @@ right after install, as the README and their cards promise."""
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 
 import pytest
@@ -30,9 +31,11 @@ def _first_rows(samples: Path, rows: int | None, folder: Path) -> Path:
     """``samples`` itself, or a copy of its header and first ``rows`` rows with absolute paths."""
     if rows is None:
         return samples
-    header, *lines = samples.read_text().splitlines()
+    with open(samples, newline="") as fh:
+        header, *lines = list(csv.reader(fh))
     copy = folder / "samples.csv"
-    copy.write_text("\n".join([header, *(f"{samples.parent / x}" for x in lines[:rows])]) + "\n")
+    with open(copy, "w", newline="") as fh:
+        csv.writer(fh).writerows([header, *([str(samples.parent / row[0]), *row[1:]] for row in lines[:rows])])
     return copy
 
 
