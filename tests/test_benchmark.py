@@ -16,12 +16,14 @@ runner = CliRunner()
 def test_quick_json_smoke(tmp_path):
     """The smoke form of `ats benchmark --quick --json` at tiny sizes (times are not asserted)."""
     out = tmp_path / "rows.json"
-    result = runner.invoke(app, ["benchmark", "--quick", "--image-size", "128", "--patch-size", "16", "--scale",
-                                 "0.5", "--feature-width", "8", "--threads", "1", "--json", str(out)])
+    # the three kinds of model a row builds (uniform is ats's model with its attention fixed:
+    # each row is a process start, ~5 s of the suite's CPU)
+    result = runner.invoke(app, ["benchmark", "--quick", "--methods", "ats,deepmil,cnn", "--image-size", "128",
+                                 "--patch-size", "16", "--scale", "0.5", "--feature-width", "8", "--threads", "1",
+                                 "--json", str(out)])
     assert result.exit_code == 0, result.output
     rows = json.loads(out.read_text())
-    assert [(r["method"], r["n_patches"]) for r in rows] == [("ats", 10), ("uniform", 10), ("deepmil", None),
-                                                             ("cnn", None)]
+    assert [(r["method"], r["n_patches"]) for r in rows] == [("ats", 10), ("deepmil", None), ("cnn", None)]
     for r in rows:
         assert set(r) == {"method", "n_patches", "device", "batch_size", "image_size", "time_ms_per_sample",
                           "peak_mem_mb_per_sample"}, r
@@ -32,10 +34,10 @@ def test_quick_json_smoke(tmp_path):
     assert deepmil["peak_mem_mb_per_sample"] > rows[0]["peak_mem_mb_per_sample"]
     assert "deepmil" in result.output and "time / ATS-10" in result.output
     # progress on stderr, a line as each row starts, reaches each part and ends; the table on stdout
-    for i, row in enumerate(["ats-10", "uniform-10", "deepmil", "cnn"], 1):
+    for i, row in enumerate(["ats-10", "deepmil", "cnn"], 1):
         for part in ("starting a process", "started", "warm-up step", "memory step", "1 timed step"):
-            assert f"[{i}/4] {row}: {part}" in result.stderr, result.stderr
-        assert re.search(rf"\[{i}/4\] {row}: [\d.]+ ms, [\d.]+ MB per sample \(row took", result.stderr)
+            assert f"[{i}/3] {row}: {part}" in result.stderr, result.stderr
+        assert re.search(rf"\[{i}/3\] {row}: [\d.]+ ms, [\d.]+ MB per sample \(row took", result.stderr)
     assert "time / ATS-10" in result.stdout and "warm-up" not in result.stdout
 
 

@@ -52,6 +52,12 @@ def _photos(root: Path, n: int = 64, seed: int = 0, shuffle: bool = False) -> No
         Image.fromarray(canvas).save(out / f"{i:03d}.jpg", quality=90)
 
 
+# Seed 0 on this machine: the task is learnt by epoch 3 (test 0.875; 0.75 at epoch 4) and the
+# shuffled labels are warned of at epoch 3 (a warning needs two epochs that say the same), so
+# 4 epochs hold both with one to spare; each epoch costs ~2 s of the suite's CPU per test.
+EPOCHS = 4
+
+
 def _train(tmp_path: Path, *, shuffle: bool, epochs: int) -> tuple[list[dict], str]:
     photos, ds, run = tmp_path / "photos", tmp_path / "data", tmp_path / "run"
     _photos(photos, shuffle=shuffle)
@@ -65,7 +71,7 @@ def _train(tmp_path: Path, *, shuffle: bool, epochs: int) -> tuple[list[dict], s
 
 
 def test_a_small_object_task_on_real_photos_learns_from_the_defaults(tmp_path):
-    records, output = _train(tmp_path, shuffle=False, epochs=6)
+    records, output = _train(tmp_path, shuffle=False, epochs=EPOCHS)
     assert "settled from the data" in output and "patch_size" in output
     last = records[-1]
     assert last["entropy"] < 0.99 * last["entropy_uniform"]  # the attention left uniform
@@ -76,7 +82,7 @@ def test_a_small_object_task_on_real_photos_learns_from_the_defaults(tmp_path):
 def test_the_same_photos_with_shuffled_labels_learn_nothing_and_say_so(tmp_path):
     """Negative control: nothing decides the label, so held-out accuracy stays near chance
     while training accuracy climbs, and the run names it in one line."""
-    records, output = _train(tmp_path, shuffle=True, epochs=6)
+    records, output = _train(tmp_path, shuffle=True, epochs=EPOCHS)
     assert max(r["val_acc"] for r in records) <= 0.75
     assert any(math.isfinite(r["train_ce"]) for r in records)
     warned = [line for line in output.splitlines() if line.startswith("warning: epoch")]
