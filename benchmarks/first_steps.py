@@ -8,10 +8,14 @@ label on the drawn patches that show a label object, a distractor, or only backg
 whether the features tell the objects apart yet.
 
     python benchmarks/first_steps.py DATA [--steps 60] [--boxes PHOTOS/boxes.json]
-        [--oracle [--oracle-share S]] [KEY=VALUE ...]
+        [--oracle [--oracle-share S]] [--model RUN/epochs/epoch_NNN.pt] [KEY=VALUE ...]
 
 KEY=VALUE are ``ats train`` settings (``entropy=0``, ``batch_size=8``, ``feature_net=...``);
 the rest is settled from the data as ``ats train`` settles it. One process, the CPU.
+``--model CKPT`` starts from a checkpoint of ``ats train`` on the same data and settings (an
+epoch's, ``RUN/epochs/epoch_NNN.pt``) instead of the initial weights: with ``lr=1e-12``, where
+a trained run's attention lies (on the label objects, the distractors or neither) and what its
+patches' own logits say there, which an attention that moved far from its start does not tell.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ats_cli.checkpoint import load_checkpoint
 from ats_cli.config import settle_data, view_scale
 from ats_cli.core.model import exploration
 from ats_cli.core.source import source_shapes
@@ -60,6 +65,7 @@ def main() -> None:
     ap.add_argument("--oracle-share", type=float, default=1.0,
                     help="with --oracle: the share of images drawn only on their objects, the others as trained "
                          "(how many draws on the objects the feature net needs)")
+    ap.add_argument("--model", default="", help="start from this checkpoint's weights (RUN/epochs/epoch_NNN.pt)")
     ap.add_argument("settings", nargs="*")
     args = ap.parse_intermixed_args()
     torch.manual_seed(0)
@@ -72,6 +78,8 @@ def main() -> None:
                       patch_size=(cfg.patch_size, cfg.patch_size), **cfg.input_options())
     spec = model_spec(cfg, n_classes=data.num_classes, channels=facts.channels, mpp=settled.mpp)
     model = create_model(spec)
+    if args.model:  # a trained run's weights; its settings must be these (same data, same KEY=VALUE)
+        model.load_state_dict(load_checkpoint(args.model)["model"])
     opt = _optimizer(cfg, model)
     boxes = json.loads(Path(args.boxes).read_text()) if args.boxes else {}
     att = list(model.attention_net.parameters())

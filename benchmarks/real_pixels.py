@@ -16,7 +16,10 @@ comparison against the defaults, its run written to OUT/SCENARIO/NAME (``--run``
 
 Writes OUT/SCENARIO/{photos,data,run} and prints one table row per scenario: test accuracy,
 the epoch it was reached, the attention's entropy per epoch against its uniform value, and
-the wall time. Every picture comes from real photographs that ship with scikit-image (its
+the wall time; before it, one line of val and train accuracy, entropy / uniform and
+``attention_moved`` (KL from the attention's start) per epoch: train accuracy climbing while
+val stays shows fitting by heart, an attention that moves yet leaves val at chance one that
+found no label object. Every picture comes from real photographs that ship with scikit-image (its
 bundled photos and its 200 LFW crops) and from the real MNIST digits in sample_data/; the
 generator draws sizes, positions and distractors from ``--seed``.
 
@@ -244,9 +247,13 @@ def main() -> None:
         best = max(recs, key=lambda r: (r[f"{split}_acc"], r["epoch"]))  # as ats train chooses best.pt
         first = min(r["epoch"] for r in recs if r[f"{split}_acc"] == best[f"{split}_acc"])
         share = " ".join(f"{r['entropy'] / r['entropy_uniform']:.3f}" for r in recs[:3])
+        # train accuracy beside val tells learning from fitting by heart; attention_moved (KL
+        # from the attention's start) tells an attention that found something from one that stayed
         print(f"{s} {args.run} {' '.join(args.settings)}: {split} acc per epoch "
-              + " ".join(f"{r[f'{split}_acc']:.3f}" for r in recs) + "; entropy / uniform per epoch "
-              + " ".join(f"{r['entropy'] / r['entropy_uniform']:.3f}" for r in recs), flush=True)
+              + " ".join(f"{r[f'{split}_acc']:.3f}" for r in recs) + "; train acc per epoch "
+              + " ".join(f"{r['train_acc']:.3f}" for r in recs) + "; entropy / uniform per epoch "
+              + " ".join(f"{r['entropy'] / r['entropy_uniform']:.3f}" for r in recs) + "; attention moved (nats) "
+              + " ".join(f"{r.get('attention_moved') or 0:.2g}" for r in recs), flush=True)
         acc = next((line for line in res["predict"].splitlines() if line.startswith("accuracy")), "?")
         print(f"| {s} | {acc} | {split} {best[f'{split}_acc']:.3f} first at epoch {first} (best.pt: "
               f"{best['epoch']}) | {share} ... {recs[-1]['entropy'] / recs[-1]['entropy_uniform']:.3f} | "
