@@ -216,6 +216,12 @@ def _child(spec: BenchSpec, image_path: str, threads: int, queue) -> None:
         queue.put(("ok", _measure(spec, np.load(image_path), threads, lambda text: queue.put(("stage", text)))))
     except Exception as e:  # reported in the row; the other rows go on
         queue.put(("error", f"{type(e).__name__}: {e}"))
+    # The row is sent: the child ends here, once the queue has handed it over, without the
+    # interpreter's teardown, which with torch loaded costs about a second that the parent
+    # would wait for at every row (ats_cli.cli.exit_now says why).
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
 
 
 def _run_isolated(spec: BenchSpec, image_path: str, threads: int,

@@ -401,7 +401,8 @@ def exit_worker(code: int = 0) -> NoReturn:
     ``destroy_process_group`` aborted now and then with "terminate called without an
     active exception" (gloo, 2 CPU processes: a gloo thread still unwinding at exit);
     nothing is left to run at that point, so skipping the interpreter's teardown loses
-    nothing and avoids the abort."""
+    nothing and avoids the abort. (The console script ends every command alike, after the
+    atexit handlers: :func:`ats_cli.cli.exit_now`; a worker has none left to run.)"""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()

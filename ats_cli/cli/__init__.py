@@ -89,4 +89,48 @@ use_help_command(app, make_dataset_app)  # help reflowed to the terminal, no <bo
 
 
 def main() -> None:
-    app()
+    """The ``ats`` console script: the command, then :func:`exit_now` with its status."""
+    try:
+        app()
+    except SystemExit as e:
+        exit_now(e.code)
+    exit_now(0)
+
+
+def exit_now(code: int | str | None) -> None:
+    """End the process with ``code`` (as :class:`SystemExit` reads it) without tearing the
+    interpreter down.
+
+    Why: once torch is loaded (and ``torch._dynamo``, which ``torch.optim`` imports at its
+    first step), Python's finalisation -- clearing every module and collecting what they
+    hold -- costs about a second of CPU at the end of every command, whatever it did
+    (benchmarks/README.md, "A command's end").
+    What an exit must do is still done, in the order Python does it: the ``atexit``
+    handlers (logging's flush, multiprocessing's children, ``weakref.finalize`` such as a
+    TemporaryDirectory's cleanup), then stdout and stderr flushed. Files are written through
+    ``with`` blocks or flushed per record (atomic writes, part files), never left to a
+    finaliser. First, as Python's own exit does, the threads that are not daemons are waited
+    for (``threading._shutdown``: the read pools' idle workers end there); where this
+    Python has no such function, its own exit is taken."""
+    import atexit
+    import sys
+    import threading
+
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is None:
+        sys.exit(code)
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:  # sys.exit("message"): the message on stderr, status 1
+        print(code, file=sys.stderr)
+        status = 1
+    shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
+            pass
+    os._exit(status)
