@@ -47,6 +47,7 @@ import torch
 
 from ats_cli import nets
 from ats_cli.config import TrainConfig
+from ats_cli.io import end_process
 from ats_cli.models import available_methods, create_model, model_spec
 
 __all__ = ["BenchSpec", "benchmark_image", "dataset_defaults", "plan", "run_benchmark", "ratio_to_ats"]
@@ -221,7 +222,7 @@ def _child(spec: BenchSpec, image_path: str, threads: int, queue) -> None:
     # would wait for at every row (ats_cli.cli.exit_now says why).
     queue.close()
     queue.join_thread()
-    os._exit(0)
+    end_process(0)
 
 
 def _run_isolated(spec: BenchSpec, image_path: str, threads: int,

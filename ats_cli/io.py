@@ -56,12 +56,12 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 __all__ = ["atomic_path", "atomic_save_png", "first_line",
            "atomic_write_bytes", "atomic_write_text", "check_writable", "sweep_temporaries", "settled",
            "COARSE_SETTLE_NS", "FINE_SETTLE_NS", "alive", "held", "released", "die_with_parent", "owner_gone",
-           "read_record", "write_record", "PARENT_POLL_S"]
+           "read_record", "write_record", "PARENT_POLL_S", "end_process"]
 
 
 @contextlib.contextmanager
@@ -285,3 +285,14 @@ def owner_gone(record: dict[str, Any] | None) -> bool:
     except (TypeError, ValueError):
         return False
     return pid != os.getpid() and not alive(pid)
+
+
+def end_process(status: int) -> NoReturn:
+    """Flush stdout and stderr, then end this process with ``status`` at once
+    (``os._exit``): no interpreter teardown, no atexit handler, no thread waited for. The
+    callers say why that is right where they call it (:func:`ats_cli.cli.exit_now`,
+    :func:`ats_cli.runtime.exit_worker`, a benchmark row's process)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed pipe or stream: nothing more can reach it
+            stream.flush()
+    os._exit(status)

@@ -90,7 +90,7 @@ from typing import Any, NoReturn, TypeVar
 import torch
 import torch.distributed as dist
 
-from ats_cli.io import alive, atomic_write_text, held, owner_gone, released
+from ats_cli.io import alive, atomic_write_text, end_process, held, owner_gone, released
 
 try:
     import fcntl
@@ -403,10 +403,7 @@ def exit_worker(code: int = 0) -> NoReturn:
     nothing is left to run at that point, so skipping the interpreter's teardown loses
     nothing and avoids the abort. (The console script ends every command alike, after the
     atexit handlers: :func:`ats_cli.cli.exit_now`; a worker has none left to run.)"""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)
+    end_process(code)
 
 
 def launch(nproc: int, config: dict[str, Any], *, resume: bool) -> int:

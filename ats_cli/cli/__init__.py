@@ -128,9 +128,6 @@ def exit_now(code: int | str | None) -> None:
         status = 1
     shutdown()
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
-            pass
-    os._exit(status)
+    from ats_cli.io import end_process
+
+    end_process(status)

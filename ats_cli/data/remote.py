@@ -120,7 +120,7 @@ def _error(url: str, problem: str):
 def _filesystem(url: str, asynchronous: bool = False) -> tuple[Any, str]:
     """(fsspec file system, its path) for ``url``; HTTP with a timeout on connecting and on
     each read (aiohttp's default waits 5 minutes for a stalled server). ``asynchronous``:
-    the file system zarr's store reads through (:func:`zarr_store`), made async if its
+    the file system zarr's store reads through (:func:`async_filesystem`), made async if its
     protocol is not."""
     try:
         import fsspec
